@@ -1,0 +1,34 @@
+"""Which x86 SIMD extensions this CPU has, read from /proc/cpuinfo, and the kernel path they allow."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+PATHS = [
+    ("amx", {"amx_tile", "amx_bf16", "amx_int8"}),
+    ("avx512_bf16", {"avx512f", "avx512bw", "avx512_bf16"}),
+    ("avx512", {"avx512f", "avx512bw"}),
+    ("avx2", {"avx2", "fma"}),
+]
+
+
+@lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
+def best_path(flags: frozenset[str] | None = None) -> str:
+    """The fastest kernel path every required flag of which is present; 'generic' otherwise."""
+    flags = cpu_flags() if flags is None else flags
+    for name, needed in PATHS:
+        if needed <= flags:
+            return name
+    return "generic"

@@ -1,0 +1,38 @@
+"""Incremental detokenization with stop strings, holding back text that might become a stop string."""
+
+from __future__ import annotations
+
+from tokenizers import Tokenizer as BackendTokenizer
+from tokenizers.decoders import DecodeStream
+
+
+class IncrementalDetokenizer:
+    """Feeds generated ids one at a time; `text` is the full completion, `take_delta` what is safe to stream."""
+
+    def __init__(self, backend: BackendTokenizer, stop: list[str], skip_special_tokens: bool = True):
+        self.backend = backend
+        self.stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self.stop = stop
+        self.holdback = max((len(s) for s in stop), default=1) - 1
+        self.text = ""
+        self.sent = 0
+
+    def step(self, token_id: int) -> str | None:
+        """Adds one token; returns the stop string it completed, if any (the text is then cut before it)."""
+        chunk = self.stream.step(self.backend, token_id)
+        if not chunk:
+            return None
+        search_from = max(0, len(self.text) - self.holdback)
+        self.text += chunk
+        for stop in self.stop:
+            at = self.text.find(stop, search_from)
+            if at != -1:
+                self.text = self.text[:at]
+                return stop
+        return None
+
+    def take_delta(self, finished: bool) -> str:
+        end = len(self.text) if finished else max(self.sent, len(self.text) - self.holdback)
+        delta = self.text[self.sent:end]
+        self.sent = end
+        return delta

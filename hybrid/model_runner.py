@@ -1,0 +1,65 @@
+"""Loads a model onto its device, owns the paged KV cache and runs one scheduled batch to next-token logits."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from hybrid.config import EngineConfig, ModelConfig
+from hybrid.forward_batch import ForwardBatch
+from hybrid.loader import CheckpointReader, load_weights
+from hybrid.models import build_model
+from hybrid.models.experts import Experts, TorchExperts
+from hybrid.scheduler import ScheduledSeq
+
+
+class ModelRunner:
+    def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, experts: Experts | None = None):
+        self.config = model_config
+        self.dtype = engine_config.torch_dtype(model_config)
+        self.device = torch.device(engine_config.device)
+        self.block_size = engine_config.block_size
+        reader = CheckpointReader(model_config.model_dir, model_config.fp8_block)
+        self.experts = experts if experts is not None else TorchExperts.load(reader, model_config, self.dtype)
+        self.model = build_model(model_config, self.experts, self.dtype)
+        load_weights(self.model, reader, model_config.tie_word_embeddings)
+        self.model.to(self.device)
+        per_token = sum(math.prod(s[2:]) for s in self.model.kv_cache_shapes(1, 1))
+        bytes_per_token = per_token * self.dtype.itemsize * model_config.num_hidden_layers
+        self.max_model_len, self.num_blocks = engine_config.resolve(model_config, bytes_per_token)
+        self.kv_caches = [
+            tuple(torch.zeros(s, dtype=self.dtype, device=self.device)
+                  for s in self.model.kv_cache_shapes(self.num_blocks, self.block_size))
+            for _ in range(model_config.num_hidden_layers)
+        ]
+
+    def prepare(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, ForwardBatch, list[int]]:
+        """Flattened input ids, the ForwardBatch, and the rows whose logits are sampled."""
+        ids, positions, slots = [], [], []
+        starts, lens, ctx_lens, tables, sample_rows = [], [], [], [], []
+        for item in batch:
+            seq, n = item.seq, item.num_tokens
+            begin = seq.num_computed_tokens
+            starts.append(len(ids))
+            ids.extend(seq.token_ids[begin:begin + n])
+            pos = range(begin, begin + n)
+            positions.extend(pos)
+            slots.extend(seq.block_table[p // self.block_size] * self.block_size + p % self.block_size for p in pos)
+            lens.append(n)
+            ctx_lens.append(begin + n)
+            tables.append(torch.tensor(seq.block_table, dtype=torch.long, device=self.device))
+            if item.samples:
+                sample_rows.append(len(ids) - 1)
+        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
+        fb = ForwardBatch(as_tensor(positions), as_tensor(slots), starts, lens, ctx_lens, tables, self.kv_caches)
+        return as_tensor(ids), fb, sample_rows
+
+    @torch.inference_mode()
+    def execute(self, batch: list[ScheduledSeq], all_logits: bool = False) -> torch.Tensor:
+        """Logits [num sampling seqs, vocab] in float32, or for every query row when all_logits is set."""
+        input_ids, fb, sample_rows = self.prepare(batch)
+        hidden = self.model(input_ids, fb)
+        if not all_logits:
+            hidden = hidden[sample_rows]
+        return self.model.compute_logits(hidden).float()

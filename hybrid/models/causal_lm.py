@@ -1,0 +1,49 @@
+"""The decoder-only causal LM skeleton both architectures share: embeddings, layers, final norm, lm_head."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hybrid.config import ModelConfig
+from hybrid.forward_batch import ForwardBatch
+from hybrid.models.layers import Linear, RMSNorm, empty_param
+
+
+class CausalLMBody(nn.Module):
+    """embed_tokens -> decoder layers -> norm, named as in the checkpoint (`model.*`)."""
+
+    def __init__(self, cfg: ModelConfig, layers: list[nn.Module], dtype: torch.dtype):
+        super().__init__()
+        self.embed_tokens = nn.Module()
+        self.embed_tokens.weight = empty_param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        x = self.embed_tokens.weight[input_ids]
+        for layer in self.layers:
+            x = layer(x, batch)
+        return self.norm(x)
+
+
+class CausalLM(nn.Module):
+    """A decoder stack plus lm_head. Subclasses build the layers."""
+
+    def __init__(self, cfg: ModelConfig, layers: list[nn.Module], dtype: torch.dtype):
+        super().__init__()
+        self.config = cfg
+        self.model = CausalLMBody(cfg, layers, dtype)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype)
+
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        return self.model(input_ids, batch)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def kv_cache_shapes(self, num_blocks: int, block_size: int) -> list[tuple[int, ...]]:
+        """Shapes of the cache tensors of one layer."""
+        cfg = self.config
+        shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        return [shape, shape]

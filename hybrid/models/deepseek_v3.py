@@ -1,0 +1,122 @@
+"""DeepSeek-V3/R1: multi-head latent attention (MLA) over a compressed KV cache, shared + routed experts.
+
+The cache holds, per token, the normalized KV latent [kv_lora_rank] and the roped shared key [qk_rope_head_dim].
+Prompts expand the latent into per-head keys and values; single-token decode steps absorb kv_b_proj into
+the query and output instead, so attention reads only the latent.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hybrid.attention import gather_cache, softmax_attention, write_cache
+from hybrid.config import ModelConfig
+from hybrid.forward_batch import ForwardBatch
+from hybrid.models.causal_lm import CausalLM
+from hybrid.models.experts import Experts
+from hybrid.models.layers import GatedMLP, Linear, RMSNorm
+from hybrid.models.rotary_embedding import RotaryEmbedding, yarn_softmax_scale
+from hybrid.models.router import GroupedSigmoidRouter
+
+
+class DeepseekV3Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, rope: RotaryEmbedding, dtype: torch.dtype):
+        super().__init__()
+        self.layer, self.rope = layer, rope
+        self.num_heads = cfg.num_attention_heads
+        self.nope, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.lora = cfg.kv_lora_rank
+        qk = self.nope + self.rope_dim
+        h = cfg.hidden_size
+        self.q_lora_rank = cfg.q_lora_rank
+        if cfg.q_lora_rank is None:
+            self.q_proj = Linear(h, self.num_heads * qk, dtype)
+        else:
+            self.q_a_proj = Linear(h, cfg.q_lora_rank, dtype)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6, dtype)
+            self.q_b_proj = Linear(cfg.q_lora_rank, self.num_heads * qk, dtype)
+        self.kv_a_proj_with_mqa = Linear(h, self.lora + self.rope_dim, dtype)
+        self.kv_a_layernorm = RMSNorm(self.lora, 1e-6, dtype)
+        self.kv_b_proj = Linear(self.lora, self.num_heads * (self.nope + self.v_dim), dtype)
+        self.o_proj = Linear(self.num_heads * self.v_dim, h, dtype)
+        self.scale = yarn_softmax_scale(cfg.rope, qk ** -0.5)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        n = x.shape[0]
+        q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(n, self.num_heads, self.nope + self.rope_dim)
+        q_nope, q_rope = q.split([self.nope, self.rope_dim], dim=-1)
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.lora, self.rope_dim], dim=-1)
+        latent = self.kv_a_layernorm(latent)
+        q_rope, k_rope = self.rope(batch.positions, q_rope, k_rope.view(n, 1, self.rope_dim))
+        (cache,) = batch.kv_caches[self.layer]
+        write_cache(cache, batch.slot_mapping, torch.cat([latent, k_rope.view(n, self.rope_dim)], dim=-1))
+        out = x.new_empty(n, self.num_heads * self.v_dim)
+        for start, qlen, ctx, table in zip(batch.query_starts, batch.query_lens, batch.context_lens,
+                                           batch.block_tables):
+            kv = gather_cache(cache, table, ctx)
+            rows = slice(start, start + qlen)
+            attend = self._absorbed if qlen == 1 else self._expanded
+            out[rows] = attend(q_nope[rows], q_rope[rows], kv[:, :self.lora], kv[:, self.lora:], ctx).flatten(1)
+        return self.o_proj(out)
+
+    def _expanded(self, q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor,
+                  ctx: int) -> torch.Tensor:
+        """Per-head K and V from the latent: [Tq, H, *] queries -> [Tq, H, v_dim]."""
+        kv = self.kv_b_proj(latent).view(ctx, self.num_heads, self.nope + self.v_dim)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        k = torch.cat([k_nope, k_rope[:, None, :].expand(ctx, self.num_heads, self.rope_dim)], dim=-1)
+        q = torch.cat([q_nope, q_rope], dim=-1).transpose(0, 1)
+        scores = torch.matmul(q, k.permute(1, 2, 0)) * self.scale
+        probs = softmax_attention(scores, q.shape[1], ctx, q.dtype)
+        return torch.matmul(probs, v.transpose(0, 1)).transpose(0, 1)
+
+    def _absorbed(self, q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor,
+                  ctx: int) -> torch.Tensor:
+        """Attention in latent space: W_UK folded into the query, W_UV applied after the weighted sum."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.lora)
+        w_uk, w_uv = w[:, :self.nope], w[:, self.nope:]
+        q_latent = torch.matmul(q_nope.transpose(0, 1), w_uk)
+        scores = (torch.matmul(q_latent, latent.t()) + torch.matmul(q_rope.transpose(0, 1), k_rope.t())) * self.scale
+        probs = softmax_attention(scores, q_nope.shape[0], ctx, q_nope.dtype)
+        out_latent = torch.matmul(probs, latent)
+        return torch.matmul(out_latent, w_uv.transpose(1, 2)).transpose(0, 1)
+
+
+class DeepseekV3MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, experts: Experts, dtype: torch.dtype):
+        super().__init__()
+        self.layer, self.experts = layer, experts
+        self.gate = GroupedSigmoidRouter(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.n_group,
+                                         cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor, dtype)
+        self.shared_experts = GatedMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids, weights = self.gate(x)
+        return self.experts(self.layer, x, ids, weights) + self.shared_experts(x)
+
+
+class DeepseekV3DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, rope: RotaryEmbedding, experts: Experts, dtype: torch.dtype):
+        super().__init__()
+        self.self_attn = DeepseekV3Attention(cfg, layer, rope, dtype)
+        self.mlp = (DeepseekV3MoE(cfg, layer, experts, dtype) if layer in cfg.moe_layers
+                    else GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype))
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DeepseekV3ForCausalLM(CausalLM):
+    def __init__(self, cfg: ModelConfig, experts: Experts, dtype: torch.dtype):
+        rope = RotaryEmbedding(cfg.rope)
+        layers = [DeepseekV3DecoderLayer(cfg, i, rope, experts, dtype) for i in range(cfg.num_hidden_layers)]
+        super().__init__(cfg, layers, dtype)
+
+    def kv_cache_shapes(self, num_blocks: int, block_size: int) -> list[tuple[int, ...]]:
+        cfg = self.config
+        return [(num_blocks, block_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim)]

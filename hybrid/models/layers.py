@@ -1,0 +1,51 @@
+"""Building blocks shared by the models: weight-only linear, RMSNorm and the gated MLP."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def empty_param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    """An uninitialized parameter: every value is overwritten by the loader."""
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class Linear(nn.Module):
+    """y = x @ W^T without bias; W is [out_features, in_features] as in the checkpoint."""
+
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype):
+        super().__init__()
+        self.weight = empty_param(out_features, in_features, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32 and scaled in the input dtype, exactly as the reference models do."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.weight = empty_param(dim, dtype=dtype)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class GatedMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)): dense layers and shared experts."""
+
+    def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype):
+        super().__init__()
+        self.gate_proj = Linear(hidden, intermediate, dtype)
+        self.up_proj = Linear(hidden, intermediate, dtype)
+        self.down_proj = Linear(intermediate, hidden, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

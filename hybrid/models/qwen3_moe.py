@@ -1,0 +1,76 @@
+"""Qwen3-MoE: GQA attention with per-head q/k RMSNorm, softmax top-k routed experts, optional dense layers."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hybrid.attention import paged_attention, write_cache
+from hybrid.config import ModelConfig
+from hybrid.forward_batch import ForwardBatch
+from hybrid.models.experts import Experts
+from hybrid.models.causal_lm import CausalLM
+from hybrid.models.layers import GatedMLP, Linear, RMSNorm
+from hybrid.models.rotary_embedding import RotaryEmbedding
+from hybrid.models.router import SoftmaxTopKRouter
+
+
+class Qwen3MoeAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, rope: RotaryEmbedding, dtype: torch.dtype):
+        super().__init__()
+        self.layer, self.rope = layer, rope
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.scale = self.head_dim ** -0.5
+        h = cfg.hidden_size
+        self.q_proj = Linear(h, self.num_heads * self.head_dim, dtype)
+        self.k_proj = Linear(h, self.num_kv_heads * self.head_dim, dtype)
+        self.v_proj = Linear(h, self.num_kv_heads * self.head_dim, dtype)
+        self.o_proj = Linear(self.num_heads * self.head_dim, h, dtype)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        n = x.shape[0]
+        q = self.q_norm(self.q_proj(x).view(n, self.num_heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        q, k = self.rope(batch.positions, q, k)
+        k_cache, v_cache = batch.kv_caches[self.layer]
+        write_cache(k_cache, batch.slot_mapping, k)
+        write_cache(v_cache, batch.slot_mapping, v)
+        o = paged_attention(q, k_cache, v_cache, batch.query_starts, batch.query_lens, batch.context_lens,
+                            batch.block_tables, self.scale)
+        return self.o_proj(o.reshape(n, -1))
+
+
+class Qwen3MoeSparseBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, experts: Experts, dtype: torch.dtype):
+        super().__init__()
+        self.layer, self.experts = layer, experts
+        self.gate = SoftmaxTopKRouter(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,
+                                      cfg.norm_topk_prob, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids, weights = self.gate(x)
+        return self.experts(self.layer, x, ids, weights)
+
+
+class Qwen3MoeDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, rope: RotaryEmbedding, experts: Experts, dtype: torch.dtype):
+        super().__init__()
+        self.self_attn = Qwen3MoeAttention(cfg, layer, rope, dtype)
+        self.mlp = (Qwen3MoeSparseBlock(cfg, layer, experts, dtype) if layer in cfg.moe_layers
+                    else GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype))
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3MoeForCausalLM(CausalLM):
+    def __init__(self, cfg: ModelConfig, experts: Experts, dtype: torch.dtype):
+        rope = RotaryEmbedding(cfg.rope)
+        layers = [Qwen3MoeDecoderLayer(cfg, i, rope, experts, dtype) for i in range(cfg.num_hidden_layers)]
+        super().__init__(cfg, layers, dtype)

@@ -1,0 +1,358 @@
+"""Writes Hugging Face checkpoint directories with random weights for tests and benchmarks.
+
+Each directory has the real file layout: config.json, sharded *.safetensors with
+model.safetensors.index.json, tokenizer.json + tokenizer_config.json (with a chat
+template) and generation_config.json. The tokenizer is a byte-level BPE trained with
+`tokenizers` on Python standard-library sources, so it needs nothing from a hub.
+
+    python scripts/make_tiny_model.py OUT_DIR --preset tiny-deepseek-v3
+    python scripts/make_tiny_model.py OUT_DIR --preset qwen3-30b-a3b --layers 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import json
+import math
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+FP8_BLOCK = 128
+FP8_MAX = 448.0
+
+QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+QWEN_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+DEEPSEEK_SPECIALS = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"]
+DEEPSEEK_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'system' %}{{ message['content'] }}"
+    "{%- elif message['role'] == 'user' %}{{ '<｜User｜>' + message['content'] }}"
+    "{%- elif message['role'] == 'assistant' %}{{ '<｜Assistant｜>' + message['content'] + eos_token }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<｜Assistant｜>' }}{%- endif %}"
+)
+
+CORPUS_MODULES = [
+    "textwrap", "json.encoder", "json.decoder", "argparse", "collections", "dataclasses",
+    "string", "difflib", "calendar", "fractions", "statistics", "heapq", "bisect", "pprint",
+    "shlex", "csv", "configparser", "ipaddress", "enum", "functools",
+]
+
+YARN = {
+    "type": "yarn", "factor": 40, "original_max_position_embeddings": 64,
+    "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,
+}
+
+PRESETS: dict[str, dict] = {
+    "tiny-qwen3-moe": dict(
+        arch="qwen3_moe", vocab=2048, hidden=64, intermediate=96, moe_intermediate=32, experts=16, top_k=4,
+        layers=3, heads=4, kv_heads=2, head_dim=24, mlp_only_layers=[0],
+    ),
+    "tiny-deepseek-v3": dict(
+        arch="deepseek_v3", vocab=2048, hidden=64, intermediate=96, moe_intermediate=32, experts=16, top_k=4,
+        layers=3, heads=4, q_lora_rank=48, kv_lora_rank=32, qk_nope=16, qk_rope=8, v_head=16,
+        n_group=4, topk_group=2, first_dense=1, shared=1, scaling=2.5,
+    ),
+    "tiny-deepseek-v3-noqlora": dict(
+        arch="deepseek_v3", vocab=2048, hidden=64, intermediate=96, moe_intermediate=32, experts=16, top_k=4,
+        layers=3, heads=4, q_lora_rank=None, kv_lora_rank=32, qk_nope=16, qk_rope=8, v_head=16,
+        n_group=4, topk_group=2, first_dense=1, shared=2, scaling=1.5,
+    ),
+    "tiny-deepseek-v3-fp8": dict(
+        arch="deepseek_v3", vocab=2048, hidden=128, intermediate=256, moe_intermediate=128, experts=8, top_k=2,
+        layers=3, heads=2, q_lora_rank=64, kv_lora_rank=64, qk_nope=32, qk_rope=16, v_head=32,
+        n_group=2, topk_group=1, first_dense=1, shared=1, scaling=2.5, fp8=True,
+    ),
+    "tiny-qwen3-moe-fp8": dict(
+        arch="qwen3_moe", vocab=2048, hidden=128, intermediate=256, moe_intermediate=128, experts=8, top_k=2,
+        layers=2, heads=2, kv_heads=1, head_dim=64, mlp_only_layers=[], fp8=True,
+    ),
+    "qwen3-30b-a3b": dict(
+        arch="qwen3_moe", vocab=32000, hidden=2048, intermediate=6144, moe_intermediate=768, experts=128, top_k=8,
+        layers=4, heads=32, kv_heads=4, head_dim=128, mlp_only_layers=[],
+    ),
+    "moonlight": dict(
+        arch="deepseek_v3", vocab=32000, hidden=2048, intermediate=11264, moe_intermediate=1408, experts=64, top_k=6,
+        layers=4, heads=16, q_lora_rank=None, kv_lora_rank=512, qk_nope=128, qk_rope=64, v_head=128,
+        n_group=1, topk_group=1, first_dense=1, shared=2, scaling=2.446,
+    ),
+    "deepseek-v3": dict(
+        arch="deepseek_v3", vocab=32000, hidden=7168, intermediate=18432, moe_intermediate=2048, experts=16, top_k=8,
+        layers=2, heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope=128, qk_rope=64, v_head=128,
+        n_group=8, topk_group=4, first_dense=1, shared=1, scaling=2.5,
+    ),
+}
+DEFAULT_PRESET = "tiny-qwen3-moe"
+
+
+def corpus() -> list[str]:
+    texts = []
+    for name in CORPUS_MODULES:
+        texts.append(inspect.getsource(importlib.import_module(name)))
+    return texts
+
+
+def train_tokenizer(vocab_size: int, specials: list[str], bos: str | None) -> Tokenizer:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus(), trainer=trainer)
+    if bos is None:
+        tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    else:
+        bos_id = tok.token_to_id(bos)
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
+        )
+    return tok
+
+
+def write_tokenizer(out: Path, arch: str, vocab_size: int) -> dict:
+    if arch == "qwen3_moe":
+        tok = train_tokenizer(vocab_size, QWEN_SPECIALS, None)
+        bos, eos, pad, template = None, "<|im_end|>", "<|endoftext|>", QWEN_TEMPLATE
+    else:
+        tok = train_tokenizer(vocab_size, DEEPSEEK_SPECIALS, DEEPSEEK_SPECIALS[0])
+        bos, eos, pad, template = DEEPSEEK_SPECIALS[0], DEEPSEEK_SPECIALS[1], DEEPSEEK_SPECIALS[1], DEEPSEEK_TEMPLATE
+    tok.save(str(out / "tokenizer.json"))
+    cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": bos, "eos_token": eos, "pad_token": pad,
+        "add_bos_token": bos is not None, "add_eos_token": False,
+        "model_max_length": 131072, "clean_up_tokenization_spaces": False,
+        "chat_template": template,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, ensure_ascii=False))
+    ids = {name: (tok.token_to_id(tokname) if tokname else None) for name, tokname in
+           (("bos", bos), ("eos", eos), ("pad", pad))}
+    ids["vocab"] = tok.get_vocab_size()
+    return ids
+
+
+def hf_config(p: dict, ids: dict) -> dict:
+    common = {
+        "vocab_size": p["vocab"], "hidden_size": p["hidden"], "intermediate_size": p["intermediate"],
+        "moe_intermediate_size": p["moe_intermediate"], "num_hidden_layers": p["layers"],
+        "num_attention_heads": p["heads"], "num_experts_per_tok": p["top_k"], "norm_topk_prob": True,
+        "hidden_act": "silu", "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "bos_token_id": ids["bos"], "eos_token_id": ids["eos"], "attention_bias": False,
+        "attention_dropout": 0.0, "initializer_range": 0.02, "use_cache": True,
+    }
+    if p["arch"] == "qwen3_moe":
+        cfg = {
+            "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", **common,
+            "num_key_value_heads": p["kv_heads"], "head_dim": p["head_dim"], "num_experts": p["experts"],
+            "decoder_sparse_step": 1, "mlp_only_layers": p["mlp_only_layers"], "rope_theta": 1000000.0,
+            "max_position_embeddings": 4096, "rope_scaling": None, "sliding_window": None,
+            "use_sliding_window": False, "max_window_layers": p["layers"], "output_router_logits": False,
+            "router_aux_loss_coef": 0.001,
+        }
+    else:
+        cfg = {
+            "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", **common,
+            "num_key_value_heads": p["heads"], "n_routed_experts": p["experts"], "n_shared_experts": p["shared"],
+            "routed_scaling_factor": p["scaling"], "q_lora_rank": p["q_lora_rank"],
+            "kv_lora_rank": p["kv_lora_rank"], "qk_nope_head_dim": p["qk_nope"], "qk_rope_head_dim": p["qk_rope"],
+            "v_head_dim": p["v_head"], "n_group": p["n_group"], "topk_group": p["topk_group"],
+            "topk_method": "noaux_tc", "scoring_func": "sigmoid", "first_k_dense_replace": p["first_dense"],
+            "moe_layer_freq": 1, "ep_size": 1, "num_nextn_predict_layers": 0, "rope_theta": 10000,
+            "max_position_embeddings": 2560, "rope_scaling": dict(YARN), "aux_loss_alpha": 0.001,
+            "seq_aux": True,
+        }
+    if p.get("fp8"):
+        cfg["quantization_config"] = {
+            "activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+            "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
+        }
+    return cfg
+
+
+def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """128x128 block quantization as DeepSeek ships it: w ~= fp8 * weight_scale_inv."""
+    rows, cols = w.shape
+    br, bc = math.ceil(rows / FP8_BLOCK), math.ceil(cols / FP8_BLOCK)
+    padded = torch.zeros(br * FP8_BLOCK, bc * FP8_BLOCK, dtype=torch.float32)
+    padded[:rows, :cols] = w.float()
+    blocks = padded.view(br, FP8_BLOCK, bc, FP8_BLOCK)
+    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX
+    q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.view(br * FP8_BLOCK, bc * FP8_BLOCK)[:rows, :cols].contiguous(), scale
+
+
+class ShardWriter:
+    """Accumulates tensors and writes model-0000N-of-0000M.safetensors shards plus the index."""
+
+    def __init__(self, out: Path, shard_bytes: int):
+        self.out, self.shard_bytes = out, shard_bytes
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
+        self.files: list[tuple[str, list[str]]] = []
+        self.total = 0
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        self.pending[name] = t.contiguous()
+        nbytes = t.numel() * t.element_size()
+        self.pending_bytes += nbytes
+        self.total += nbytes
+        if self.pending_bytes >= self.shard_bytes:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        tmp = f"shard-{len(self.files)}.tmp"
+        save_file(self.pending, str(self.out / tmp), metadata={"format": "pt"})
+        self.files.append((tmp, list(self.pending)))
+        self.pending, self.pending_bytes = {}, 0
+
+    def close(self) -> None:
+        self.flush()
+        n = len(self.files)
+        weight_map = {}
+        for i, (tmp, names) in enumerate(self.files):
+            final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            os.replace(self.out / tmp, self.out / final)
+            os.chmod(self.out / final, 0o644)
+            weight_map.update({name: final for name in names})
+        index = {"metadata": {"total_size": self.total}, "weight_map": dict(sorted(weight_map.items()))}
+        (self.out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+class WeightMaker:
+    """Random weights scaled by fan-in so activations and logits stay O(1) through the layers."""
+
+    def __init__(self, writer: ShardWriter, fp8: bool, seed: int):
+        self.writer, self.fp8 = writer, fp8
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def randn(self, *shape: int, std: float) -> torch.Tensor:
+        return (torch.randn(*shape, generator=self.gen, dtype=torch.float32) * std).to(torch.bfloat16)
+
+    def linear(self, name: str, out_f: int, in_f: int, quantize: bool = True) -> None:
+        w = self.randn(out_f, in_f, std=1.0 / math.sqrt(in_f))
+        if self.fp8 and quantize:
+            q, scale = quantize_fp8(w)
+            self.writer.add(f"{name}.weight", q)
+            self.writer.add(f"{name}.weight_scale_inv", scale)
+        else:
+            self.writer.add(f"{name}.weight", w)
+
+    def norm(self, name: str, dim: int) -> None:
+        w = 1.0 + (torch.rand(dim, generator=self.gen) - 0.5) * 0.2
+        self.writer.add(f"{name}.weight", w.to(torch.bfloat16))
+
+    def mlp(self, prefix: str, hidden: int, inter: int) -> None:
+        self.linear(f"{prefix}.gate_proj", inter, hidden)
+        self.linear(f"{prefix}.up_proj", inter, hidden)
+        self.linear(f"{prefix}.down_proj", hidden, inter)
+
+
+def write_weights(out: Path, p: dict, seed: int, shard_bytes: int) -> None:
+    writer = ShardWriter(out, shard_bytes)
+    wm = WeightMaker(writer, bool(p.get("fp8")), seed)
+    h = p["hidden"]
+    writer.add("model.embed_tokens.weight", wm.randn(p["vocab"], h, std=1.0))
+    for i in range(p["layers"]):
+        pre = f"model.layers.{i}"
+        wm.norm(f"{pre}.input_layernorm", h)
+        wm.norm(f"{pre}.post_attention_layernorm", h)
+        att = f"{pre}.self_attn"
+        if p["arch"] == "qwen3_moe":
+            hd = p["head_dim"]
+            wm.linear(f"{att}.q_proj", p["heads"] * hd, h)
+            wm.linear(f"{att}.k_proj", p["kv_heads"] * hd, h)
+            wm.linear(f"{att}.v_proj", p["kv_heads"] * hd, h)
+            wm.linear(f"{att}.o_proj", h, p["heads"] * hd)
+            wm.norm(f"{att}.q_norm", hd)
+            wm.norm(f"{att}.k_norm", hd)
+            dense = i in p["mlp_only_layers"]
+        else:
+            qk = p["qk_nope"] + p["qk_rope"]
+            if p["q_lora_rank"] is None:
+                wm.linear(f"{att}.q_proj", p["heads"] * qk, h)
+            else:
+                wm.linear(f"{att}.q_a_proj", p["q_lora_rank"], h)
+                wm.norm(f"{att}.q_a_layernorm", p["q_lora_rank"])
+                wm.linear(f"{att}.q_b_proj", p["heads"] * qk, p["q_lora_rank"])
+            wm.linear(f"{att}.kv_a_proj_with_mqa", p["kv_lora_rank"] + p["qk_rope"], h)
+            wm.norm(f"{att}.kv_a_layernorm", p["kv_lora_rank"])
+            wm.linear(f"{att}.kv_b_proj", p["heads"] * (p["qk_nope"] + p["v_head"]), p["kv_lora_rank"])
+            wm.linear(f"{att}.o_proj", h, p["heads"] * p["v_head"])
+            dense = i < p["first_dense"]
+        if dense:
+            wm.mlp(f"{pre}.mlp", h, p["intermediate"])
+            continue
+        wm.linear(f"{pre}.mlp.gate", p["experts"], h, quantize=False)
+        if p["arch"] == "deepseek_v3":
+            bias = (torch.rand(p["experts"], generator=wm.gen) - 0.5) * 0.2
+            writer.add(f"{pre}.mlp.gate.e_score_correction_bias", bias.float())
+            wm.mlp(f"{pre}.mlp.shared_experts", h, p["moe_intermediate"] * p["shared"])
+        for e in range(p["experts"]):
+            wm.mlp(f"{pre}.mlp.experts.{e}", h, p["moe_intermediate"])
+    wm.norm("model.norm", h)
+    writer.add("lm_head.weight", wm.randn(p["vocab"], h, std=1.0 / math.sqrt(h)))
+    writer.close()
+
+
+def make_model(out: str | Path, preset: str = DEFAULT_PRESET, *, layers: int | None = None,
+               experts: int | None = None, fp8: bool | None = None, seed: int = 0,
+               shard_mb: float | None = None) -> Path:
+    """Write one checkpoint directory; returns its path."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
+    p = dict(PRESETS[preset])
+    if layers is not None:
+        p["layers"] = layers
+    if experts is not None:
+        p["experts"] = experts
+    if fp8 is not None:
+        p["fp8"] = fp8
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in out.glob("*.safetensors"):
+        stale.unlink()
+    ids = write_tokenizer(out, p["arch"], p["vocab"])
+    p["vocab"] = ids["vocab"]
+    (out / "config.json").write_text(json.dumps(hf_config(p, ids), indent=2))
+    gen = {"bos_token_id": ids["bos"], "eos_token_id": ids["eos"], "do_sample": False}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
+    total_mb = 2 * p["experts"] * p["layers"] * 3 * p["hidden"] * p["moe_intermediate"] / 2**20
+    shard = shard_mb if shard_mb is not None else max(0.25, min(2048.0, total_mb / 3))
+    write_weights(out, p, seed, int(shard * 2**20))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out")
+    ap.add_argument("--preset", default=DEFAULT_PRESET, choices=sorted(PRESETS))
+    ap.add_argument("--layers", type=int, help="truncate to this many decoder layers")
+    ap.add_argument("--experts", type=int, help="override the number of routed experts")
+    ap.add_argument("--fp8", action="store_true", default=None, help="store linear weights as DeepSeek FP8 blocks")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--shard-mb", type=float)
+    a = ap.parse_args()
+    path = make_model(a.out, a.preset, layers=a.layers, experts=a.experts, fp8=a.fp8, seed=a.seed,
+                      shard_mb=a.shard_mb)
+    print(path)
+
+
+if __name__ == "__main__":
+    main()
