@@ -24,8 +24,8 @@ class CheckpointReader:
     def __init__(self, model_dir: str | Path, fp8_block: tuple[int, int] | None = None):
         self.model_dir = Path(model_dir)
         self.fp8_block = fp8_block
-        self.weight_map = self._weight_map()
         self._handles: dict[str, object] = {}
+        self.weight_map = self._weight_map()
 
     def _weight_map(self) -> dict[str, str]:
         index = self.model_dir / INDEX_FILE

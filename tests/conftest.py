@@ -1,0 +1,40 @@
+"""Shared fixtures: tiny checkpoints written once per session by scripts/make_tiny_model.py."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from make_tiny_model import make_model  # noqa: E402
+
+TINY_PRESETS = ["tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-deepseek-v3-noqlora", "tiny-deepseek-v3-fp8",
+                "tiny-qwen3-moe-fp8"]
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    return {name: make_model(root / name, name) for name in TINY_PRESETS}
+
+
+@pytest.fixture(params=TINY_PRESETS)
+def any_model(request, model_dirs) -> Path:
+    return model_dirs[request.param]
+
+
+@pytest.fixture(params=["tiny-qwen3-moe", "tiny-deepseek-v3"])
+def gqa_and_mla(request, model_dirs) -> Path:
+    return model_dirs[request.param]
+
+
+def prompt_ids(n: int, seed: int, low: int = 5, high: int = 2000) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(low, high, (n,), generator=g).tolist()

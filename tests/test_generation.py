@@ -1,0 +1,110 @@
+"""Sampling, stop conditions and incremental detokenization through the engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import prompt_ids
+from hybrid import LLM, SamplingParams
+from hybrid.sampler import filter_logits
+
+
+@pytest.fixture(scope="module")
+def llm(model_dirs):
+    return LLM(model_dirs["tiny-qwen3-moe"], dtype="float32")
+
+
+def test_top_k_and_top_p_filters():
+    logits = torch.log(torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05]))
+    assert torch.isfinite(filter_logits(logits, 2, 1.0)).tolist() == [True, True, False, False, False]
+    # 0.5 + 0.2 reaches 0.7: the third token is still needed for 0.8, the fourth is not.
+    assert torch.isfinite(filter_logits(logits, 0, 0.8)).tolist() == [True, True, True, False, False]
+    assert torch.isfinite(filter_logits(logits, 0, 0.5)).tolist() == [True, False, False, False, False]
+
+
+def test_seeded_sampling_is_repeatable_and_seed_dependent(llm):
+    ids = prompt_ids(12, seed=5)
+    p = lambda seed: SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=seed, max_tokens=20,  # noqa: E731
+                                    ignore_eos=True)
+    a = llm.generate(ids, p(1))[0].token_ids
+    assert llm.generate(ids, p(1))[0].token_ids == a
+    assert llm.generate(ids, p(2))[0].token_ids != a
+
+
+def test_top_k_one_is_greedy(llm):
+    ids = prompt_ids(12, seed=6)
+    greedy = llm.generate(ids, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].token_ids
+    sampled = llm.generate(ids, SamplingParams(temperature=0.7, top_k=1, seed=3, max_tokens=12,
+                                               ignore_eos=True))[0].token_ids
+    assert sampled == greedy
+
+
+def test_max_tokens_and_stop_token_ids(llm):
+    ids = prompt_ids(10, seed=7)
+    full = llm.generate(ids, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0]
+    assert len(full.token_ids) == 16 and full.finish_reason == "length"
+    stop_at = full.token_ids[5]
+    first = full.token_ids.index(stop_at)
+    out = llm.generate(ids, SamplingParams(temperature=0, max_tokens=16, stop_token_ids=[stop_at]))[0]
+    assert out.token_ids == full.token_ids[:first + 1] and out.finish_reason == "stop"
+
+
+def test_eos_stops_unless_ignored(llm):
+    ids = prompt_ids(10, seed=8)
+    full = llm.generate(ids, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0]
+    llm.engine.eos_ids = {full.token_ids[3]}
+    try:
+        out = llm.generate(ids, SamplingParams(temperature=0, max_tokens=16))[0]
+    finally:
+        llm.engine.eos_ids = set(llm.engine.model_config.eos_token_ids)
+    assert out.finish_reason == "stop" and out.token_ids[-1] == full.token_ids[3]
+    assert len(out.token_ids) <= 4
+
+
+def test_streamed_text_equals_full_decode_and_stop_strings_cut_it(llm):
+    ids = prompt_ids(10, seed=9)
+    engine = llm.engine
+    rid = engine.add_request(ids, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    pieces, final = [], None
+    while final is None:
+        for out in engine.step():
+            pieces.append(out.new_text)
+            final = out if out.finished else None
+    assert final.request_id == rid
+    assert "".join(pieces) == final.text == llm.tokenizer.decode(final.token_ids)
+    text = final.text
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    assert len(stop) == 3
+    rid = engine.add_request(ids, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop]))
+    pieces, final = [], None
+    while final is None:
+        for out in engine.step():
+            pieces.append(out.new_text)
+            final = out if out.finished else None
+    assert final.finish_reason == "stop"
+    assert final.text == text[:text.index(stop)]
+    assert "".join(pieces) == final.text
+
+
+def test_bad_requests_are_refused_with_a_reason(llm):
+    with pytest.raises(ValueError, match="empty"):
+        llm.engine.add_request([])
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate("")
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate([1, 10**7])
+    with pytest.raises(ValueError, match="context"):
+        llm.generate(prompt_ids(llm.engine.max_model_len, seed=1))
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0)
+    assert llm.generate([5, 6, 7], SamplingParams(temperature=0, max_tokens=3))[0].token_ids
+
+
+def test_chat_template_is_applied(llm):
+    tok = llm.tokenizer
+    ids = tok.apply_chat_template([{"role": "user", "content": "hello"}])
+    assert tok.decode(ids, skip_special_tokens=False) == "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"
+    assert llm.chat([{"role": "user", "content": "hello"}], SamplingParams(max_tokens=4))[0].token_ids

@@ -1,0 +1,120 @@
+"""Checkpoint loading: fp8 dequantization and one clear error per kind of broken model directory."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from hybrid import LLM
+from hybrid.config import ConfigError, ModelConfig
+from hybrid.fp8 import dequantize_block_fp8
+from hybrid.loader import CheckpointError, CheckpointReader
+
+
+@pytest.fixture
+def broken(tmp_path, model_dirs):
+    """A writable copy of the tiny DeepSeek model."""
+    dst = tmp_path / "model"
+    shutil.copytree(model_dirs["tiny-deepseek-v3"], dst)
+    return dst
+
+
+def shard_of(model_dir, tensor):
+    index = json.loads((model_dir / "model.safetensors.index.json").read_text())
+    return model_dir / index["weight_map"][tensor]
+
+
+TENSOR = "model.layers.1.self_attn.kv_b_proj.weight"
+EXPERT = "model.layers.2.mlp.experts.3.down_proj.weight"
+
+
+@pytest.mark.parametrize("name", [TENSOR, EXPERT])
+def test_missing_tensor_is_named(broken, name):
+    path = shard_of(broken, name)
+    tensors = load_file(path)
+    del tensors[name]
+    save_file(tensors, path)
+    with pytest.raises(CheckpointError, match=f"{name}.*missing|cannot read tensor '{name}'"):
+        LLM(broken)
+
+
+def test_shape_mismatch_names_file_and_tensor(broken):
+    path = shard_of(broken, TENSOR)
+    tensors = load_file(path)
+    tensors[TENSOR] = tensors[TENSOR][:, :-1].contiguous()
+    save_file(tensors, path)
+    with pytest.raises(CheckpointError, match=rf"{path.name}.*{TENSOR}.*shape"):
+        LLM(broken)
+
+
+def test_truncated_shard_names_the_file(broken):
+    path = shard_of(broken, TENSOR)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=path.name):
+        LLM(broken)
+
+
+def test_garbage_shard_names_the_file(broken):
+    path = shard_of(broken, TENSOR)
+    path.write_bytes(b"\x00" * 100)
+    with pytest.raises(CheckpointError, match=path.name):
+        LLM(broken)
+
+
+def test_index_pointing_at_a_missing_shard(broken):
+    shard_of(broken, TENSOR).unlink()
+    with pytest.raises(CheckpointError, match="missing"):
+        LLM(broken)
+
+
+def test_unknown_architecture(broken):
+    cfg = json.loads((broken / "config.json").read_text())
+    cfg["architectures"], cfg["model_type"] = ["LlamaForCausalLM"], "llama"
+    (broken / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="unsupported architecture.*LlamaForCausalLM"):
+        ModelConfig.from_dir(broken)
+
+
+def test_not_a_model_directory(tmp_path):
+    with pytest.raises(ConfigError, match="no config.json"):
+        ModelConfig.from_dir(tmp_path)
+
+
+def test_pickle_checkpoints_are_refused(broken):
+    for f in broken.glob("*.safetensors"):
+        f.unlink()
+    (broken / "model.safetensors.index.json").unlink()
+    (broken / "pytorch_model.bin").write_bytes(b"not loaded")
+    with pytest.raises(CheckpointError, match="pickle checkpoints are never loaded"):
+        CheckpointReader(broken)
+
+
+def test_single_file_checkpoint(broken):
+    merged = {}
+    for f in sorted(broken.glob("*.safetensors")):
+        merged.update(load_file(f))
+        f.unlink()
+    (broken / "model.safetensors.index.json").unlink()
+    save_file(merged, broken / "model.safetensors")
+    assert LLM(broken).generate([5, 6, 7])[0].token_ids
+
+
+@pytest.mark.parametrize("rows,cols", [(128, 128), (256, 384), (300, 200), (5, 7), (129, 1)])
+def test_fp8_dequant_matches_per_block_reference(rows, cols):
+    g = torch.Generator().manual_seed(rows * cols)
+    w = (torch.randn(rows, cols, generator=g) * 3).to(torch.float8_e4m3fn)
+    scale = torch.rand(-(-rows // 128), -(-cols // 128), generator=g) + 0.1
+    out = dequantize_block_fp8(w, scale, (128, 128))
+    for i in range(rows):
+        for j in range(0, cols, max(1, cols // 5)):
+            assert out[i, j].item() == (w[i, j].float() * scale[i // 128, j // 128]).item()
+
+
+def test_fp8_dequant_rejects_wrong_scale_grid():
+    with pytest.raises(ValueError, match="expected"):
+        dequantize_block_fp8(torch.zeros(256, 256, dtype=torch.float8_e4m3fn), torch.ones(1, 2), (128, 128))

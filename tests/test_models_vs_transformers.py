@@ -1,0 +1,88 @@
+"""Every model variant matches transformers' own implementation on the same checkpoint."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from conftest import prompt_ids
+from hybrid import LLM, SamplingParams
+from hybrid.scheduler import ScheduledSeq
+from hybrid.sequence import Sequence
+
+
+def reference(model_dir, dtype=torch.float32):
+    # Eager attention is the reference math (SDPA reorders the bf16 arithmetic). FP8 checkpoints are
+    # dequantized by transformers on CPU; .float() puts their norms and router in fp32 too (in bf16 runs the
+    # model is left alone so DeepSeek's e_score_correction_bias stays fp32, as in ours).
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager").eval()
+    return model.float() if dtype == torch.float32 else model
+
+
+def prefill_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
+    engine = llm.engine
+    seq = Sequence(10**6, ids, SamplingParams())
+    engine.scheduler.blocks.grow(seq, len(ids))
+    try:
+        return engine.runner.execute([ScheduledSeq(seq, len(ids))], all_logits=True)
+    finally:
+        engine.scheduler.blocks.release(seq)
+
+
+def test_prefill_logits_and_greedy_tokens_fp32(any_model):
+    ref = reference(any_model)
+    llm = LLM(any_model, dtype="float32")
+    ids = prompt_ids(45, seed=1)
+    with torch.no_grad():
+        ref_logits = ref(torch.tensor([ids])).logits[0]
+    ours = prefill_logits(llm, ids)
+    assert ours.shape == ref_logits.shape
+    torch.testing.assert_close(ours, ref_logits, atol=5e-5, rtol=1e-5)
+
+    with torch.no_grad():
+        ref_tokens = ref.generate(torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32,
+                                  do_sample=False)[0, len(ids):].tolist()
+    out = llm.generate(ids, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))[0]
+    assert out.token_ids == ref_tokens
+
+
+def test_bf16_prefill_close_to_transformers_bf16(gqa_and_mla):
+    ref = reference(gqa_and_mla, torch.bfloat16)
+    llm = LLM(gqa_and_mla, dtype="bfloat16")
+    ids = prompt_ids(30, seed=2)
+    with torch.no_grad():
+        ref_logits = ref(torch.tensor([ids])).logits[0].float()
+    ours = prefill_logits(llm, ids)
+    # bf16 keeps ~3 significant digits: logits of magnitude ~4 agree to a few bf16 ulps.
+    assert (ours - ref_logits).abs().max().item() < 0.05
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-deepseek-v3-fp8"])
+def test_router_picks_the_same_experts(model_dirs, preset):
+    ref = reference(model_dirs[preset])
+    llm = LLM(model_dirs[preset], dtype="float32")
+    layer = llm.engine.model_config.moe_layers[0]
+    ours = llm.engine.runner.model.model.layers[layer].mlp.gate
+    theirs = ref.model.layers[layer].mlp.gate
+    x = torch.randn(500, llm.engine.model_config.hidden_size, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        _, ref_weights, ref_ids = theirs(x)
+        ids, weights = ours(x)
+    ref_sorted, order_ref = ref_ids.sort(dim=-1)
+    our_sorted, order_ours = ids.sort(dim=-1)
+    assert torch.equal(our_sorted, ref_sorted)
+    assert torch.equal(weights.gather(1, order_ours), ref_weights.gather(1, order_ref))
+
+
+def test_mla_absorbed_decode_equals_expanded(model_dirs):
+    llm = LLM(model_dirs["tiny-deepseek-v3"], dtype="float32")
+    attn = llm.engine.runner.model.model.layers[1].self_attn
+    g = torch.Generator().manual_seed(4)
+    ctx = 23
+    q_nope = torch.randn(1, attn.num_heads, attn.nope, generator=g)
+    q_rope = torch.randn(1, attn.num_heads, attn.rope_dim, generator=g)
+    latent = torch.randn(ctx, attn.lora, generator=g)
+    k_rope = torch.randn(ctx, attn.rope_dim, generator=g)
+    torch.testing.assert_close(attn._absorbed(q_nope, q_rope, latent, k_rope, ctx),
+                               attn._expanded(q_nope, q_rope, latent, k_rope, ctx), atol=1e-5, rtol=1e-5)

@@ -1,0 +1,44 @@
+"""RoPE and YaRN frequencies equal transformers' for the configs we load."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from hybrid.config import ModelConfig
+from hybrid.models.rotary_embedding import inv_freq_and_scaling
+
+REAL_DEEPSEEK_YARN = {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                      "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
+
+
+@pytest.mark.parametrize("preset", ["tiny-deepseek-v3", "tiny-qwen3-moe"])
+def test_inv_freq_matches_transformers(model_dirs, preset):
+    ours = ModelConfig.from_dir(model_dirs[preset])
+    hf = AutoConfig.from_pretrained(model_dirs[preset])
+    kind = hf.rope_parameters["rope_type"]
+    if kind == "default":
+        dim = hf.head_dim
+        ref = 1.0 / (hf.rope_parameters["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        ref_scale = 1.0
+    else:
+        ref, ref_scale = ROPE_INIT_FUNCTIONS[kind](hf)
+    inv, scale = inv_freq_and_scaling(ours.rope)
+    assert torch.equal(inv, ref) and scale == ref_scale
+
+
+def test_real_deepseek_yarn_parameters(model_dirs, tmp_path):
+    import json
+    import shutil
+
+    dst = tmp_path / "m"
+    shutil.copytree(model_dirs["tiny-deepseek-v3"], dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.update(rope_scaling=REAL_DEEPSEEK_YARN, qk_rope_head_dim=64, max_position_embeddings=163840)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    hf = AutoConfig.from_pretrained(dst)
+    ref, ref_scale = ROPE_INIT_FUNCTIONS["yarn"](hf)
+    inv, scale = inv_freq_and_scaling(ModelConfig.from_dir(dst).rope)
+    assert torch.equal(inv, ref) and scale == ref_scale
