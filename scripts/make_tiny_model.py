@@ -3,7 +3,7 @@
 Each directory has the real file layout: config.json, sharded *.safetensors with
 model.safetensors.index.json, tokenizer.json + tokenizer_config.json (with a chat
 template) and generation_config.json. The tokenizer is a byte-level BPE trained with
-`tokenizers` on Python standard-library sources, so it needs nothing from a hub.
+`tokenizers` on the Python standard library's sources, so it needs nothing from a hub.
 
     python scripts/make_tiny_model.py OUT_DIR --preset tiny-deepseek-v3
     python scripts/make_tiny_model.py OUT_DIR --preset qwen3-30b-a3b --layers 4
@@ -12,11 +12,12 @@ template) and generation_config.json. The tokenizer is a byte-level BPE trained 
 from __future__ import annotations
 
 import argparse
-import importlib
-import inspect
+import functools
 import json
 import math
 import os
+import sysconfig
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -45,11 +46,6 @@ DEEPSEEK_TEMPLATE = (
     "{%- if add_generation_prompt %}{{ '<｜Assistant｜>' }}{%- endif %}"
 )
 
-CORPUS_MODULES = [
-    "textwrap", "json.encoder", "json.decoder", "argparse", "collections", "dataclasses",
-    "string", "difflib", "calendar", "fractions", "statistics", "heapq", "bisect", "pprint",
-    "shlex", "csv", "configparser", "ipaddress", "enum", "functools",
-]
 
 YARN = {
     "type": "yarn", "factor": 40, "original_max_position_embeddings": 64,
@@ -98,22 +94,30 @@ PRESETS: dict[str, dict] = {
 DEFAULT_PRESET = "tiny-qwen3-moe"
 
 
-def corpus() -> list[str]:
-    texts = []
-    for name in CORPUS_MODULES:
-        texts.append(inspect.getsource(importlib.import_module(name)))
-    return texts
+def corpus() -> Iterator[str]:
+    """The Python standard library's own sources (no tests, no site-packages), in a fixed order."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).parts
+        if "site-packages" not in rel and "test" not in rel and "tests" not in rel:
+            yield path.read_text(encoding="utf-8", errors="replace")
 
 
-def train_tokenizer(vocab_size: int, specials: list[str], bos: str | None) -> Tokenizer:
+@functools.lru_cache(maxsize=8)
+def _trained_bpe(vocab_size: int, specials: tuple[str, ...]) -> str:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        vocab_size=vocab_size, special_tokens=list(specials), initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(corpus(), trainer=trainer)
+    return tok.to_str()
+
+
+def train_tokenizer(vocab_size: int, specials: list[str], bos: str | None) -> Tokenizer:
+    tok = Tokenizer.from_str(_trained_bpe(vocab_size, tuple(specials)))
+    tok.decoder = decoders.ByteLevel()
     if bos is None:
         tok.post_processor = processors.ByteLevel(trim_offsets=False)
     else:

@@ -1,0 +1,116 @@
+"""CPU-only prefill and decode speed of the engine on a real-shaped (truncated) MoE model.
+
+Decode is reported as a fraction of the memory-bandwidth roofline: tokens/s <= read bandwidth /
+bytes touched per token, with the bandwidth measured by scripts/membw.c in this same run (before
+and after, since the machine's bandwidth drifts).
+
+    python scripts/bench_decode.py                          # Qwen3-30B-A3B shapes, 4 layers, bf16
+    python scripts/bench_decode.py --preset moonlight --layers 3
+    python scripts/bench_decode.py --model /path/to/checkpoint
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from make_tiny_model import make_model  # noqa: E402
+from membw import read_bandwidth_gbps  # noqa: E402
+
+from cpu_kernels.cpu_features import best_path  # noqa: E402
+from hybrid import LLM, SamplingParams  # noqa: E402
+from hybrid.config import ModelConfig  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def bytes_per_decode_token(llm: LLM) -> dict[str, int]:
+    """Weights one batch-1 decode step reads: dense weights, one embedding row, top-k experts per MoE layer."""
+    cfg: ModelConfig = llm.engine.model_config
+    model = llm.engine.runner.model
+    itemsize = llm.engine.runner.dtype.itemsize
+    embed = model.model.embed_tokens.weight
+    dense = sum(p.numel() * p.element_size() for p in model.parameters()) - embed.numel() * embed.element_size()
+    expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size * itemsize
+    routed = len(cfg.moe_layers) * cfg.num_experts_per_tok * expert
+    return {"dense": dense + cfg.hidden_size * itemsize, "routed": routed}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="checkpoint directory (default: generate --preset under bench_models/)")
+    ap.add_argument("--preset", default="qwen3-30b-a3b")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--fp8", action="store_true", help="generate the checkpoint with fp8 block weights")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--decode-tokens", type=int, default=32)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--json", help="also write the results to this file")
+    a = ap.parse_args()
+    console = Console()
+    torch.set_num_threads(a.threads)
+
+    model_dir = Path(a.model) if a.model else ROOT / "bench_models" / f"{a.preset}-L{a.layers}{'-fp8' if a.fp8 else ''}"
+    if not (model_dir / "config.json").exists():
+        console.print(f"writing {a.preset} ({a.layers} layers) to {model_dir} ...")
+        make_model(model_dir, a.preset, layers=a.layers, fp8=a.fp8 or None)
+
+    bw_before = read_bandwidth_gbps(a.threads)
+    t0 = time.perf_counter()
+    llm = LLM(model_dir, dtype=a.dtype, max_num_batched_tokens=max(512, a.prompt_len),
+              max_model_len=a.prompt_len + a.decode_tokens + 8, max_num_seqs=1)
+    load_s = time.perf_counter() - t0
+    vocab = llm.engine.model_config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=0, max_tokens=a.decode_tokens, ignore_eos=True)
+    llm.generate(torch.randint(10, vocab, (32,), generator=gen).tolist(), SamplingParams(max_tokens=4))
+    prefill, decode = [], []
+    for _ in range(a.runs):
+        out = llm.generate(torch.randint(10, vocab, (a.prompt_len,), generator=gen).tolist(), params)[0]
+        prefill.append(a.prompt_len / out.ttft_s)
+        decode.append(1.0 / out.tpot_s)
+    bw_after = read_bandwidth_gbps(a.threads)
+
+    touched = bytes_per_decode_token(llm)
+    total = sum(touched.values())
+    bw = statistics.median([bw_before, bw_after])
+    roofline = bw * 1e9 / total
+    res = {
+        "model": str(model_dir), "dtype": a.dtype, "threads": a.threads, "kernel_path": best_path(),
+        "experts": type(llm.engine.runner.experts).__name__, "load_s": load_s,
+        "prefill_tok_s": statistics.median(prefill), "decode_tok_s": statistics.median(decode),
+        "bytes_per_token": total, "routed_bytes_per_token": touched["routed"],
+        "read_gbps_before": bw_before, "read_gbps_after": bw_after, "roofline_tok_s": roofline,
+        "decode_fraction_of_roofline": statistics.median(decode) / roofline,
+        "effective_gbps": statistics.median(decode) * total / 1e9,
+    }
+    t = Table(title=f"bench_decode: {model_dir.name}, {a.dtype}, {a.threads} threads, experts={res['experts']}")
+    t.add_column("metric")
+    t.add_column("value", justify="right")
+    t.add_row(f"prefill pp{a.prompt_len} tok/s (median of {a.runs})", f"{res['prefill_tok_s']:.1f}")
+    t.add_row(f"decode tok/s (batch 1, {a.decode_tokens} tokens)", f"{res['decode_tok_s']:.2f}")
+    t.add_row("bytes touched per decode token", f"{total / 1e6:.1f} MB (routed {touched['routed'] / 1e6:.1f} MB)")
+    t.add_row("read bandwidth before / after", f"{bw_before:.1f} / {bw_after:.1f} GB/s")
+    t.add_row("roofline decode tok/s", f"{roofline:.1f}")
+    t.add_row("effective GB/s in decode", f"{res['effective_gbps']:.1f}")
+    t.add_row("[bold]decode / roofline", f"[bold]{res['decode_fraction_of_roofline']:.3f}")
+    console.print(t)
+    if a.json:
+        Path(a.json).write_text(json.dumps(res, indent=2))
+
+
+if __name__ == "__main__":
+    main()
