@@ -6,7 +6,6 @@ import argparse
 import json
 import logging
 import sys
-import time
 
 from hybrid.config import ConfigError
 from hybrid.loader import CheckpointError

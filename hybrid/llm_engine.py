@@ -119,7 +119,8 @@ class LLMEngine:
             finish_reason=seq.finish_reason, ttft_s=ttft, tpot_s=tpot, num_preemptions=seq.num_preemptions,
         )
 
-    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
+    def generate(self, prompts: list[str | list[int]],
+                 params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
         """Runs the prompts to completion together; outputs in prompt order."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
         ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from conftest import prompt_ids
+
 from hybrid import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import prompt_ids
+
 from hybrid import LLM, SamplingParams
 from hybrid.sampler import filter_logits
 

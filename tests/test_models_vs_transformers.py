@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import prompt_ids
 from transformers import AutoModelForCausalLM
 
-from conftest import prompt_ids
 from hybrid import LLM, SamplingParams
 from hybrid.scheduler import ScheduledSeq
 from hybrid.sequence import Sequence

@@ -10,6 +10,20 @@ from hybrid.forward_batch import ForwardBatch
 from hybrid.models.layers import Linear, RMSNorm, empty_param
 
 
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: x + self_attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, self_attn: nn.Module, mlp: nn.Module, dtype: torch.dtype):
+        super().__init__()
+        self.self_attn, self.mlp = self_attn, mlp
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
 class CausalLMBody(nn.Module):
     """embed_tokens -> decoder layers -> norm, named as in the checkpoint (`model.*`)."""
 

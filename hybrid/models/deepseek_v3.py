@@ -13,7 +13,7 @@ from torch import nn
 from hybrid.attention import gather_cache, softmax_attention, write_cache
 from hybrid.config import ModelConfig
 from hybrid.forward_batch import ForwardBatch
-from hybrid.models.causal_lm import CausalLM
+from hybrid.models.causal_lm import CausalLM, DecoderLayer
 from hybrid.models.experts import Experts
 from hybrid.models.layers import GatedMLP, Linear, RMSNorm
 from hybrid.models.rotary_embedding import RotaryEmbedding, yarn_softmax_scale
@@ -97,24 +97,15 @@ class DeepseekV3MoE(nn.Module):
         return self.experts(self.layer, x, ids, weights) + self.shared_experts(x)
 
 
-class DeepseekV3DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, rope: RotaryEmbedding, experts: Experts, dtype: torch.dtype):
-        super().__init__()
-        self.self_attn = DeepseekV3Attention(cfg, layer, rope, dtype)
-        self.mlp = (DeepseekV3MoE(cfg, layer, experts, dtype) if layer in cfg.moe_layers
-                    else GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype))
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
 class DeepseekV3ForCausalLM(CausalLM):
     def __init__(self, cfg: ModelConfig, experts: Experts, dtype: torch.dtype):
         rope = RotaryEmbedding(cfg.rope)
-        layers = [DeepseekV3DecoderLayer(cfg, i, rope, experts, dtype) for i in range(cfg.num_hidden_layers)]
+        layers = [
+            DecoderLayer(cfg, DeepseekV3Attention(cfg, i, rope, dtype),
+                         DeepseekV3MoE(cfg, i, experts, dtype) if i in cfg.moe_layers
+                         else GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype), dtype)
+            for i in range(cfg.num_hidden_layers)
+        ]
         super().__init__(cfg, layers, dtype)
 
     def kv_cache_shapes(self, num_blocks: int, block_size: int) -> list[tuple[int, ...]]:

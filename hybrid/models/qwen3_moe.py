@@ -8,8 +8,8 @@ from torch import nn
 from hybrid.attention import paged_attention, write_cache
 from hybrid.config import ModelConfig
 from hybrid.forward_batch import ForwardBatch
+from hybrid.models.causal_lm import CausalLM, DecoderLayer
 from hybrid.models.experts import Experts
-from hybrid.models.causal_lm import CausalLM
 from hybrid.models.layers import GatedMLP, Linear, RMSNorm
 from hybrid.models.rotary_embedding import RotaryEmbedding
 from hybrid.models.router import SoftmaxTopKRouter
@@ -19,7 +19,8 @@ class Qwen3MoeAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, rope: RotaryEmbedding, dtype: torch.dtype):
         super().__init__()
         self.layer, self.rope = layer, rope
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
         self.scale = self.head_dim ** -0.5
         h = cfg.hidden_size
         self.q_proj = Linear(h, self.num_heads * self.head_dim, dtype)
@@ -55,22 +56,13 @@ class Qwen3MoeSparseBlock(nn.Module):
         return self.experts(self.layer, x, ids, weights)
 
 
-class Qwen3MoeDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, rope: RotaryEmbedding, experts: Experts, dtype: torch.dtype):
-        super().__init__()
-        self.self_attn = Qwen3MoeAttention(cfg, layer, rope, dtype)
-        self.mlp = (Qwen3MoeSparseBlock(cfg, layer, experts, dtype) if layer in cfg.moe_layers
-                    else GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype))
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
 class Qwen3MoeForCausalLM(CausalLM):
     def __init__(self, cfg: ModelConfig, experts: Experts, dtype: torch.dtype):
         rope = RotaryEmbedding(cfg.rope)
-        layers = [Qwen3MoeDecoderLayer(cfg, i, rope, experts, dtype) for i in range(cfg.num_hidden_layers)]
+        layers = [
+            DecoderLayer(cfg, Qwen3MoeAttention(cfg, i, rope, dtype),
+                         Qwen3MoeSparseBlock(cfg, i, experts, dtype) if i in cfg.moe_layers
+                         else GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype), dtype)
+            for i in range(cfg.num_hidden_layers)
+        ]
         super().__init__(cfg, layers, dtype)
