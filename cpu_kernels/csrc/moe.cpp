@@ -1,0 +1,631 @@
+#include "moe.h"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+
+namespace hybridd {
+
+namespace {
+
+constexpr int kRows = 16;  // rows per tile
+constexpr int kMaxTokenBlock = 8;
+constexpr int kPrefetchBytes = 2048;  // software prefetch distance in the bandwidth-bound single-token loops
+
+inline float bf16_to_f32(uint16_t h) {
+  uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {  // round to nearest even, NaN kept quiet
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+// e4m3fn: bias 7, no infinities, S.1111.111 is NaN; exp 0 is subnormal (m / 8 * 2^-6).
+float e4m3_to_f32(uint8_t v) {
+  const int sign = v >> 7, exp = (v >> 3) & 0xf, man = v & 7;
+  float mag;
+  if (exp == 0xf && man == 7) mag = std::nanf("");
+  else if (exp == 0) mag = std::ldexp(static_cast<float>(man), -9);
+  else mag = std::ldexp(1.0f + man / 8.0f, exp - 7);
+  return sign ? -mag : mag;
+}
+
+struct Fp8Tables {
+  float f32[256];
+  alignas(64) uint8_t hi[128];  // bf16 high byte of the code's magnitude (sign added separately)
+  alignas(64) uint8_t lo[128];
+  Fp8Tables() {
+    for (int v = 0; v < 256; ++v) f32[v] = e4m3_to_f32(static_cast<uint8_t>(v));
+    for (int v = 0; v < 128; ++v) {
+      // Every finite e4m3 value is exact in bf16 (3 mantissa bits, exponents 2^-9..2^8).
+      uint16_t b = (v == 0x7f) ? 0x7fc0 : static_cast<uint16_t>(f32_to_bf16(f32[v]));
+      hi[v] = static_cast<uint8_t>(b >> 8);
+      lo[v] = static_cast<uint8_t>(b & 0xff);
+    }
+  }
+};
+const Fp8Tables& fp8_tables() {
+  static const Fp8Tables t;
+  return t;
+}
+
+inline float silu_mul(float g, float u) { return g / (1.0f + std::exp(-g)) * u; }
+
+// The input rows of one matrix product, in the representation the format's kernel reads.
+struct Act {
+  const uint16_t* bf = nullptr;  // bf16 / fp8 formats: bf16 [rows][kp]
+  const int8_t* q = nullptr;     // int8: u8 (= q + 128) bytes; int4: s8; [rows][kp]
+  const float* scale = nullptr;  // per row dequantization scale (int formats)
+  const int32_t* gsum = nullptr; // int4: per row, per group sum of q
+  int64_t kp = 0;
+  int ngroups = 0;
+};
+
+struct Tile {
+  const uint8_t* data;
+  const float* scales;
+  const int32_t* comp;
+  int kp;
+};
+
+inline Tile tile_of(const PackedMatrices& m, int expert, int tile, Format f, int block_k, int group) {
+  int64_t tile_bytes;
+  int scales_per_tile = 0;
+  switch (f) {
+    case Format::kBF16: tile_bytes = int64_t(m.kp) * kRows * 2; break;
+    case Format::kFP8: tile_bytes = int64_t(m.kp) * kRows; scales_per_tile = m.kp / block_k; break;
+    case Format::kINT8: tile_bytes = int64_t(m.kp) * kRows; scales_per_tile = kRows; break;
+    default: tile_bytes = int64_t(m.kp) * kRows / 2; scales_per_tile = (m.kp / group) * kRows; break;
+  }
+  Tile t;
+  t.data = m.data + expert * m.data_stride + tile * tile_bytes;
+  t.scales = m.scales ? m.scales + expert * m.scales_stride + int64_t(tile) * scales_per_tile : nullptr;
+  t.comp = m.comp ? m.comp + expert * m.comp_stride + int64_t(tile) * kRows : nullptr;
+  t.kp = m.kp;
+  return t;
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Generic kernels: plain C++ over the same layouts, for CPUs without AVX-512 BF16/VBMI/VNNI.
+
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void tile_dot_generic(Format f, const Tile& t, int block_k, int group, const Act& a, const int* rows, int n,
+                      float* out) {
+  const auto& tab = fp8_tables();
+  for (int i = 0; i < n; ++i) {
+    float acc[kRows] = {0};
+    const int64_t r0 = int64_t(rows[i]) * a.kp;
+    if (f == Format::kBF16 || f == Format::kFP8) {
+      const uint16_t* x = a.bf + r0;
+      const int kb = f == Format::kFP8 ? block_k : t.kp;
+      for (int k0 = 0; k0 < t.kp; k0 += kb) {
+        float part[kRows] = {0};
+        for (int k = k0; k < k0 + kb; ++k) {
+          const float xv = bf16_to_f32(x[k]);
+          for (int r = 0; r < kRows; ++r) {
+            float w;
+            if (f == Format::kBF16) {
+              w = bf16_to_f32(reinterpret_cast<const uint16_t*>(t.data)[(k / 2) * 32 + r * 2 + (k & 1)]);
+            } else {
+              const int c = k / 4, h = (k / 2) & 1, lane = r / 4, ri = r % 4;
+              w = tab.f32[t.data[c * 64 + 16 * lane + 8 * h + 2 * ri + (k & 1)]];
+            }
+            part[r] += w * xv;
+          }
+        }
+        const float s = f == Format::kFP8 ? t.scales[k0 / kb] : 1.0f;
+        for (int r = 0; r < kRows; ++r) acc[r] += part[r] * s;
+      }
+    } else if (f == Format::kINT8) {
+      const uint8_t* x = reinterpret_cast<const uint8_t*>(a.q) + r0;
+      int32_t iacc[kRows] = {0};
+      for (int k = 0; k < t.kp; ++k)
+        for (int r = 0; r < kRows; ++r)
+          iacc[r] += int32_t(x[k]) * int32_t(static_cast<int8_t>(t.data[(k / 4) * 64 + r * 4 + (k & 3)]));
+      for (int r = 0; r < kRows; ++r) acc[r] = float(iacc[r] - t.comp[r]) * t.scales[r] * a.scale[rows[i]];
+    } else {
+      const int8_t* x = a.q + r0;
+      for (int g = 0; g < t.kp / group; ++g) {
+        int32_t iacc[kRows] = {0};
+        for (int k = g * group; k < (g + 1) * group; ++k) {
+          const int c = k / 8, j = k % 8;
+          for (int r = 0; r < kRows; ++r) {
+            const uint8_t byte = t.data[c * 64 + r * 4 + (j & 3)];
+            iacc[r] += int32_t(j < 4 ? (byte & 0xf) : (byte >> 4)) * int32_t(x[k]);
+          }
+        }
+        const int32_t corr = 8 * a.gsum[int64_t(rows[i]) * a.ngroups + g];
+        for (int r = 0; r < kRows; ++r)
+          acc[r] += float(iacc[r] - corr) * (t.scales[g * kRows + r] * a.scale[rows[i]]);
+      }
+    }
+    std::memcpy(out + i * kRows, acc, sizeof(acc));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// AVX-512 BF16 + VBMI + VNNI kernels (Zen 4, Sapphire Rapids and later). TB tokens share each weight load.
+
+#define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vbmi,avx512vnni")))
+
+AVX512_TARGET inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh>(v); }
+AVX512_TARGET inline __m512i bcast32(const void* p) {
+  return _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(p));
+}
+
+template <int TB>
+AVX512_TARGET void dot_bf16(const Tile& t, const uint16_t* const* x, float* out) {
+  const uint16_t* w = reinterpret_cast<const uint16_t*>(t.data);
+  const int pairs = t.kp / 2;
+  if constexpr (TB == 1) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    int p = 0;
+    for (; p + 4 <= pairs; p += 4) {
+      for (int l = 0; l < 4; ++l)
+        _mm_prefetch(reinterpret_cast<const char*>(w + (p + l) * 32) + kPrefetchBytes, _MM_HINT_T0);
+      a0 = _mm512_dpbf16_ps(a0, as_bh(_mm512_loadu_si512(w + (p + 0) * 32)), as_bh(bcast32(x[0] + 2 * p)));
+      a1 = _mm512_dpbf16_ps(a1, as_bh(_mm512_loadu_si512(w + (p + 1) * 32)), as_bh(bcast32(x[0] + 2 * p + 2)));
+      a2 = _mm512_dpbf16_ps(a2, as_bh(_mm512_loadu_si512(w + (p + 2) * 32)), as_bh(bcast32(x[0] + 2 * p + 4)));
+      a3 = _mm512_dpbf16_ps(a3, as_bh(_mm512_loadu_si512(w + (p + 3) * 32)), as_bh(bcast32(x[0] + 2 * p + 6)));
+    }
+    for (; p < pairs; ++p)
+      a0 = _mm512_dpbf16_ps(a0, as_bh(_mm512_loadu_si512(w + p * 32)), as_bh(bcast32(x[0] + 2 * p)));
+    _mm512_storeu_ps(out, _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+  } else {
+    __m512 acc[TB];
+    for (int i = 0; i < TB; ++i) acc[i] = _mm512_setzero_ps();
+    for (int p = 0; p < pairs; ++p) {
+      const __m512bh wv = as_bh(_mm512_loadu_si512(w + p * 32));
+      for (int i = 0; i < TB; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], wv, as_bh(bcast32(x[i] + 2 * p)));
+    }
+    for (int i = 0; i < TB; ++i) _mm512_storeu_ps(out + i * kRows, acc[i]);
+  }
+}
+
+struct Fp8Regs {
+  __m512i lo0, lo1, hi0, hi1, sign;
+};
+
+AVX512_TARGET inline Fp8Regs fp8_regs() {
+  const auto& tab = fp8_tables();
+  return {_mm512_load_si512(tab.lo), _mm512_load_si512(tab.lo + 64), _mm512_load_si512(tab.hi),
+          _mm512_load_si512(tab.hi + 64), _mm512_set1_epi8(static_cast<char>(0x80))};
+}
+
+// 64 e4m3 bytes -> two bf16 lines (k pairs 2c and 2c + 1 of 16 rows), exact for every code.
+AVX512_TARGET inline void fp8_line(const Fp8Regs& r, const uint8_t* p, __m512bh& first, __m512bh& second) {
+  const __m512i v = _mm512_loadu_si512(p);
+  const __m512i lo = _mm512_permutex2var_epi8(r.lo0, v, r.lo1);
+  __m512i hi = _mm512_permutex2var_epi8(r.hi0, v, r.hi1);
+  hi = _mm512_ternarylogic_epi32(hi, v, r.sign, 0xF8);  // hi | (v & 0x80)
+  first = as_bh(_mm512_unpacklo_epi8(lo, hi));
+  second = as_bh(_mm512_unpackhi_epi8(lo, hi));
+}
+
+template <int TB>
+AVX512_TARGET void dot_fp8(const Tile& t, int block_k, const uint16_t* const* x, float* out) {
+  const Fp8Regs regs = fp8_regs();
+  const int lines_per_block = block_k / 4;
+  __m512 acc[TB];
+  for (int i = 0; i < TB; ++i) acc[i] = _mm512_setzero_ps();
+  for (int kb = 0; kb < t.kp / block_k; ++kb) {
+    const uint8_t* base = t.data + int64_t(kb) * block_k * kRows;
+    const int k0 = kb * block_k;
+    if constexpr (TB == 1) {
+      __m512 p0 = _mm512_setzero_ps(), p1 = p0, p2 = p0, p3 = p0;
+      int c = 0;
+      for (; c + 2 <= lines_per_block; c += 2) {
+        _mm_prefetch(reinterpret_cast<const char*>(base + c * 64 + kPrefetchBytes), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(base + c * 64 + 64 + kPrefetchBytes), _MM_HINT_T0);
+        __m512bh a, b, d, e;
+        fp8_line(regs, base + c * 64, a, b);
+        fp8_line(regs, base + (c + 1) * 64, d, e);
+        const uint16_t* xk = x[0] + k0 + 4 * c;
+        p0 = _mm512_dpbf16_ps(p0, a, as_bh(bcast32(xk)));
+        p1 = _mm512_dpbf16_ps(p1, b, as_bh(bcast32(xk + 2)));
+        p2 = _mm512_dpbf16_ps(p2, d, as_bh(bcast32(xk + 4)));
+        p3 = _mm512_dpbf16_ps(p3, e, as_bh(bcast32(xk + 6)));
+      }
+      for (; c < lines_per_block; ++c) {
+        __m512bh a, b;
+        fp8_line(regs, base + c * 64, a, b);
+        p0 = _mm512_dpbf16_ps(p0, a, as_bh(bcast32(x[0] + k0 + 4 * c)));
+        p1 = _mm512_dpbf16_ps(p1, b, as_bh(bcast32(x[0] + k0 + 4 * c + 2)));
+      }
+      const __m512 part = _mm512_add_ps(_mm512_add_ps(p0, p1), _mm512_add_ps(p2, p3));
+      acc[0] = _mm512_fmadd_ps(part, _mm512_set1_ps(t.scales[kb]), acc[0]);
+    } else {
+      __m512 part[TB];
+      for (int i = 0; i < TB; ++i) part[i] = _mm512_setzero_ps();
+      for (int c = 0; c < lines_per_block; ++c) {
+        __m512bh a, b;
+        fp8_line(regs, base + c * 64, a, b);
+        const int k = k0 + 4 * c;
+        for (int i = 0; i < TB; ++i) {
+          part[i] = _mm512_dpbf16_ps(part[i], a, as_bh(bcast32(x[i] + k)));
+          part[i] = _mm512_dpbf16_ps(part[i], b, as_bh(bcast32(x[i] + k + 2)));
+        }
+      }
+      const __m512 s = _mm512_set1_ps(t.scales[kb]);
+      for (int i = 0; i < TB; ++i) acc[i] = _mm512_fmadd_ps(part[i], s, acc[i]);
+    }
+  }
+  for (int i = 0; i < TB; ++i) _mm512_storeu_ps(out + i * kRows, acc[i]);
+}
+
+template <int TB>
+AVX512_TARGET void dot_int8(const Tile& t, const Act& a, const int* rows, float* out) {
+  __m512i acc[TB];
+  const uint8_t* x[TB];
+  for (int i = 0; i < TB; ++i) {
+    acc[i] = _mm512_setzero_si512();
+    x[i] = reinterpret_cast<const uint8_t*>(a.q) + int64_t(rows[i]) * a.kp;
+  }
+  for (int q = 0; q < t.kp / 4; ++q) {
+    if constexpr (TB <= 2) _mm_prefetch(reinterpret_cast<const char*>(t.data + q * 64 + kPrefetchBytes), _MM_HINT_T0);
+    const __m512i w = _mm512_loadu_si512(t.data + q * 64);
+    for (int i = 0; i < TB; ++i) acc[i] = _mm512_dpbusd_epi32(acc[i], bcast32(x[i] + 4 * q), w);
+  }
+  const __m512i comp = _mm512_loadu_si512(t.comp);
+  const __m512 ws = _mm512_loadu_ps(t.scales);
+  for (int i = 0; i < TB; ++i) {
+    const __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[i], comp));
+    _mm512_storeu_ps(out + i * kRows, _mm512_mul_ps(v, _mm512_mul_ps(ws, _mm512_set1_ps(a.scale[rows[i]]))));
+  }
+}
+
+// Separate accumulators for the low and high nibbles, and two groups in flight, so the vpdpbusd
+// dependency chains stay short even for a single token.
+template <int TB>
+AVX512_TARGET inline void int4_group(const uint8_t* lines, int chunks, int k, const int8_t* const* x, __m512i* lo_acc,
+                                     __m512i* hi_acc) {
+  const __m512i nib = _mm512_set1_epi8(0x0f);
+  for (int c = 0; c < chunks; ++c) {
+    const uint8_t* line = lines + c * 64;
+    if constexpr (TB <= 2) _mm_prefetch(reinterpret_cast<const char*>(line + kPrefetchBytes), _MM_HINT_T0);
+    const __m512i v = _mm512_loadu_si512(line);
+    const __m512i lo = _mm512_and_si512(v, nib);
+    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+    for (int i = 0; i < TB; ++i) {
+      lo_acc[i] = _mm512_dpbusd_epi32(lo_acc[i], lo, bcast32(x[i] + k + 8 * c));
+      hi_acc[i] = _mm512_dpbusd_epi32(hi_acc[i], hi, bcast32(x[i] + k + 8 * c + 4));
+    }
+  }
+}
+
+template <int TB>
+AVX512_TARGET inline void int4_finish(const Tile& t, const Act& a, const int* rows, int g, const __m512i* lo_acc,
+                                      const __m512i* hi_acc, __m512* acc) {
+  const __m512 gs = _mm512_loadu_ps(t.scales + g * kRows);
+  for (int i = 0; i < TB; ++i) {
+    const __m512i corr = _mm512_set1_epi32(8 * a.gsum[int64_t(rows[i]) * a.ngroups + g]);
+    const __m512i sum = _mm512_sub_epi32(_mm512_add_epi32(lo_acc[i], hi_acc[i]), corr);
+    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(gs, _mm512_set1_ps(a.scale[rows[i]])), acc[i]);
+  }
+}
+
+template <int TB>
+AVX512_TARGET void dot_int4(const Tile& t, int group, const Act& a, const int* rows, float* out) {
+  const int chunks = group / 8, groups = t.kp / group;
+  __m512 acc[TB];
+  const int8_t* x[TB];
+  for (int i = 0; i < TB; ++i) {
+    acc[i] = _mm512_setzero_ps();
+    x[i] = a.q + int64_t(rows[i]) * a.kp;
+  }
+  int g = 0;
+  if constexpr (TB == 1) {
+    for (; g + 2 <= groups; g += 2) {
+      __m512i l0[1] = {_mm512_setzero_si512()}, h0[1] = {_mm512_setzero_si512()};
+      __m512i l1[1] = {_mm512_setzero_si512()}, h1[1] = {_mm512_setzero_si512()};
+      int4_group<1>(t.data + int64_t(g) * chunks * 64, chunks, g * group, x, l0, h0);
+      int4_group<1>(t.data + int64_t(g + 1) * chunks * 64, chunks, (g + 1) * group, x, l1, h1);
+      int4_finish<1>(t, a, rows, g, l0, h0, acc);
+      int4_finish<1>(t, a, rows, g + 1, l1, h1, acc);
+    }
+  }
+  for (; g < groups; ++g) {
+    __m512i lo_acc[TB], hi_acc[TB];
+    for (int i = 0; i < TB; ++i) lo_acc[i] = hi_acc[i] = _mm512_setzero_si512();
+    int4_group<TB>(t.data + int64_t(g) * chunks * 64, chunks, g * group, x, lo_acc, hi_acc);
+    int4_finish<TB>(t, a, rows, g, lo_acc, hi_acc, acc);
+  }
+  for (int i = 0; i < TB; ++i) _mm512_storeu_ps(out + i * kRows, acc[i]);
+}
+
+template <int TB>
+AVX512_TARGET void tile_dot_block(Format f, const Tile& t, int block_k, int group, const Act& a, const int* rows,
+                                  float* out) {
+  if (f == Format::kBF16 || f == Format::kFP8) {
+    const uint16_t* x[TB];
+    for (int i = 0; i < TB; ++i) x[i] = a.bf + int64_t(rows[i]) * a.kp;
+    if (f == Format::kBF16) dot_bf16<TB>(t, x, out);
+    else dot_fp8<TB>(t, block_k, x, out);
+  } else if (f == Format::kINT8) {
+    dot_int8<TB>(t, a, rows, out);
+  } else {
+    dot_int4<TB>(t, group, a, rows, out);
+  }
+}
+
+AVX512_TARGET void tile_dot_avx512(Format f, const Tile& t, int block_k, int group, const Act& a, const int* rows,
+                                   int n, float* out) {
+  int i = 0;
+  for (; i + 8 <= n; i += 8) tile_dot_block<8>(f, t, block_k, group, a, rows + i, out + i * kRows);
+  const int rest = n - i;
+  rows += i;
+  out += i * kRows;
+  switch (rest) {
+    case 7: tile_dot_block<7>(f, t, block_k, group, a, rows, out); break;
+    case 6: tile_dot_block<6>(f, t, block_k, group, a, rows, out); break;
+    case 5: tile_dot_block<5>(f, t, block_k, group, a, rows, out); break;
+    case 4: tile_dot_block<4>(f, t, block_k, group, a, rows, out); break;
+    case 3: tile_dot_block<3>(f, t, block_k, group, a, rows, out); break;
+    case 2: tile_dot_block<2>(f, t, block_k, group, a, rows, out); break;
+    case 1: tile_dot_block<1>(f, t, block_k, group, a, rows, out); break;
+    default: break;
+  }
+}
+
+// exp(x) = 2^n * 2^f with |f| <= 1/2 and a degree-7 Taylor polynomial of 2^f (relative error < 1e-7).
+AVX512_TARGET inline __m512 exp512(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147180559945309f));
+  __m512 p = _mm512_set1_ps(1.0f / 5040);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 720));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+AVX512_TARGET void silu_mul_avx512(const float* g, const float* u, float* out) {
+  const __m512 gv = _mm512_loadu_ps(g);
+  const __m512 den = _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv)));
+  _mm512_storeu_ps(out, _mm512_div_ps(_mm512_mul_ps(gv, _mm512_loadu_ps(u)), den));
+}
+
+// out[0..16) = silu(g) * u for one tile row of 16 values.
+void silu_mul_row(Isa isa, const float* g, const float* u, float* out) {
+  if (isa == Isa::kAvx512Bf16) {
+    silu_mul_avx512(g, u, out);
+    return;
+  }
+  for (int c = 0; c < kRows; ++c) out[c] = silu_mul(g[c], u[c]);
+}
+
+void tile_dot(Isa isa, Format f, const Tile& t, int block_k, int group, const Act& a, const int* rows, int n,
+              float* out) {
+  if (isa == Isa::kAvx512Bf16) tile_dot_avx512(f, t, block_k, group, a, rows, n, out);
+  else tile_dot_generic(f, t, block_k, group, a, rows, n, out);
+}
+
+// Symmetric per-row int8 quantization; int8 format stores q + 128 (u8 operand), int4 stores q and group sums.
+void quantize_row(const float* v, int k, int kp, Format f, int group, int8_t* q, float* scale, int32_t* gsum) {
+  float amax = 0.0f;
+  for (int i = 0; i < k; ++i) amax = std::max(amax, std::fabs(v[i]));
+  const float s = amax > 0.0f ? amax / 127.0f : 1.0f;
+  const float inv = 1.0f / s;
+  for (int i = 0; i < kp; ++i) {
+    const int x = i < k ? static_cast<int>(std::nearbyint(std::clamp(v[i] * inv, -127.0f, 127.0f))) : 0;
+    q[i] = static_cast<int8_t>(f == Format::kINT8 ? (x + 128) : x);
+  }
+  *scale = s;
+  if (f == Format::kINT4) {
+    for (int g = 0; g < kp / group; ++g) {
+      int32_t sum = 0;
+      for (int i = g * group; i < (g + 1) * group; ++i) sum += q[i];
+      gsum[g] = sum;
+    }
+  }
+}
+
+}  // namespace
+
+Isa best_isa() {
+  __builtin_cpu_init();
+  const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                  __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+                  __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vbmi") &&
+                  __builtin_cpu_supports("avx512vnni");
+  return ok ? Isa::kAvx512Bf16 : Isa::kGeneric;
+}
+
+const char* isa_name(Isa isa) { return isa == Isa::kAvx512Bf16 ? "avx512_bf16" : "generic"; }
+
+void MoeRunner::forward(const ExpertLayer& L, const void* x, bool f32_io, int T, int topk, const int32_t* ids,
+                        const float* weights, float scale, void* out, Isa isa) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const Format f = L.format;
+  const bool int_fmt = f == Format::kINT8 || f == Format::kINT4;
+  // fp32 activations keep fp32 accuracy through vdpbf16ps as a hi + lo pair of bf16 rows.
+  const int R = (f32_io && !int_fmt) ? 2 : 1;
+  const int tb = kMaxTokenBlock / R;
+  const int E = L.num_experts, H = L.hidden, I = L.inter;
+  const int kp1 = L.w13.kp, kp2 = L.w2.kp, htiles = L.w2.tiles, itiles = L.w13.tiles / 2;
+  const int nslots = T * topk;
+  const auto in_f32 = [&](int t, int h) {
+    return f32_io ? static_cast<const float*>(x)[size_t(t) * H + h]
+                  : bf16_to_f32(static_cast<const uint16_t*>(x)[size_t(t) * H + h]);
+  };
+
+  // Group (token, slot) pairs by expert; slot s of the sorted order gets act and y row r.
+  std::vector<int> count(E + 1, 0), order(nslots);
+  for (int s = 0; s < nslots; ++s) ++count[ids[s] + 1];
+  std::partial_sum(count.begin(), count.end(), count.begin());
+  {
+    std::vector<int> fill(count.begin(), count.end() - 1);
+    for (int s = 0; s < nslots; ++s) order[fill[ids[s]]++] = s;
+  }
+  std::vector<int> tok(nslots), slot_row(nslots), active;
+  for (int r = 0; r < nslots; ++r) {
+    tok[r] = order[r] / topk;
+    slot_row[order[r]] = r;
+  }
+  for (int e = 0; e < E; ++e)
+    if (count[e + 1] > count[e]) active.push_back(e);
+
+  // Gate/up inputs: R bf16 rows per token padded to kp1, or quantized rows for the int formats.
+  Act xa;
+  xa.kp = kp1;
+  if (!int_fmt) {
+    if (R == 1 && kp1 == H) {
+      xa.bf = static_cast<const uint16_t*>(x);
+    } else {
+      xbf_.assign(size_t(T) * R * kp1, 0);
+      for (int t = 0; t < T; ++t)
+        for (int h = 0; h < H; ++h) {
+          const float v = in_f32(t, h);
+          const uint16_t hi = f32_to_bf16(v);
+          xbf_[size_t(t) * R * kp1 + h] = hi;
+          if (R == 2) xbf_[(size_t(t) * R + 1) * kp1 + h] = f32_to_bf16(v - bf16_to_f32(hi));
+        }
+      xa.bf = xbf_.data();
+    }
+  } else {
+    xa.ngroups = kp1 / L.group;
+    xq_.resize(size_t(T) * kp1);
+    xscale_.resize(T);
+    xgsum_.resize(size_t(T) * xa.ngroups);
+    pool_.run(T, [&](int t, int) {
+      std::vector<float> row(H);
+      for (int h = 0; h < H; ++h) row[h] = in_f32(t, h);
+      quantize_row(row.data(), H, kp1, f, L.group, &xq_[size_t(t) * kp1], &xscale_[t],
+                   &xgsum_[size_t(t) * xa.ngroups]);
+    });
+    xa.q = xq_.data();
+    xa.scale = xscale_.data();
+    xa.gsum = xgsum_.data();
+  }
+
+  // Phase A: act[r] = silu(gate) * up for every sorted slot r, tiles of 16 intermediate rows.
+  if (int_fmt) actf_.assign(size_t(nslots) * kp2, 0.0f);
+  else actbf_.assign(size_t(nslots) * R * kp2, 0);
+  const int tiles_per_task = std::max(1, std::min(itiles, 4));
+  const int tasks_per_expert = (itiles + tiles_per_task - 1) / tiles_per_task;
+  pool_.run(int(active.size()) * tasks_per_expert, [&](int task, int) {
+    const int e = active[task / tasks_per_expert];
+    const int t0 = (task % tasks_per_expert) * tiles_per_task, t1 = std::min(itiles, t0 + tiles_per_task);
+    const int begin = count[e], n = count[e + 1] - count[e];
+    float gate[kMaxTokenBlock * kRows], up[kMaxTokenBlock * kRows];
+    int rows[kMaxTokenBlock];
+    for (int ti = t0; ti < t1; ++ti) {
+      const Tile tg = tile_of(L.w13, e, 2 * ti, f, L.block_k, L.group);
+      const Tile tu = tile_of(L.w13, e, 2 * ti + 1, f, L.block_k, L.group);
+      for (int b = 0; b < n; b += tb) {
+        const int nb = std::min(tb, n - b);
+        for (int i = 0; i < nb * R; ++i) rows[i] = tok[begin + b + i / R] * R + i % R;
+        tile_dot(isa, f, tg, L.block_k, L.group, xa, rows, nb * R, gate);
+        tile_dot(isa, f, tu, L.block_k, L.group, xa, rows, nb * R, up);
+        for (int i = 0; i < nb; ++i) {
+          const size_t r = size_t(begin + b + i);
+          float* g = gate + i * R * kRows;
+          float* u = up + i * R * kRows;
+          if (R == 2) {
+            for (int c = 0; c < kRows; ++c) {
+              g[c] += g[kRows + c];
+              u[c] += u[kRows + c];
+            }
+          }
+          float act[kRows];
+          silu_mul_row(isa, g, u, act);
+          for (int c = 0; c < kRows; ++c) {
+            const float v = act[c];
+            const size_t col = size_t(ti) * kRows + c;
+            if (int_fmt) {
+              actf_[r * kp2 + col] = v;
+            } else {
+              const uint16_t hi = f32_to_bf16(v);
+              actbf_[r * R * kp2 + col] = hi;
+              if (R == 2) actbf_[(r * R + 1) * kp2 + col] = f32_to_bf16(v - bf16_to_f32(hi));
+            }
+          }
+        }
+      }
+    }
+  });
+
+  Act aa;
+  aa.kp = kp2;
+  if (int_fmt) {
+    aa.ngroups = kp2 / L.group;
+    actq_.resize(size_t(nslots) * kp2);
+    actscale_.resize(nslots);
+    actgsum_.resize(size_t(nslots) * aa.ngroups);
+    pool_.run(nslots, [&](int r, int) {
+      quantize_row(&actf_[size_t(r) * kp2], I, kp2, f, L.group, &actq_[size_t(r) * kp2], &actscale_[r],
+                   &actgsum_[size_t(r) * aa.ngroups]);
+    });
+    aa.q = actq_.data();
+    aa.scale = actscale_.data();
+    aa.gsum = actgsum_.data();
+  } else {
+    aa.bf = actbf_.data();
+  }
+
+  // Phase B: y[r] = act[r] @ W2^T for each expert, tiles of 16 hidden rows.
+  const int hp = htiles * kRows;
+  ybuf_.resize(size_t(nslots) * hp);
+  const int htiles_per_task = std::max(1, std::min(htiles, 8));
+  const int btasks = (htiles + htiles_per_task - 1) / htiles_per_task;
+  pool_.run(int(active.size()) * btasks, [&](int task, int) {
+    const int e = active[task / btasks];
+    const int t0 = (task % btasks) * htiles_per_task, t1 = std::min(htiles, t0 + htiles_per_task);
+    const int begin = count[e], n = count[e + 1] - count[e];
+    float y[kMaxTokenBlock * kRows];
+    int rows[kMaxTokenBlock];
+    for (int ti = t0; ti < t1; ++ti) {
+      const Tile tw = tile_of(L.w2, e, ti, f, L.block_k, L.group);
+      for (int b = 0; b < n; b += tb) {
+        const int nb = std::min(tb, n - b);
+        for (int i = 0; i < nb * R; ++i) rows[i] = (begin + b + i / R) * R + i % R;
+        tile_dot(isa, f, tw, L.block_k, L.group, aa, rows, nb * R, y);
+        for (int i = 0; i < nb; ++i) {
+          float* dst = &ybuf_[size_t(begin + b + i) * hp + size_t(ti) * kRows];
+          for (int c = 0; c < kRows; ++c) dst[c] = R == 2 ? y[i * R * kRows + c] + y[(i * R + 1) * kRows + c]
+                                                          : y[i * kRows + c];
+        }
+      }
+    }
+  });
+
+  // Phase C: out[t] = scale * sum over its experts (ascending id) of weight * y, rounded once.
+  constexpr int kChunk = 256;
+  const int hchunks = (H + kChunk - 1) / kChunk;
+  pool_.run(T * hchunks, [&](int task, int) {
+    const int t = task / hchunks, h0 = (task % hchunks) * kChunk, h1 = std::min(H, h0 + kChunk);
+    std::vector<int> js(topk);
+    std::iota(js.begin(), js.end(), 0);
+    std::sort(js.begin(), js.end(), [&](int a, int b) { return ids[t * topk + a] < ids[t * topk + b]; });
+    float acc[kChunk];
+    std::fill(acc, acc + (h1 - h0), 0.0f);
+    for (int j : js) {
+      const int s = t * topk + j;
+      const float w = weights[s];
+      const float* y = &ybuf_[size_t(slot_row[s]) * hp];
+      for (int h = h0; h < h1; ++h) acc[h - h0] += w * y[h];
+    }
+    for (int h = h0; h < h1; ++h) {
+      const float v = acc[h - h0] * scale;
+      if (f32_io) static_cast<float*>(out)[size_t(t) * H + h] = v;
+      else static_cast<uint16_t*>(out)[size_t(t) * H + h] = f32_to_bf16(v);
+    }
+  });
+}
+
+}  // namespace hybridd

@@ -1,0 +1,67 @@
+// Fused MoE for one layer over packed expert weights, and the packed layouts the kernels read.
+//
+// A matrix W [N, K] is stored in tiles of 16 rows; K is zero-padded to kp. Per tile (t = row block):
+//   bf16: [kp/2][16][2] bf16                        (one 64-byte line per k pair: vdpbf16ps operand)
+//   fp8 : [kp/4][64] e4m3, each line two k pairs laid out so that unpacklo/unpackhi_epi8 of the
+//         converted high/low bytes yield the bf16 line of the first and second pair; scales [kp/bk]
+//   int8: [kp/4][16][4] s8 with per-row scales [16] and comp [16] = 128 * row sum (u8 activations)
+//   int4: [kp/8][16][4] bytes, byte j of a row holding k = 8c + j (low nibble) and 8c + 4 + j (high),
+//         nibble = q + 8; scales [kp/group][16]
+// w13 interleaves tiles: 2t = gate rows 16t.., 2t + 1 = up rows 16t.. .
+#pragma once
+
+#include <cstdint>
+#include <mutex>
+#include <vector>
+
+#include "thread_pool.h"
+
+namespace hybridd {
+
+enum class Format : int { kBF16 = 0, kFP8 = 1, kINT8 = 2, kINT4 = 3 };
+enum class Isa : int { kGeneric = 0, kAvx512Bf16 = 1 };
+
+struct PackedMatrices {
+  const uint8_t* data = nullptr;  // expert e at data + e * data_stride
+  int64_t data_stride = 0;
+  const float* scales = nullptr;  // per tile: scales_per_tile floats
+  int64_t scales_stride = 0;
+  const int32_t* comp = nullptr;  // int8: per tile 16 ints
+  int64_t comp_stride = 0;
+  int tiles = 0;  // row tiles of 16
+  int kp = 0;     // padded K
+};
+
+struct ExpertLayer {
+  Format format = Format::kBF16;
+  int num_experts = 0;
+  int hidden = 0;        // H
+  int inter = 0;         // I
+  int block_k = 128;     // fp8 scale block along K
+  int group = 32;        // int4 group along K
+  PackedMatrices w13;    // K = H (padded to w13.kp), 2 * ceil(I/16) tiles
+  PackedMatrices w2;     // K = I (padded to w2.kp), ceil(H/16) tiles
+};
+
+Isa best_isa();
+const char* isa_name(Isa isa);
+
+class MoeRunner {
+ public:
+  explicit MoeRunner(std::vector<int> cpus) : pool_(std::move(cpus)) {}
+  int num_threads() const { return pool_.size(); }
+  // out[t] = scale * sum_j weights[t, j] * expert_{ids[t, j]}(x[t]); x, out: [T, H], bf16 or (f32_io) fp32.
+  void forward(const ExpertLayer& layer, const void* x, bool f32_io, int num_tokens, int topk, const int32_t* ids,
+               const float* weights, float scale, void* out, Isa isa);
+
+ private:
+  ThreadPool pool_;
+  std::mutex mutex_;
+  std::vector<float> ybuf_, actf_;
+  std::vector<uint16_t> xbf_, actbf_;
+  std::vector<int8_t> xq_, actq_;
+  std::vector<float> xscale_, actscale_;
+  std::vector<int32_t> xgsum_, actgsum_;
+};
+
+}  // namespace hybridd

@@ -1,0 +1,75 @@
+#include "thread_pool.h"
+
+#include <pthread.h>
+#include <sched.h>
+
+#include <chrono>
+#include <immintrin.h>
+
+namespace hybridd {
+
+namespace {
+void pin_current_thread(int cpu) {
+  if (cpu < 0) return;
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  CPU_SET(cpu, &set);
+  pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
+}
+}  // namespace
+
+ThreadPool::ThreadPool(std::vector<int> cpus, int spin_us) : cpus_(std::move(cpus)), spin_us_(spin_us) {
+  if (cpus_.empty()) cpus_.push_back(-1);
+  for (int t = 1; t < size(); ++t) threads_.emplace_back([this, t] { worker(t); });
+}
+
+ThreadPool::~ThreadPool() {
+  stop_.store(true);
+  generation_.fetch_add(1);
+  generation_.notify_all();
+  for (auto& th : threads_) th.join();
+}
+
+void ThreadPool::drain(int tid) {
+  for (int task = next_.fetch_add(1); task < ntasks_; task = next_.fetch_add(1)) (*fn_)(task, tid);
+}
+
+void ThreadPool::worker(int tid) {
+  pin_current_thread(cpus_[tid]);
+  uint32_t seen = 0;  // the generation at construction: a run or stop may come before this thread starts
+  for (;;) {
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us_);
+    int polls = 0;
+    while (generation_.load(std::memory_order_acquire) == seen) {
+      _mm_pause();
+      if (++polls % 64 == 0 && std::chrono::steady_clock::now() > deadline) {
+        sleepers_.fetch_add(1);
+        generation_.wait(seen);
+        sleepers_.fetch_sub(1);
+      }
+    }
+    seen = generation_.load(std::memory_order_acquire);
+    if (stop_.load()) return;
+    drain(tid);
+    done_.fetch_add(1, std::memory_order_release);
+  }
+}
+
+void ThreadPool::run(int ntasks, const std::function<void(int, int)>& fn) {
+  if (ntasks <= 0) return;
+  if (size() == 1 || ntasks == 1) {
+    for (int t = 0; t < ntasks; ++t) fn(t, 0);
+    return;
+  }
+  fn_ = &fn;
+  ntasks_ = ntasks;
+  next_.store(0);
+  done_.store(0);
+  generation_.fetch_add(1, std::memory_order_release);
+  if (sleepers_.load() > 0) generation_.notify_all();
+  drain(0);
+  const int workers = size() - 1;
+  while (done_.load(std::memory_order_acquire) < workers) _mm_pause();
+}
+
+}  // namespace hybridd

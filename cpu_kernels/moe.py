@@ -1,0 +1,178 @@
+"""Fused MoE for one layer on the CPU: packed expert weights, the C++ kernel call, and its torch reference."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+import torch.nn.functional as F
+
+from cpu_kernels import _C
+from cpu_kernels.pack import ROWS, Format, PackedMatrix, pack_matrix, unpack_matrix
+from cpu_kernels.thread_pool import default_cpus
+
+ISA_GENERIC = 0
+
+
+def kernel_isa() -> int:
+    """The instruction set the kernels use: the best this CPU has, or HYBRIDD_KERNEL_ISA=generic."""
+    if os.environ.get("HYBRIDD_KERNEL_ISA", "").lower() == "generic":
+        return ISA_GENERIC
+    return _C.best_isa()
+
+
+def kernel_isa_name() -> str:
+    return _C.isa_name(kernel_isa())
+
+
+@dataclass
+class PackedExperts:
+    """All experts of one layer, leading dim = expert: w13 interleaves gate and up tiles (tile 2t = gate rows
+    16t.., 2t + 1 = up rows 16t..), w2 is down. data [E, tiles, tile_bytes] uint8; scales/comp per tile."""
+
+    fmt: Format
+    hidden: int
+    inter: int
+    kp13: int
+    kp2: int
+    w13_data: torch.Tensor
+    w2_data: torch.Tensor
+    w13_scales: torch.Tensor | None = None
+    w2_scales: torch.Tensor | None = None
+    w13_comp: torch.Tensor | None = None
+    w2_comp: torch.Tensor | None = None
+    block_k: int = 128
+    group: int = 32
+
+    def __post_init__(self) -> None:
+        tiles13, tiles2 = -(-self.inter // ROWS) * 2, -(-self.hidden // ROWS)
+        if self.w13_data.shape[:2] != (self.num_experts, tiles13) or self.w2_data.shape[:2] != (self.num_experts,
+                                                                                               tiles2):
+            raise ValueError(f"packed experts have tiles {tuple(self.w13_data.shape[:2])} / "
+                             f"{tuple(self.w2_data.shape[:2])}, expected ({self.num_experts}, {tiles13}) / "
+                             f"({self.num_experts}, {tiles2})")
+        for t in self._tensors():
+            if not t.is_contiguous():
+                raise ValueError("packed expert tensors must be contiguous")
+        self.layer = _C.ExpertLayer(
+            int(self.fmt), self.num_experts, self.hidden, self.inter, self.block_k, self.group,
+            _matrices(self.w13_data, self.w13_scales, self.w13_comp, self.kp13),
+            _matrices(self.w2_data, self.w2_scales, self.w2_comp, self.kp2),
+        )
+
+    def _tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.w13_data, self.w2_data, self.w13_scales, self.w2_scales, self.w13_comp,
+                            self.w2_comp) if t is not None]
+
+    @property
+    def num_experts(self) -> int:
+        return self.w13_data.shape[0]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._tensors())
+
+    def expert_bytes(self) -> int:
+        """Bytes of one expert's weights and scales: what a token routed to it makes the kernel read."""
+        return self.nbytes() // self.num_experts
+
+
+def _matrices(data: torch.Tensor, scales: torch.Tensor | None, comp: torch.Tensor | None, kp: int):
+    ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
+    stride = lambda t: 0 if t is None else t[0].numel()  # noqa: E731
+    return _C.PackedMatrices(data.data_ptr(), data[0].numel(), ptr(scales), stride(scales), ptr(comp), stride(comp),
+                             data.shape[1], kp)
+
+
+def _stack(mats: list[PackedMatrix], attr: str) -> torch.Tensor | None:
+    first = getattr(mats[0], attr)
+    return None if first is None else torch.stack([getattr(m, attr) for m in mats])
+
+
+def pack_experts(gate: list[torch.Tensor], up: list[torch.Tensor], down: list[torch.Tensor], fmt: Format | str,
+                 *, gate_scale: list[torch.Tensor] | None = None, up_scale: list[torch.Tensor] | None = None,
+                 down_scale: list[torch.Tensor] | None = None, block: tuple[int, int] = (128, 128),
+                 group: int = 32) -> PackedExperts:
+    """gate/up [I, H] and down [H, I] per expert (fp8 ones with their scale_inv grids) -> one packed layer."""
+    fmt = Format.parse(fmt)
+    hidden, inter = down[0].shape
+    w13, w2 = [], []
+    for e in range(len(gate)):
+        pick = lambda lst: None if lst is None else lst[e]  # noqa: E731
+        g = pack_matrix(gate[e], fmt, scale_inv=pick(gate_scale), block=block, group=group)
+        u = pack_matrix(up[e], fmt, scale_inv=pick(up_scale), block=block, group=group)
+        w13.append(_interleave(g, u))
+        w2.append(pack_matrix(down[e], fmt, scale_inv=pick(down_scale), block=block, group=group))
+    return PackedExperts(fmt, hidden, inter, w13[0].kp, w2[0].kp, _stack(w13, "data"), _stack(w2, "data"),
+                         _stack(w13, "scales"), _stack(w2, "scales"), _stack(w13, "comp"), _stack(w2, "comp"),
+                         block[1], group)
+
+
+def _interleave(g: PackedMatrix, u: PackedMatrix) -> PackedMatrix:
+    stack = lambda a, b: None if a is None else torch.stack([a, b], dim=1).flatten(0, 1)  # noqa: E731
+    return PackedMatrix(g.fmt, 2 * g.n, g.k, g.kp, stack(g.data, u.data), stack(g.scales, u.scales),
+                        stack(g.comp, u.comp), g.block, g.group)
+
+
+def unpack_experts(p: PackedExperts) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float32 weights the kernel computes with: w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I]."""
+    w13, w2 = [], []
+    block = (ROWS, p.block_k)  # fp8 scales are already expanded per tile
+    for e in range(p.num_experts):
+        def part(data, scales, comp, n, k, kp, sl):
+            pick = lambda t: None if t is None else t[e][sl]  # noqa: E731
+            return unpack_matrix(PackedMatrix(p.fmt, n, k, kp, data[e][sl], pick(scales), pick(comp), block,
+                                              p.group))
+        gate = part(p.w13_data, p.w13_scales, p.w13_comp, p.inter, p.hidden, p.kp13, slice(0, None, 2))
+        up = part(p.w13_data, p.w13_scales, p.w13_comp, p.inter, p.hidden, p.kp13, slice(1, None, 2))
+        w13.append(torch.cat([gate, up]))
+        w2.append(part(p.w2_data, p.w2_scales, p.w2_comp, p.hidden, p.inter, p.kp2, slice(None)))
+    return torch.stack(w13), torch.stack(w2)
+
+
+@lru_cache(maxsize=None)
+def runner(num_threads: int | None = None) -> _C.MoeRunner:
+    """One persistent, pinned thread pool per thread count."""
+    return _C.MoeRunner(default_cpus(num_threads))
+
+
+def fused_moe(p: PackedExperts, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+              scale: float = 1.0, num_threads: int | None = None, isa: int | None = None) -> torch.Tensor:
+    """out[t] = scale * sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]). x is bf16 or fp32 [T, H];
+    fp32 activations are carried as hi + lo bf16 pairs, so bf16/fp8 weights see fp32-accurate inputs."""
+    if x.dim() != 2 or x.shape[1] != p.hidden:
+        raise ValueError(f"hidden states must be [T, {p.hidden}], got {tuple(x.shape)}")
+    if x.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"hidden states must be bfloat16 or float32, got {x.dtype}")
+    if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"topk ids {tuple(topk_ids.shape)} / weights {tuple(topk_weights.shape)} do not match "
+                         f"{x.shape[0]} tokens")
+    if x.device.type != "cpu":
+        raise ValueError("the CPU MoE kernel needs CPU tensors")
+    x = x.contiguous()
+    ids = topk_ids.to(torch.int32).contiguous()
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= p.num_experts):
+        raise ValueError(f"expert ids must be in [0, {p.num_experts})")
+    w = topk_weights.to(torch.float32).contiguous()
+    out = torch.empty_like(x)
+    if x.shape[0] == 0:
+        return out
+    runner(num_threads).forward(p.layer, x.data_ptr(), x.dtype == torch.float32, x.shape[0], ids.shape[1],
+                                ids.data_ptr(), w.data_ptr(), float(scale), out.data_ptr(),
+                                kernel_isa() if isa is None else isa)
+    return out
+
+
+def fused_moe_reference(w13: torch.Tensor, w2: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor,
+                        topk_weights: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """Pure-torch fp32 reference over dequantized weights (w13 [E, 2I, H] gate then up, w2 [E, H, I])."""
+    xf = x.float()
+    out = torch.zeros_like(xf)
+    inter = w13.shape[1] // 2
+    for e in torch.unique(topk_ids).tolist():
+        tok, slot = torch.nonzero(topk_ids == e, as_tuple=True)
+        h = F.linear(xf[tok], w13[e].float())
+        y = F.linear(F.silu(h[:, :inter]) * h[:, inter:], w2[e].float())
+        out.index_add_(0, tok, y * topk_weights[tok, slot, None].float())
+    return (out * scale).to(x.dtype)

@@ -1,0 +1,144 @@
+"""Packing expert weights into the kernels' tile layouts (see csrc/moe.h), and unpacking them back.
+
+Every packed matrix is a W [N, K] split into tiles of 16 rows with K zero-padded to `kp`:
+bf16 lines of one k pair, fp8 lines of two k pairs (pre-shuffled for the in-register conversion),
+int8 lines of four k, int4 lines of eight k. `unpack_matrix` is the exact inverse up to quantization
+and is what the pure-torch reference computes with.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import IntEnum
+
+import torch
+
+ROWS = 16
+FP8_MAX = 448.0
+
+
+class Format(IntEnum):
+    BF16 = 0
+    FP8 = 1
+    INT8 = 2
+    INT4 = 3
+
+    @classmethod
+    def parse(cls, name: str | Format) -> Format:
+        if isinstance(name, Format):
+            return name
+        try:
+            return cls[name.upper()]
+        except KeyError:
+            raise ValueError(f"unknown expert format {name!r}; choose bf16, fp8, int8 or int4") from None
+
+
+@dataclass
+class PackedMatrix:
+    """One W [n, k] in tiles: data [tiles, tile_bytes] uint8, scales [tiles, ...] fp32, comp [tiles, 16] int32."""
+
+    fmt: Format
+    n: int
+    k: int
+    kp: int
+    data: torch.Tensor
+    scales: torch.Tensor | None = None
+    comp: torch.Tensor | None = None
+    block: tuple[int, int] = (128, 128)
+    group: int = 32
+
+    @property
+    def tiles(self) -> int:
+        return self.data.shape[0]
+
+
+def padded_k(fmt: Format, k: int, block_k: int = 128, group: int = 32) -> int:
+    step = {Format.BF16: 32, Format.FP8: block_k, Format.INT8: 32, Format.INT4: group}[fmt]
+    return math.ceil(k / step) * step
+
+
+def _pad(w: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    out = torch.zeros(n, k, dtype=w.dtype)
+    out[: w.shape[0], : w.shape[1]] = w
+    return out
+
+
+def quantize_fp8_blocks(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek's block quantization: w ~= fp8 * scale_inv, one scale per block, partial edge blocks allowed."""
+    rows, cols = w.shape
+    br, bc = block
+    nr, nc = math.ceil(rows / br), math.ceil(cols / bc)
+    blocks = _pad(w.float(), nr * br, nc * bc).view(nr, br, nc, bc)
+    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX
+    q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.view(nr * br, nc * bc)[:rows, :cols].contiguous(), scale
+
+
+def pack_matrix(w: torch.Tensor, fmt: Format | str, *, scale_inv: torch.Tensor | None = None,
+                block: tuple[int, int] = (128, 128), group: int = 32) -> PackedMatrix:
+    """Packs W [n, k]. For fp8, `w` may already be float8_e4m3fn with its `scale_inv` block grid (used as is);
+    otherwise it is quantized. int8 uses per-row scales, int4 symmetric scales per `group` columns."""
+    fmt = Format.parse(fmt)
+    n, k = w.shape
+    tiles = math.ceil(n / ROWS)
+    np_ = tiles * ROWS
+    if fmt == Format.FP8:
+        if block[0] % ROWS or block[1] % 4:
+            raise ValueError(f"fp8 block {block} must be a multiple of 16 rows and 4 columns")
+        if w.dtype != torch.float8_e4m3fn:
+            w, scale_inv = quantize_fp8_blocks(w, block)
+        elif scale_inv is None:
+            raise ValueError("fp8 weights need their scale_inv block grid")
+        kp = padded_k(fmt, k, block_k=block[1])
+        q = _pad(w.view(torch.uint8), np_, kp)
+        # rows r = 4 * lane + ri, k = 4 * c + 2 * h + j  ->  byte 16 * lane + 8 * h + 2 * ri + j of line c
+        data = q.view(tiles, 4, 4, kp // 4, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(tiles, -1)
+        row_block = (torch.arange(tiles) * ROWS) // block[0]
+        scales = scale_inv.float()[row_block].contiguous()
+        return PackedMatrix(fmt, n, k, kp, data.contiguous(), scales, block=block)
+    kp = padded_k(fmt, k, group=group)
+    if fmt == Format.BF16:
+        q = _pad(w.to(torch.bfloat16), np_, kp).view(torch.int16)
+        data = q.view(tiles, ROWS, kp // 2, 2).permute(0, 2, 1, 3).contiguous().view(torch.uint8).reshape(tiles, -1)
+        return PackedMatrix(fmt, n, k, kp, data.contiguous())
+    wf = _pad(w.float(), np_, kp)
+    if fmt == Format.INT8:
+        scale = wf.abs().amax(dim=1) / 127.0
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        q = torch.round(wf / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        data = q.view(tiles, ROWS, kp // 4, 4).permute(0, 2, 1, 3).contiguous().view(torch.uint8).reshape(tiles, -1)
+        comp = (128 * q.to(torch.int32).sum(dim=1)).to(torch.int32).view(tiles, ROWS)
+        return PackedMatrix(fmt, n, k, kp, data, scale.view(tiles, ROWS).contiguous(), comp.contiguous())
+    if group % 8 or group < 8:
+        raise ValueError(f"int4 group must be a positive multiple of 8, got {group}")
+    groups = kp // group
+    g = wf.view(np_, groups, group)
+    scale = g.abs().amax(dim=2) / 7.0
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    u = (torch.round(g / scale[:, :, None]).clamp(-8, 7) + 8).to(torch.uint8).view(np_, kp // 8, 2, 4)
+    byte = u[:, :, 0, :] | (u[:, :, 1, :] << 4)
+    data = byte.view(tiles, ROWS, kp // 8, 4).permute(0, 2, 1, 3).reshape(tiles, -1)
+    scales = scale.view(tiles, ROWS, groups).permute(0, 2, 1).contiguous()
+    return PackedMatrix(fmt, n, k, kp, data.contiguous(), scales, group=group)
+
+
+def unpack_matrix(p: PackedMatrix) -> torch.Tensor:
+    """The float32 W [n, k] the kernels compute with (dequantized)."""
+    tiles, kp = p.tiles, p.kp
+    if p.fmt == Format.BF16:
+        w = p.data.view(torch.int16).view(tiles, kp // 2, ROWS, 2).permute(0, 2, 1, 3).reshape(tiles * ROWS, kp)
+        w = w.view(torch.bfloat16).float()
+    elif p.fmt == Format.FP8:
+        q = p.data.view(tiles, kp // 4, 4, 2, 4, 2).permute(0, 2, 4, 1, 3, 5).reshape(tiles * ROWS, kp)
+        scale = p.scales.repeat_interleave(p.block[1], dim=1)[:, :kp].repeat_interleave(ROWS, dim=0)
+        w = q.view(torch.float8_e4m3fn).float() * scale
+    elif p.fmt == Format.INT8:
+        q = p.data.view(torch.int8).view(tiles, kp // 4, ROWS, 4).permute(0, 2, 1, 3).reshape(tiles * ROWS, kp)
+        w = q.float() * p.scales.reshape(-1, 1)
+    else:
+        b = p.data.view(tiles, kp // 8, ROWS, 4).permute(0, 2, 1, 3)
+        u = torch.stack([b & 0xF, b >> 4], dim=3).reshape(tiles * ROWS, kp)
+        scale = p.scales.permute(0, 2, 1).reshape(tiles * ROWS, -1).repeat_interleave(p.group, dim=1)
+        w = (u.float() - 8) * scale
+    return w[: p.n, : p.k].contiguous()

@@ -1,0 +1,24 @@
+"""Builds the cpu_kernels C++ extension; everything else is in pyproject.toml.
+
+No -march flags: the AVX-512 kernels carry per-function target attributes and are chosen at run time,
+so the same build runs (more slowly) on CPUs without those extensions instead of dying with SIGILL.
+"""
+
+from pybind11.setup_helpers import Pybind11Extension
+from setuptools import setup
+
+setup(
+    ext_modules=[
+        Pybind11Extension(
+            "cpu_kernels._C",
+            sources=[
+                "cpu_kernels/csrc/binding.cpp",
+                "cpu_kernels/csrc/moe.cpp",
+                "cpu_kernels/csrc/thread_pool.cpp",
+            ],
+            include_dirs=["cpu_kernels/csrc"],
+            extra_compile_args=["-O3", "-std=c++20", "-Wall", "-Wextra", "-Wno-unused-parameter"],
+            extra_link_args=["-pthread"],
+        )
+    ],
+)
