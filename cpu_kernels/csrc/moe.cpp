@@ -13,7 +13,7 @@ namespace {
 
 constexpr int kRows = 16;  // rows per tile
 constexpr int kMaxTokenBlock = 8;
-constexpr int kPrefetchBytes = 2048;  // software prefetch distance in the bandwidth-bound single-token loops
+constexpr int kPrefetchBytes = 4096;  // software prefetch distance in the bandwidth-bound single-token loops
 
 inline float bf16_to_f32(uint16_t h) {
   uint32_t u = static_cast<uint32_t>(h) << 16;
@@ -377,6 +377,98 @@ AVX512_TARGET void tile_dot_avx512(Format f, const Tile& t, int block_k, int gro
   }
 }
 
+// Prefill: two weight tiles (gate and up, or two adjacent down tiles) share every activation broadcast.
+// Lines are bf16 [kp/2][32]; with kScaled, each block_k columns form one partial sum scaled by that
+// block's factor (fp8 blocks), accumulated in `outa`/`outb` [TB][16].
+template <int TB, bool kScaled>
+AVX512_TARGET void dot2_lines(const uint16_t* wa, const uint16_t* wb, const float* sa, const float* sb, int kp,
+                              int block_k, const uint16_t* const* x, float* outa, float* outb) {
+  const int block = kScaled ? block_k : kp;
+  if (kScaled) {
+    std::memset(outa, 0, sizeof(float) * TB * kRows);
+    std::memset(outb, 0, sizeof(float) * TB * kRows);
+  }
+  for (int kb = 0; kb < kp / block; ++kb) {
+    __m512 pa[TB], pb[TB];
+    for (int i = 0; i < TB; ++i) pa[i] = pb[i] = _mm512_setzero_ps();
+    for (int p = kb * block / 2; p < (kb + 1) * block / 2; ++p) {
+      const __m512bh la = as_bh(_mm512_loadu_si512(wa + p * 32));
+      const __m512bh lb = as_bh(_mm512_loadu_si512(wb + p * 32));
+      for (int i = 0; i < TB; ++i) {
+        const __m512bh xv = as_bh(bcast32(x[i] + 2 * p));
+        pa[i] = _mm512_dpbf16_ps(pa[i], la, xv);
+        pb[i] = _mm512_dpbf16_ps(pb[i], lb, xv);
+      }
+    }
+    for (int i = 0; i < TB; ++i) {
+      if (kScaled) {
+        float* oa = outa + i * kRows;
+        float* ob = outb + i * kRows;
+        _mm512_storeu_ps(oa, _mm512_fmadd_ps(pa[i], _mm512_set1_ps(sa[kb]), _mm512_loadu_ps(oa)));
+        _mm512_storeu_ps(ob, _mm512_fmadd_ps(pb[i], _mm512_set1_ps(sb[kb]), _mm512_loadu_ps(ob)));
+      } else {
+        _mm512_storeu_ps(outa + i * kRows, pa[i]);
+        _mm512_storeu_ps(outb + i * kRows, pb[i]);
+      }
+    }
+  }
+}
+
+// One fp8 tile converted to bf16 lines once, so many token blocks reuse it from L2.
+AVX512_TARGET void fp8_tile_to_lines(const Tile& t, uint16_t* lines) {
+  const Fp8Regs regs = fp8_regs();
+  for (int c = 0; c < t.kp / 4; ++c) {
+    __m512bh a, b;
+    fp8_line(regs, t.data + c * 64, a, b);
+    _mm512_storeu_si512(lines + (2 * c) * 32, reinterpret_cast<__m512i>(a));
+    _mm512_storeu_si512(lines + (2 * c + 1) * 32, reinterpret_cast<__m512i>(b));
+  }
+}
+
+template <int TB>
+AVX512_TARGET void dot2_block(bool scaled, const uint16_t* wa, const uint16_t* wb, const Tile& ta, const Tile& tb,
+                              int block_k, const Act& a, const int* rows, float* outa, float* outb) {
+  const uint16_t* x[TB];
+  for (int i = 0; i < TB; ++i) x[i] = a.bf + int64_t(rows[i]) * a.kp;
+  if (scaled) dot2_lines<TB, true>(wa, wb, ta.scales, tb.scales, ta.kp, block_k, x, outa, outb);
+  else dot2_lines<TB, false>(wa, wb, nullptr, nullptr, ta.kp, block_k, x, outa, outb);
+}
+
+// Many tokens against two bf16 or fp8 tiles; `scratch` holds 2 * kp * 16 bf16 for converted fp8 tiles.
+AVX512_TARGET void tile_dot2_avx512(Format f, const Tile& ta, const Tile& tb, int block_k, const Act& a,
+                                    const int* rows, int n, float* outa, float* outb, uint16_t* scratch) {
+  const uint16_t* wa = reinterpret_cast<const uint16_t*>(ta.data);
+  const uint16_t* wb = reinterpret_cast<const uint16_t*>(tb.data);
+  const bool scaled = f == Format::kFP8;
+  if (scaled) {
+    fp8_tile_to_lines(ta, scratch);
+    fp8_tile_to_lines(tb, scratch + size_t(ta.kp) * kRows);
+    wa = scratch;
+    wb = scratch + size_t(ta.kp) * kRows;
+  }
+  int i = 0;
+  for (; i + 8 <= n; i += 8) dot2_block<8>(scaled, wa, wb, ta, tb, block_k, a, rows + i, outa + i * kRows, outb + i * kRows);
+  const int rest = n - i;
+  rows += i;
+  outa += i * kRows;
+  outb += i * kRows;
+  switch (rest) {
+    case 7: dot2_block<7>(scaled, wa, wb, ta, tb, block_k, a, rows, outa, outb); break;
+    case 6: dot2_block<6>(scaled, wa, wb, ta, tb, block_k, a, rows, outa, outb); break;
+    case 5: dot2_block<5>(scaled, wa, wb, ta, tb, block_k, a, rows, outa, outb); break;
+    case 4: dot2_block<4>(scaled, wa, wb, ta, tb, block_k, a, rows, outa, outb); break;
+    case 3: dot2_block<3>(scaled, wa, wb, ta, tb, block_k, a, rows, outa, outb); break;
+    case 2: dot2_block<2>(scaled, wa, wb, ta, tb, block_k, a, rows, outa, outb); break;
+    case 1: dot2_block<1>(scaled, wa, wb, ta, tb, block_k, a, rows, outa, outb); break;
+    default: break;
+  }
+}
+
+// Rows of one expert against two tiles: the prefill kernel above where it pays (bf16/fp8 on AVX-512 with
+// more than one token block), else two single-tile passes.
+void tile_dot2(Isa isa, Format f, const Tile& ta, const Tile& tb, int block_k, int group, const Act& a,
+               const int* rows, int n, float* outa, float* outb, uint16_t* scratch);
+
 // exp(x) = 2^n * 2^f with |f| <= 1/2 and a degree-7 Taylor polynomial of 2^f (relative error < 1e-7).
 AVX512_TARGET inline __m512 exp512(__m512 x) {
   x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
@@ -413,6 +505,19 @@ void tile_dot(Isa isa, Format f, const Tile& t, int block_k, int group, const Ac
               float* out) {
   if (isa == Isa::kAvx512Bf16) tile_dot_avx512(f, t, block_k, group, a, rows, n, out);
   else tile_dot_generic(f, t, block_k, group, a, rows, n, out);
+}
+
+void tile_dot2(Isa isa, Format f, const Tile& ta, const Tile& tb, int block_k, int group, const Act& a,
+               const int* rows, int n, float* outa, float* outb, uint16_t* scratch) {
+  if (isa == Isa::kAvx512Bf16 && (f == Format::kBF16 || f == Format::kFP8) && n > kMaxTokenBlock) {
+    tile_dot2_avx512(f, ta, tb, block_k, a, rows, n, outa, outb, scratch);
+    return;
+  }
+  for (int b = 0; b < n; b += kMaxTokenBlock) {
+    const int nb = std::min(kMaxTokenBlock, n - b);
+    tile_dot(isa, f, ta, block_k, group, a, rows + b, nb, outa + b * kRows);
+    tile_dot(isa, f, tb, block_k, group, a, rows + b, nb, outb + b * kRows);
+  }
 }
 
 // Symmetric per-row int8 quantization; int8 format stores q + 128 (u8 operand), int4 stores q and group sums.
@@ -455,7 +560,6 @@ void MoeRunner::forward(const ExpertLayer& L, const void* x, bool f32_io, int T,
   const bool int_fmt = f == Format::kINT8 || f == Format::kINT4;
   // fp32 activations keep fp32 accuracy through vdpbf16ps as a hi + lo pair of bf16 rows.
   const int R = (f32_io && !int_fmt) ? 2 : 1;
-  const int tb = kMaxTokenBlock / R;
   const int E = L.num_experts, H = L.hidden, I = L.inter;
   const int kp1 = L.w13.kp, kp2 = L.w2.kp, htiles = L.w2.tiles, itiles = L.w13.tiles / 2;
   const int nslots = T * topk;
@@ -521,39 +625,40 @@ void MoeRunner::forward(const ExpertLayer& L, const void* x, bool f32_io, int T,
   pool_.run(int(active.size()) * tasks_per_expert, [&](int task, int) {
     const int e = active[task / tasks_per_expert];
     const int t0 = (task % tasks_per_expert) * tiles_per_task, t1 = std::min(itiles, t0 + tiles_per_task);
-    const int begin = count[e], n = count[e + 1] - count[e];
-    float gate[kMaxTokenBlock * kRows], up[kMaxTokenBlock * kRows];
-    int rows[kMaxTokenBlock];
+    const int begin = count[e], n = count[e + 1] - count[e], m = n * R;
+    thread_local std::vector<int> rows;
+    thread_local std::vector<float> gate, up;
+    thread_local std::vector<uint16_t> scratch;
+    rows.resize(m);
+    gate.resize(size_t(m) * kRows);
+    up.resize(size_t(m) * kRows);
+    scratch.resize(size_t(2) * kp1 * kRows);
+    for (int i = 0; i < m; ++i) rows[i] = tok[begin + i / R] * R + i % R;
     for (int ti = t0; ti < t1; ++ti) {
       const Tile tg = tile_of(L.w13, e, 2 * ti, f, L.block_k, L.group);
       const Tile tu = tile_of(L.w13, e, 2 * ti + 1, f, L.block_k, L.group);
-      for (int b = 0; b < n; b += tb) {
-        const int nb = std::min(tb, n - b);
-        for (int i = 0; i < nb * R; ++i) rows[i] = tok[begin + b + i / R] * R + i % R;
-        tile_dot(isa, f, tg, L.block_k, L.group, xa, rows, nb * R, gate);
-        tile_dot(isa, f, tu, L.block_k, L.group, xa, rows, nb * R, up);
-        for (int i = 0; i < nb; ++i) {
-          const size_t r = size_t(begin + b + i);
-          float* g = gate + i * R * kRows;
-          float* u = up + i * R * kRows;
-          if (R == 2) {
-            for (int c = 0; c < kRows; ++c) {
-              g[c] += g[kRows + c];
-              u[c] += u[kRows + c];
-            }
-          }
-          float act[kRows];
-          silu_mul_row(isa, g, u, act);
+      tile_dot2(isa, f, tg, tu, L.block_k, L.group, xa, rows.data(), m, gate.data(), up.data(), scratch.data());
+      for (int i = 0; i < n; ++i) {
+        const size_t r = size_t(begin + i);
+        float* g = gate.data() + size_t(i) * R * kRows;
+        float* u = up.data() + size_t(i) * R * kRows;
+        if (R == 2) {
           for (int c = 0; c < kRows; ++c) {
-            const float v = act[c];
-            const size_t col = size_t(ti) * kRows + c;
-            if (int_fmt) {
-              actf_[r * kp2 + col] = v;
-            } else {
-              const uint16_t hi = f32_to_bf16(v);
-              actbf_[r * R * kp2 + col] = hi;
-              if (R == 2) actbf_[(r * R + 1) * kp2 + col] = f32_to_bf16(v - bf16_to_f32(hi));
-            }
+            g[c] += g[kRows + c];
+            u[c] += u[kRows + c];
+          }
+        }
+        float act[kRows];
+        silu_mul_row(isa, g, u, act);
+        for (int c = 0; c < kRows; ++c) {
+          const float v = act[c];
+          const size_t col = size_t(ti) * kRows + c;
+          if (int_fmt) {
+            actf_[r * kp2 + col] = v;
+          } else {
+            const uint16_t hi = f32_to_bf16(v);
+            actbf_[r * R * kp2 + col] = hi;
+            if (R == 2) actbf_[(r * R + 1) * kp2 + col] = f32_to_bf16(v - bf16_to_f32(hi));
           }
         }
       }
@@ -586,20 +691,34 @@ void MoeRunner::forward(const ExpertLayer& L, const void* x, bool f32_io, int T,
   pool_.run(int(active.size()) * btasks, [&](int task, int) {
     const int e = active[task / btasks];
     const int t0 = (task % btasks) * htiles_per_task, t1 = std::min(htiles, t0 + htiles_per_task);
-    const int begin = count[e], n = count[e + 1] - count[e];
-    float y[kMaxTokenBlock * kRows];
-    int rows[kMaxTokenBlock];
-    for (int ti = t0; ti < t1; ++ti) {
-      const Tile tw = tile_of(L.w2, e, ti, f, L.block_k, L.group);
-      for (int b = 0; b < n; b += tb) {
-        const int nb = std::min(tb, n - b);
-        for (int i = 0; i < nb * R; ++i) rows[i] = (begin + b + i / R) * R + i % R;
-        tile_dot(isa, f, tw, L.block_k, L.group, aa, rows, nb * R, y);
-        for (int i = 0; i < nb; ++i) {
-          float* dst = &ybuf_[size_t(begin + b + i) * hp + size_t(ti) * kRows];
-          for (int c = 0; c < kRows; ++c) dst[c] = R == 2 ? y[i * R * kRows + c] + y[(i * R + 1) * kRows + c]
-                                                          : y[i * kRows + c];
-        }
+    const int begin = count[e], n = count[e + 1] - count[e], m = n * R;
+    thread_local std::vector<int> rows;
+    thread_local std::vector<float> ya, yb;
+    thread_local std::vector<uint16_t> scratch;
+    rows.resize(m);
+    ya.resize(size_t(m) * kRows);
+    yb.resize(size_t(m) * kRows);
+    scratch.resize(size_t(2) * kp2 * kRows);
+    for (int i = 0; i < m; ++i) rows[i] = (begin + i / R) * R + i % R;
+    const auto store = [&](const float* y, int ti) {
+      for (int i = 0; i < n; ++i) {
+        float* dst = &ybuf_[size_t(begin + i) * hp + size_t(ti) * kRows];
+        const float* src = y + size_t(i) * R * kRows;
+        for (int c = 0; c < kRows; ++c) dst[c] = R == 2 ? src[c] + src[kRows + c] : src[c];
+      }
+    };
+    for (int ti = t0; ti < t1; ti += 2) {
+      const Tile ta = tile_of(L.w2, e, ti, f, L.block_k, L.group);
+      if (ti + 1 < t1) {
+        const Tile tb2 = tile_of(L.w2, e, ti + 1, f, L.block_k, L.group);
+        tile_dot2(isa, f, ta, tb2, L.block_k, L.group, aa, rows.data(), m, ya.data(), yb.data(), scratch.data());
+        store(ya.data(), ti);
+        store(yb.data(), ti + 1);
+      } else {
+        for (int b = 0; b < m; b += kMaxTokenBlock)
+          tile_dot(isa, f, ta, L.block_k, L.group, aa, rows.data() + b, std::min(kMaxTokenBlock, m - b),
+                   ya.data() + size_t(b) * kRows);
+        store(ya.data(), ti);
       }
     }
   });
