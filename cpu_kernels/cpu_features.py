@@ -1,4 +1,6 @@
-"""Which x86 SIMD extensions this CPU has, read from /proc/cpuinfo, and the kernel path they allow."""
+"""Which x86 SIMD extensions this CPU has, read from /proc/cpuinfo, and the best kernel path they allow.
+
+The avx512_bf16 path needs VBMI (fp8 byte tables) and VNNI (int8/int4) too, as csrc/moe.cpp checks."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ from pathlib import Path
 
 PATHS = [
     ("amx", {"amx_tile", "amx_bf16", "amx_int8"}),
-    ("avx512_bf16", {"avx512f", "avx512bw", "avx512_bf16"}),
+    ("avx512_bf16", {"avx512f", "avx512bw", "avx512_bf16", "avx512vbmi", "avx512_vnni"}),
     ("avx512", {"avx512f", "avx512bw"}),
     ("avx2", {"avx2", "fma"}),
 ]

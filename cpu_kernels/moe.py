@@ -176,3 +176,14 @@ def fused_moe_reference(w13: torch.Tensor, w2: torch.Tensor, x: torch.Tensor, to
         y = F.linear(F.silu(h[:, :inter]) * h[:, inter:], w2[e].float())
         out.index_add_(0, tok, y * topk_weights[tok, slot, None].float())
     return (out * scale).to(x.dtype)
+
+
+def fp8_lines_to_bf16(packed_fp8: torch.Tensor, isa: int | None = None) -> torch.Tensor:
+    """Runs the kernels' in-register fp8 -> bf16 conversion over packed fp8 tile bytes (for testing):
+    returns the bf16 tile lines in the bf16 packed layout."""
+    data = packed_fp8.contiguous().view(torch.uint8).flatten()
+    if data.numel() % 64:
+        raise ValueError("packed fp8 data is a whole number of 64-byte lines")
+    out = torch.empty(data.numel(), dtype=torch.bfloat16)
+    _C.fp8_to_bf16_lines(data.data_ptr(), data.numel() // 64, out.data_ptr(), kernel_isa() if isa is None else isa)
+    return out

@@ -23,13 +23,20 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="prefill chunk / step token budget")
     p.add_argument("--num-kv-blocks", type=int, help="KV pool size in blocks (default: sized from --kv-cache-gb)")
     p.add_argument("--kv-cache-gb", type=float, default=1.0)
-    p.add_argument("--threads", type=int, help="torch CPU threads")
+    p.add_argument("--threads", type=int, help="compute threads (default: every allowed core)")
+    p.add_argument("--backend", default="cpu", choices=["cpu", "torch"],
+                   help="cpu: C++ AVX-512 kernels for experts and dense layers; torch: the pure-torch reference")
+    p.add_argument("--expert-format", default="auto", choices=["auto", "bf16", "fp8", "int8", "int4"],
+                   help="routed-expert weights in RAM (auto: the checkpoint's, fp8 stays fp8)")
+    p.add_argument("--dense-format", default="auto", choices=["auto", "bf16", "fp8", "int8"],
+                   help="dense linear weights with the cpu backend (auto: the checkpoint's)")
 
 
 def _engine_kwargs(a: argparse.Namespace) -> dict:
     return dict(dtype=a.dtype, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
                 max_num_batched_tokens=a.max_num_batched_tokens, num_kv_blocks=a.num_kv_blocks,
-                kv_cache_bytes=int(a.kv_cache_gb * 2**30))
+                kv_cache_bytes=int(a.kv_cache_gb * 2**30), backend=a.backend, expert_format=a.expert_format,
+                dense_format=a.dense_format, num_threads=a.threads)
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -44,7 +51,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
     from hybrid.llm import LLM
 
-    if a.threads:
+    if a.threads and a.backend == "torch":
         torch.set_num_threads(a.threads)
     llm = LLM(a.model, **_engine_kwargs(a))
     engine = llm.engine

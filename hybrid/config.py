@@ -202,6 +202,10 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     kv_cache_bytes: int = 1 << 30
     seed: int = 0
+    backend: str = "cpu"
+    expert_format: str = "auto"
+    dense_format: str = "auto"
+    num_threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -213,6 +217,17 @@ class EngineConfig:
             raise ConfigError("num_kv_blocks must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError("max_model_len must be >= 2")
+        if self.backend not in ("cpu", "torch"):
+            raise ConfigError(f"backend must be cpu (C++ kernels) or torch (reference), got {self.backend!r}")
+        if self.expert_format not in ("auto", "bf16", "fp8", "int8", "int4"):
+            raise ConfigError(f"expert_format must be auto, bf16, fp8, int8 or int4, got {self.expert_format!r}")
+        if self.dense_format not in ("auto", "bf16", "fp8", "int8"):
+            raise ConfigError(f"dense_format must be auto, bf16, fp8 or int8, got {self.dense_format!r}")
+        if self.backend == "torch" and (self.expert_format, self.dense_format) != ("auto", "auto"):
+            raise ConfigError("expert_format / dense_format need the cpu backend; the torch reference computes "
+                              "with the checkpoint's weights in the compute dtype")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ConfigError("num_threads must be >= 1")
 
     def torch_dtype(self, model: ModelConfig) -> torch.dtype:
         return model.checkpoint_dtype if self.dtype == "auto" else DTYPES[self.dtype]

@@ -10,8 +10,29 @@ from hybrid.config import EngineConfig, ModelConfig
 from hybrid.forward_batch import ForwardBatch
 from hybrid.loader import CheckpointReader, load_weights
 from hybrid.models import build_model
-from hybrid.models.experts import Experts, TorchExperts
+from hybrid.models.experts import Experts, load_experts
+from hybrid.models.layers import Linear
 from hybrid.scheduler import ScheduledSeq
+
+# kv_b_proj stays a torch weight: MLA's absorbed decode reads it as per-head matrices.
+UNPACKED_LINEARS = ("kv_b_proj",)
+
+
+def pack_dense_linears(model: torch.nn.Module, reader: CheckpointReader, fmt: str = "auto") -> None:
+    """Moves every dense Linear to the CPU kernels: fp8 checkpoint weights stay fp8 (their own block scales),
+    others are packed as bf16 unless `fmt` asks for another format."""
+    from cpu_kernels.linear import PackedLinear
+
+    for name, module in model.named_modules():
+        if not isinstance(module, Linear) or name.rsplit(".", 1)[-1] in UNPACKED_LINEARS:
+            continue
+        wname = f"{name}.weight"
+        if fmt in ("auto", "fp8") and wname in reader and reader.is_fp8(wname):
+            packed = PackedLinear.pack(reader.get(wname), "fp8", reader.get(f"{wname}_scale_inv"),
+                                       block=reader.fp8_block)
+        else:
+            packed = PackedLinear.pack(module.weight.data, "bf16" if fmt == "auto" else fmt)
+        module.use_kernel(packed)
 
 
 class ModelRunner:
@@ -21,9 +42,17 @@ class ModelRunner:
         self.device = torch.device(engine_config.device)
         self.block_size = engine_config.block_size
         reader = CheckpointReader(model_config.model_dir, model_config.fp8_block)
-        self.experts = experts if experts is not None else TorchExperts.load(reader, model_config, self.dtype)
+        if engine_config.backend == "cpu":
+            # The kernels' pinned pool owns the cores; torch's own intra-op threads would spin against it.
+            torch.set_num_threads(1)
+        if experts is None:
+            experts = load_experts(engine_config.backend, reader, model_config, self.dtype,
+                                   engine_config.expert_format, engine_config.num_threads)
+        self.experts = experts
         self.model = build_model(model_config, self.experts, self.dtype)
         load_weights(self.model, reader, model_config.tie_word_embeddings)
+        if engine_config.backend == "cpu":
+            pack_dense_linears(self.model, reader, engine_config.dense_format)
         self.model.to(self.device)
         per_token = sum(math.prod(s[2:]) for s in self.model.kv_cache_shapes(1, 1))
         bytes_per_token = per_token * self.dtype.itemsize * model_config.num_hidden_layers

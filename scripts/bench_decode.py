@@ -28,23 +28,29 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from make_tiny_model import make_model  # noqa: E402
 from membw import read_bandwidth_gbps  # noqa: E402
 
-from cpu_kernels.cpu_features import best_path  # noqa: E402
+from cpu_kernels.moe import kernel_isa_name  # noqa: E402
 from hybrid import LLM, SamplingParams  # noqa: E402
 from hybrid.config import ModelConfig  # noqa: E402
+from hybrid.models.experts import KernelExperts  # noqa: E402
+from hybrid.models.layers import Linear  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def bytes_per_decode_token(llm: LLM) -> dict[str, int]:
-    """Weights one batch-1 decode step reads: dense weights, one embedding row, top-k experts per MoE layer."""
+    """Weights one batch-1 decode step reads: dense weights (packed where the kernels hold them), one
+    embedding row, and top-k experts per MoE layer in their stored format."""
     cfg: ModelConfig = llm.engine.model_config
-    model = llm.engine.runner.model
-    itemsize = llm.engine.runner.dtype.itemsize
-    embed = model.model.embed_tokens.weight
-    dense = sum(p.numel() * p.element_size() for p in model.parameters()) - embed.numel() * embed.element_size()
-    expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size * itemsize
+    runner = llm.engine.runner
+    embed = runner.model.model.embed_tokens.weight
+    dense = sum(p.numel() * p.element_size() for p in runner.model.parameters() if p is not embed)
+    dense += sum(m.packed.nbytes() for m in runner.model.modules() if isinstance(m, Linear) and m.packed is not None)
+    if isinstance(runner.experts, KernelExperts):
+        expert = next(iter(runner.experts.layers.values())).expert_bytes()
+    else:
+        expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size * runner.dtype.itemsize
     routed = len(cfg.moe_layers) * cfg.num_experts_per_tok * expert
-    return {"dense": dense + cfg.hidden_size * itemsize, "routed": routed}
+    return {"dense": dense + cfg.hidden_size * embed.element_size(), "routed": routed}
 
 
 def main() -> None:
@@ -54,6 +60,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--fp8", action="store_true", help="generate the checkpoint with fp8 block weights")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--backend", default="cpu", choices=["cpu", "torch"], help="C++ kernels or torch reference")
+    ap.add_argument("--expert-format", default="auto", help="auto (checkpoint's), bf16, fp8, int8, int4")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--decode-tokens", type=int, default=32)
@@ -61,7 +69,8 @@ def main() -> None:
     ap.add_argument("--json", help="also write the results to this file")
     a = ap.parse_args()
     console = Console()
-    torch.set_num_threads(a.threads)
+    if a.backend == "torch":
+        torch.set_num_threads(a.threads)
 
     model_dir = Path(a.model) if a.model else ROOT / "bench_models" / f"{a.preset}-L{a.layers}{'-fp8' if a.fp8 else ''}"
     if not (model_dir / "config.json").exists():
@@ -71,7 +80,8 @@ def main() -> None:
     bw_before = read_bandwidth_gbps(a.threads)
     t0 = time.perf_counter()
     llm = LLM(model_dir, dtype=a.dtype, max_num_batched_tokens=max(512, a.prompt_len),
-              max_model_len=a.prompt_len + a.decode_tokens + 8, max_num_seqs=1)
+              max_model_len=a.prompt_len + a.decode_tokens + 8, max_num_seqs=1, backend=a.backend,
+              expert_format=a.expert_format, num_threads=a.threads)
     load_s = time.perf_counter() - t0
     vocab = llm.engine.model_config.vocab_size
     gen = torch.Generator().manual_seed(0)
@@ -89,7 +99,8 @@ def main() -> None:
     bw = statistics.median([bw_before, bw_after])
     roofline = bw * 1e9 / total
     res = {
-        "model": str(model_dir), "dtype": a.dtype, "threads": a.threads, "kernel_path": best_path(),
+        "model": str(model_dir), "dtype": a.dtype, "threads": a.threads, "backend": a.backend,
+        "kernel_path": kernel_isa_name() if a.backend == "cpu" else "torch",
         "experts": type(llm.engine.runner.experts).__name__, "load_s": load_s,
         "prefill_tok_s": statistics.median(prefill), "decode_tok_s": statistics.median(decode),
         "bytes_per_token": total, "routed_bytes_per_token": touched["routed"],
@@ -97,7 +108,8 @@ def main() -> None:
         "decode_fraction_of_roofline": statistics.median(decode) / roofline,
         "effective_gbps": statistics.median(decode) * total / 1e9,
     }
-    t = Table(title=f"bench_decode: {model_dir.name}, {a.dtype}, {a.threads} threads, experts={res['experts']}")
+    t = Table(title=f"bench_decode: {model_dir.name}, {a.dtype}, {a.threads} threads, {res['kernel_path']}, "
+                    f"experts={res['experts']}")
     t.add_column("metric")
     t.add_column("value", justify="right")
     t.add_row(f"prefill pp{a.prompt_len} tok/s (median of {a.runs})", f"{res['prefill_tok_s']:.1f}")

@@ -30,6 +30,10 @@ PackedMatrices matrices(uintptr_t data, int64_t data_stride, uintptr_t scales, i
 PYBIND11_MODULE(_C, m) {
   m.doc() = "hybridd CPU MoE kernels";
   m.def("best_isa", [] { return static_cast<int>(hybridd::best_isa()); });
+  m.def("fp8_to_bf16_lines", [](uintptr_t src, int64_t lines, uintptr_t dst, int isa) {
+    hybridd::fp8_to_bf16_lines(reinterpret_cast<const uint8_t*>(src), lines, reinterpret_cast<uint16_t*>(dst),
+                               static_cast<Isa>(isa));
+  });
   m.def("isa_name", [](int isa) { return std::string(hybridd::isa_name(static_cast<Isa>(isa))); });
 
   py::class_<PackedMatrices>(m, "PackedMatrices")
@@ -63,6 +67,14 @@ PYBIND11_MODULE(_C, m) {
             r.forward(layer, reinterpret_cast<const void*>(x), f32_io, tokens, topk,
                       reinterpret_cast<const int32_t*>(ids), reinterpret_cast<const float*>(weights), scale,
                       reinterpret_cast<void*>(out), static_cast<Isa>(isa));
+          },
+          py::call_guard<py::gil_scoped_release>())
+      .def(
+          "linear",
+          [](MoeRunner& r, int fmt, const PackedMatrices& w, int n, int k, int block_k, int group, uintptr_t x,
+             bool f32_io, int tokens, uintptr_t out, int isa) {
+            r.linear(static_cast<Format>(fmt), w, n, k, block_k, group, reinterpret_cast<const void*>(x), f32_io,
+                     tokens, reinterpret_cast<void*>(out), static_cast<Isa>(isa));
           },
           py::call_guard<py::gil_scoped_release>());
 }

@@ -61,15 +61,6 @@ const Fp8Tables& fp8_tables() {
 
 inline float silu_mul(float g, float u) { return g / (1.0f + std::exp(-g)) * u; }
 
-// The input rows of one matrix product, in the representation the format's kernel reads.
-struct Act {
-  const uint16_t* bf = nullptr;  // bf16 / fp8 formats: bf16 [rows][kp]
-  const int8_t* q = nullptr;     // int8: u8 (= q + 128) bytes; int4: s8; [rows][kp]
-  const float* scale = nullptr;  // per row dequantization scale (int formats)
-  const int32_t* gsum = nullptr; // int4: per row, per group sum of q
-  int64_t kp = 0;
-  int ngroups = 0;
-};
 
 struct Tile {
   const uint8_t* data;
@@ -542,6 +533,23 @@ void quantize_row(const float* v, int k, int kp, Format f, int group, int8_t* q,
 
 }  // namespace
 
+void fp8_to_bf16_lines(const uint8_t* src, int64_t lines, uint16_t* dst, Isa isa) {
+  if (isa == Isa::kAvx512Bf16) {
+    Tile t{src, nullptr, nullptr, static_cast<int>(lines * 4)};
+    fp8_tile_to_lines(t, dst);
+    return;
+  }
+  const auto& tab = fp8_tables();
+  for (int64_t c = 0; c < lines; ++c)
+    for (int h = 0; h < 2; ++h)
+      for (int r = 0; r < kRows; ++r)
+        for (int j = 0; j < 2; ++j) {
+          const uint8_t v = src[c * 64 + 16 * (r / 4) + 8 * h + 2 * (r % 4) + j];
+          dst[(2 * c + h) * 32 + r * 2 + j] = (v & 0x7f) == 0x7f ? uint16_t((v & 0x80) << 8 | 0x7fc0)
+                                                                  : f32_to_bf16(tab.f32[v]);
+        }
+}
+
 Isa best_isa() {
   __builtin_cpu_init();
   const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -553,6 +561,91 @@ Isa best_isa() {
 
 const char* isa_name(Isa isa) { return isa == Isa::kAvx512Bf16 ? "avx512_bf16" : "generic"; }
 
+Act MoeRunner::prepare_input(Format f, int group, const void* x, bool f32_io, int T, int K, int kp, int R) {
+  const auto in_f32 = [&](int t, int h) {
+    return f32_io ? static_cast<const float*>(x)[size_t(t) * K + h]
+                  : bf16_to_f32(static_cast<const uint16_t*>(x)[size_t(t) * K + h]);
+  };
+  Act xa;
+  xa.kp = kp;
+  if (f == Format::kBF16 || f == Format::kFP8) {
+    if (R == 1 && kp == K && !f32_io) {
+      xa.bf = static_cast<const uint16_t*>(x);
+      return xa;
+    }
+    xbf_.assign(size_t(T) * R * kp, 0);
+    for (int t = 0; t < T; ++t)
+      for (int h = 0; h < K; ++h) {
+        const float v = in_f32(t, h);
+        const uint16_t hi = f32_to_bf16(v);
+        xbf_[size_t(t) * R * kp + h] = hi;
+        if (R == 2) xbf_[(size_t(t) * R + 1) * kp + h] = f32_to_bf16(v - bf16_to_f32(hi));
+      }
+    xa.bf = xbf_.data();
+    return xa;
+  }
+  xa.ngroups = kp / group;
+  xq_.resize(size_t(T) * kp);
+  xscale_.resize(T);
+  xgsum_.resize(size_t(T) * xa.ngroups);
+  pool_.run(T, [&](int t, int) {
+    std::vector<float> row(K);
+    for (int h = 0; h < K; ++h) row[h] = in_f32(t, h);
+    quantize_row(row.data(), K, kp, f, group, &xq_[size_t(t) * kp], &xscale_[t], &xgsum_[size_t(t) * xa.ngroups]);
+  });
+  xa.q = xq_.data();
+  xa.scale = xscale_.data();
+  xa.gsum = xgsum_.data();
+  return xa;
+}
+
+void MoeRunner::linear(Format f, const PackedMatrices& w, int n, int k, int block_k, int group, const void* x,
+                       bool f32_io, int T, void* out, Isa isa) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const bool int_fmt = f == Format::kINT8 || f == Format::kINT4;
+  const int R = (f32_io && !int_fmt) ? 2 : 1;
+  const int m = T * R;
+  const Act xa = prepare_input(f, group, x, f32_io, T, k, w.kp, R);
+  std::vector<int> rows(m);
+  std::iota(rows.begin(), rows.end(), 0);
+  // Tasks are pairs of row tiles over all tokens; small batches split finer so both cores stay busy.
+  const int pairs = (w.tiles + 1) / 2;
+  const int pairs_per_task = std::max(1, std::min(8, pairs / (4 * num_threads())));
+  const int tasks = (pairs + pairs_per_task - 1) / pairs_per_task;
+  pool_.run(tasks, [&](int task, int) {
+    thread_local std::vector<float> ya, yb;
+    thread_local std::vector<uint16_t> scratch;
+    ya.resize(size_t(m) * kRows);
+    yb.resize(size_t(m) * kRows);
+    scratch.resize(size_t(2) * w.kp * kRows);
+    const auto store = [&](const float* y, int ti) {
+      for (int t = 0; t < T; ++t)
+        for (int c = 0; c < kRows && ti * kRows + c < n; ++c) {
+          const float* src = y + size_t(t) * R * kRows;
+          const float v = R == 2 ? src[c] + src[kRows + c] : src[c];
+          const size_t at = size_t(t) * n + size_t(ti) * kRows + c;
+          if (f32_io) static_cast<float*>(out)[at] = v;
+          else static_cast<uint16_t*>(out)[at] = f32_to_bf16(v);
+        }
+    };
+    for (int pi = task * pairs_per_task; pi < std::min(pairs, (task + 1) * pairs_per_task); ++pi) {
+      const int ti = 2 * pi;
+      const Tile ta = tile_of(w, 0, ti, f, block_k, group);
+      if (ti + 1 < w.tiles) {
+        const Tile tb = tile_of(w, 0, ti + 1, f, block_k, group);
+        tile_dot2(isa, f, ta, tb, block_k, group, xa, rows.data(), m, ya.data(), yb.data(), scratch.data());
+        store(ya.data(), ti);
+        store(yb.data(), ti + 1);
+      } else {
+        for (int b = 0; b < m; b += kMaxTokenBlock)
+          tile_dot(isa, f, ta, block_k, group, xa, rows.data() + b, std::min(kMaxTokenBlock, m - b),
+                   ya.data() + size_t(b) * kRows);
+        store(ya.data(), ti);
+      }
+    }
+  });
+}
+
 void MoeRunner::forward(const ExpertLayer& L, const void* x, bool f32_io, int T, int topk, const int32_t* ids,
                         const float* weights, float scale, void* out, Isa isa) {
   std::lock_guard<std::mutex> lock(mutex_);
@@ -563,10 +656,6 @@ void MoeRunner::forward(const ExpertLayer& L, const void* x, bool f32_io, int T,
   const int E = L.num_experts, H = L.hidden, I = L.inter;
   const int kp1 = L.w13.kp, kp2 = L.w2.kp, htiles = L.w2.tiles, itiles = L.w13.tiles / 2;
   const int nslots = T * topk;
-  const auto in_f32 = [&](int t, int h) {
-    return f32_io ? static_cast<const float*>(x)[size_t(t) * H + h]
-                  : bf16_to_f32(static_cast<const uint16_t*>(x)[size_t(t) * H + h]);
-  };
 
   // Group (token, slot) pairs by expert; slot s of the sorted order gets act and y row r.
   std::vector<int> count(E + 1, 0), order(nslots);
@@ -585,37 +674,7 @@ void MoeRunner::forward(const ExpertLayer& L, const void* x, bool f32_io, int T,
     if (count[e + 1] > count[e]) active.push_back(e);
 
   // Gate/up inputs: R bf16 rows per token padded to kp1, or quantized rows for the int formats.
-  Act xa;
-  xa.kp = kp1;
-  if (!int_fmt) {
-    if (R == 1 && kp1 == H) {
-      xa.bf = static_cast<const uint16_t*>(x);
-    } else {
-      xbf_.assign(size_t(T) * R * kp1, 0);
-      for (int t = 0; t < T; ++t)
-        for (int h = 0; h < H; ++h) {
-          const float v = in_f32(t, h);
-          const uint16_t hi = f32_to_bf16(v);
-          xbf_[size_t(t) * R * kp1 + h] = hi;
-          if (R == 2) xbf_[(size_t(t) * R + 1) * kp1 + h] = f32_to_bf16(v - bf16_to_f32(hi));
-        }
-      xa.bf = xbf_.data();
-    }
-  } else {
-    xa.ngroups = kp1 / L.group;
-    xq_.resize(size_t(T) * kp1);
-    xscale_.resize(T);
-    xgsum_.resize(size_t(T) * xa.ngroups);
-    pool_.run(T, [&](int t, int) {
-      std::vector<float> row(H);
-      for (int h = 0; h < H; ++h) row[h] = in_f32(t, h);
-      quantize_row(row.data(), H, kp1, f, L.group, &xq_[size_t(t) * kp1], &xscale_[t],
-                   &xgsum_[size_t(t) * xa.ngroups]);
-    });
-    xa.q = xq_.data();
-    xa.scale = xscale_.data();
-    xa.gsum = xgsum_.data();
-  }
+  const Act xa = prepare_input(f, L.group, x, f32_io, T, H, kp1, R);
 
   // Phase A: act[r] = silu(gate) * up for every sorted slot r, tiles of 16 intermediate rows.
   if (int_fmt) actf_.assign(size_t(nslots) * kp2, 0.0f);

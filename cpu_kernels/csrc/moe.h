@@ -43,7 +43,19 @@ struct ExpertLayer {
   PackedMatrices w2;     // K = I (padded to w2.kp), ceil(H/16) tiles
 };
 
+// The input rows of one matrix product, in the representation the format's kernel reads.
+struct Act {
+  const uint16_t* bf = nullptr;  // bf16 / fp8 formats: bf16 [rows][kp]
+  const int8_t* q = nullptr;     // int8: u8 (= q + 128) bytes; int4: s8; [rows][kp]
+  const float* scale = nullptr;  // per row dequantization scale (int formats)
+  const int32_t* gsum = nullptr; // int4: per row, per group sum of q
+  int64_t kp = 0;
+  int ngroups = 0;
+};
+
 Isa best_isa();
+// The fp8 -> bf16 line conversion the kernels use (64 e4m3 bytes -> two 64-byte bf16 lines), for tests.
+void fp8_to_bf16_lines(const uint8_t* src, int64_t lines, uint16_t* dst, Isa isa);
 const char* isa_name(Isa isa);
 
 class MoeRunner {
@@ -53,8 +65,13 @@ class MoeRunner {
   // out[t] = scale * sum_j weights[t, j] * expert_{ids[t, j]}(x[t]); x, out: [T, H], bf16 or (f32_io) fp32.
   void forward(const ExpertLayer& layer, const void* x, bool f32_io, int num_tokens, int topk, const int32_t* ids,
                const float* weights, float scale, void* out, Isa isa);
+  // out[t] = W x[t] for one packed matrix W [n, k] (expert 0 of `w`); x [T, k], out [T, n].
+  void linear(Format format, const PackedMatrices& w, int n, int k, int block_k, int group, const void* x,
+              bool f32_io, int num_tokens, void* out, Isa isa);
 
  private:
+  Act prepare_input(Format f, int group, const void* x, bool f32_io, int num_tokens, int k, int kp, int rows_per_token);
+
   ThreadPool pool_;
   std::mutex mutex_;
   std::vector<float> ybuf_, actf_;

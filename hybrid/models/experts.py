@@ -74,3 +74,56 @@ class TorchExperts(Experts):
             y = y * topk_weights.reshape(-1)[idx, None]
             out.index_add_(0, token_idx, y.to(out.dtype))
         return out
+
+
+class KernelExperts(Experts):
+    """The C++ fused-MoE kernels over packed weights (cpu_kernels): fp8 checkpoints stay fp8 in RAM unless
+    another format is asked for; activations in the model dtype (bf16, or fp32 carried exactly)."""
+
+    def __init__(self, layers: dict, num_threads: int | None = None):
+        self.layers, self.num_threads = layers, num_threads
+
+    @classmethod
+    def load(cls, reader: CheckpointReader, config: ModelConfig, fmt: str | None = None,
+             num_threads: int | None = None) -> "KernelExperts":
+        from cpu_kernels.moe import pack_experts
+        from cpu_kernels.pack import Format
+
+        fmt = Format.parse(fmt or ("fp8" if config.fp8_block else "bf16"))
+        h, i = config.hidden_size, config.moe_intermediate_size
+        layers = {}
+        for layer in config.moe_layers:
+            mats: dict[str, list] = {"gate_proj": [], "up_proj": [], "down_proj": []}
+            scales: dict[str, list] = {k: [] for k in mats}
+            for e in range(config.num_experts):
+                for proj, shape in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i))):
+                    name = expert_weight_name(layer, e, proj)
+                    if fmt == Format.FP8 and config.fp8_block and reader.is_fp8(name):
+                        mats[proj].append(reader.get(name))
+                        scales[proj].append(reader.get(f"{name}_scale_inv"))
+                    else:
+                        mats[proj].append(reader.weight(name, shape, torch.bfloat16))
+            native = bool(scales["gate_proj"])
+            layers[layer] = pack_experts(
+                mats["gate_proj"], mats["up_proj"], mats["down_proj"], fmt,
+                gate_scale=scales["gate_proj"] if native else None, up_scale=scales["up_proj"] if native else None,
+                down_scale=scales["down_proj"] if native else None,
+                block=tuple(config.fp8_block) if native else (128, 128),
+            )
+        return cls(layers, num_threads)
+
+    def forward(self, layer: int, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
+                topk_weights: torch.Tensor) -> torch.Tensor:
+        from cpu_kernels.moe import fused_moe
+
+        x = hidden_states if hidden_states.dtype in (torch.bfloat16, torch.float32) else hidden_states.float()
+        out = fused_moe(self.layers[layer], x, topk_ids, topk_weights, num_threads=self.num_threads)
+        return out.to(hidden_states.dtype)
+
+
+def load_experts(backend: str, reader: CheckpointReader, config: ModelConfig, dtype: torch.dtype,
+                 expert_format: str = "auto", num_threads: int | None = None) -> Experts:
+    """The in-process experts for `backend`: 'cpu' kernels or the 'torch' reference."""
+    if backend == "torch":
+        return TorchExperts.load(reader, config, dtype)
+    return KernelExperts.load(reader, config, None if expert_format == "auto" else expert_format, num_threads)

@@ -13,13 +13,23 @@ def empty_param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
 
 
 class Linear(nn.Module):
-    """y = x @ W^T without bias; W is [out_features, in_features] as in the checkpoint."""
+    """y = x @ W^T without bias; W is [out_features, in_features] as in the checkpoint. After `use_kernel`,
+    the weight lives packed for the CPU kernels instead (cpu_kernels.linear.PackedLinear)."""
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype):
         super().__init__()
         self.weight = empty_param(out_features, in_features, dtype=dtype)
+        self.packed = None
+
+    def use_kernel(self, packed) -> None:
+        self.packed = packed
+        self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            from cpu_kernels.linear import linear
+
+            return linear(self.packed, x)
         return F.linear(x, self.weight)
 
 

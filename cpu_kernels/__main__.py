@@ -1,0 +1,21 @@
+"""`python -m cpu_kernels`: the CPU features found and the kernel path chosen."""
+
+from __future__ import annotations
+
+from cpu_kernels.cpu_features import PATHS, best_path, cpu_flags
+from cpu_kernels.moe import kernel_isa_name
+from cpu_kernels.thread_pool import default_cpus, numa_nodes
+
+
+def main() -> None:
+    flags = cpu_flags()
+    wanted = sorted({f for _, needed in PATHS for f in needed} | {"avx512vbmi", "avx512_vnni"})
+    print("cpu features: " + " ".join(f"{f}{'+' if f in flags else '-'}" for f in wanted))
+    print(f"best instruction set: {best_path()}")
+    print(f"kernel path: {kernel_isa_name()}")
+    print(f"numa nodes: {len(numa_nodes())} ({'; '.join(','.join(map(str, n)) for n in numa_nodes())})")
+    print(f"thread pool cores: {','.join(map(str, default_cpus()))} (thread 0 is the caller)")
+
+
+if __name__ == "__main__":
+    main()

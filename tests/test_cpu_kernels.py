@@ -1,0 +1,158 @@
+"""The C++ kernels against pure-torch references: every format, odd shapes, both instruction-set paths."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from cpu_kernels import _C
+from cpu_kernels.linear import PackedLinear, linear, linear_reference
+from cpu_kernels.moe import ISA_GENERIC, fp8_lines_to_bf16, fused_moe, fused_moe_reference, pack_experts, unpack_experts
+from cpu_kernels.pack import Format, pack_matrix, quantize_fp8_blocks, unpack_matrix
+
+FORMATS = ["bf16", "fp8", "int8", "int4"]
+ISAS = [ISA_GENERIC] + ([_C.best_isa()] if _C.best_isa() != ISA_GENERIC else [])
+# Relative L2 error bounds. bf16/fp8 weights are exact in the kernels, so with fp32 activations (carried as
+# bf16 hi + lo) only summation order differs; bf16 activations round inputs and the SiLU product to bf16.
+# int8/int4 quantize activations per token to int8 (weights are compared after their own quantization).
+BOUND = {("bf16", torch.float32): 1e-4, ("fp8", torch.float32): 1e-4,
+         ("bf16", torch.bfloat16): 1e-2, ("fp8", torch.bfloat16): 1e-2}
+INT_BOUND = 3e-2
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm().clamp(min=1e-30)).item()
+
+
+def experts(e: int, h: int, i: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda *s: torch.randn(*s, generator=g) / s[-1] ** 0.5  # noqa: E731
+    return [mk(i, h) for _ in range(e)], [mk(i, h) for _ in range(e)], [mk(h, i) for _ in range(e)]
+
+
+def routing(t: int, e: int, k: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]) if t else torch.zeros(0, k)
+    return ids.long(), torch.rand(t, k, generator=g)
+
+
+# (experts, hidden, intermediate, top-k, tokens): odd sizes, k = 1..8, T = 1..600, idle experts.
+MOE_CASES = [(4, 64, 32, 1, 1), (6, 130, 50, 3, 7), (8, 200, 72, 8, 33), (16, 96, 40, 2, 3), (5, 256, 128, 4, 129),
+             (3, 33, 17, 2, 600), (12, 160, 96, 6, 20), (9, 48, 144, 5, 2)]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("case", MOE_CASES, ids=lambda c: "E{}-H{}-I{}-k{}-T{}".format(*c))
+def test_fused_moe_matches_reference(fmt, case):
+    e, h, i, k, t = case
+    p = pack_experts(*experts(e, h, i, seed=t), fmt)
+    w13, w2 = unpack_experts(p)
+    ids, weights = routing(t, e, k, seed=t + 1)
+    x = torch.randn(t, h, generator=torch.Generator().manual_seed(7))
+    for isa in ISAS:
+        for dtype in (torch.float32, torch.bfloat16):
+            if isa == ISA_GENERIC and t > 200 and dtype == torch.bfloat16:
+                continue
+            xin = x.to(dtype)
+            out = fused_moe(p, xin, ids, weights, scale=1.5, isa=isa)
+            ref = fused_moe_reference(w13, w2, xin.float(), ids, weights, scale=1.5)
+            assert out.dtype == dtype and out.shape == x.shape
+            bound = BOUND.get((fmt, dtype), INT_BOUND)
+            assert rel_err(out, ref) < bound, (isa, dtype)
+
+
+def test_isa_paths_agree_and_threads_are_deterministic():
+    p = pack_experts(*experts(8, 130, 70, seed=1), "fp8")
+    ids, weights = routing(40, 8, 3, seed=2)
+    x = torch.randn(40, 130).to(torch.bfloat16)
+    one = fused_moe(p, x, ids, weights, num_threads=1)
+    assert torch.equal(one, fused_moe(p, x, ids, weights, num_threads=2))
+    assert torch.equal(one, fused_moe(p, x, ids, weights, num_threads=1))
+    if len(ISAS) > 1:
+        assert rel_err(fused_moe(p, x, ids, weights, isa=ISA_GENERIC), one) < 5e-3
+
+
+def test_every_fp8_code_converts_exactly():
+    codes = torch.arange(256, dtype=torch.uint8).repeat(8).view(16, 128)
+    w8 = codes.view(torch.float8_e4m3fn)
+    packed = pack_matrix(w8, "fp8", scale_inv=torch.ones(1, 1))
+    expected = pack_matrix(w8.to(torch.bfloat16), "bf16").data.view(torch.int16).flatten()
+    nan = torch.isnan(expected.view(torch.bfloat16))
+    assert nan.sum() == 16 * 128 // 128 and codes.view(-1)[127] == 127  # codes 0x7f and 0xff, 8 times each
+    for isa in ISAS:
+        out = fp8_lines_to_bf16(packed.data, isa=isa)
+        assert torch.equal(torch.isnan(out), nan)
+        assert torch.equal(out.view(torch.int16)[~nan], expected[~nan])
+
+
+def test_fp8_values_through_a_full_linear():
+    # Every finite code, each alone in its row, times a one-hot input reproduces the code's value.
+    finite = [c for c in range(256) if c & 0x7F != 0x7F]
+    w8 = torch.zeros(len(finite), 128, dtype=torch.uint8)
+    for row, c in enumerate(finite):
+        w8[row, row % 128] = c
+    w8 = w8.view(torch.float8_e4m3fn)
+    scale = torch.full((-(-len(finite) // 128), 1), 0.5)
+    p = PackedLinear.pack(w8, "fp8", scale_inv=scale)
+    x = torch.eye(128)
+    for isa in ISAS:
+        out = linear(p, x, isa=isa)
+        expected = (w8.float() * 0.5).t()
+        assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("n,k,t", [(33, 70, 1), (256, 512, 5), (100, 130, 40), (17, 300, 9)])
+def test_linear_matches_reference(fmt, n, k, t):
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(n)) / k ** 0.5
+    p = PackedLinear.pack(w, fmt)
+    x = torch.randn(t, k)
+    for isa in ISAS:
+        for dtype in (torch.float32, torch.bfloat16):
+            out = linear(p, x.to(dtype), isa=isa)
+            assert out.shape == (t, n) and out.dtype == dtype
+            assert rel_err(out, linear_reference(p, x.to(dtype).float())) < BOUND.get((fmt, dtype), INT_BOUND)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_pack_round_trip(fmt):
+    w = torch.randn(45, 300)
+    back = unpack_matrix(pack_matrix(w, fmt))
+    tol = {"bf16": 1e-2, "fp8": 7e-2, "int8": 1e-2, "int4": 0.15}[fmt]
+    assert back.shape == w.shape
+    assert rel_err(back, w) < tol
+
+
+def test_native_fp8_pack_is_lossless():
+    w = torch.randn(300, 260)
+    q, s = quantize_fp8_blocks(w)
+    back = unpack_matrix(pack_matrix(q, "fp8", scale_inv=s))
+    ref = q.float() * s.repeat_interleave(128, 0)[:300].repeat_interleave(128, 1)[:, :260]
+    assert torch.equal(back, ref)
+
+
+def test_bad_inputs_are_rejected():
+    p = pack_experts(*experts(4, 64, 32, seed=0), "bf16")
+    x = torch.randn(2, 64)
+    ids, w = routing(2, 4, 2, seed=0)
+    with pytest.raises(ValueError, match="expert ids"):
+        fused_moe(p, x, ids + 10, w)
+    with pytest.raises(ValueError, match="hidden states"):
+        fused_moe(p, torch.randn(2, 65), ids, w)
+    with pytest.raises(ValueError, match="bfloat16 or float32"):
+        fused_moe(p, x.half(), ids, w)
+    with pytest.raises(ValueError, match="unknown expert format"):
+        Format.parse("fp4")
+
+
+def test_module_entry_point_reports_features():
+    r = subprocess.run([sys.executable, "-m", "cpu_kernels"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "kernel path:" in r.stdout and "avx512" in r.stdout.lower()
+    r = subprocess.run([sys.executable, "-m", "cpu_kernels"], capture_output=True, text=True, timeout=60,
+                       env={"HYBRIDD_KERNEL_ISA": "generic", "PATH": ""})
+    assert r.returncode == 0 and "kernel path: generic" in r.stdout
+
