@@ -2,7 +2,7 @@
 
 Every packed matrix is a W [N, K] split into tiles of 16 rows with K zero-padded to `kp`:
 bf16 lines of one k pair, fp8 lines of two k pairs (pre-shuffled for the in-register conversion),
-int8 lines of four k, int4 lines of eight k. `unpack_matrix` is the exact inverse up to quantization
+int8 lines of four k, int4 lines of eight k with each group's scales inline. `unpack_matrix` is the exact inverse up to quantization
 and is what the pure-torch reference computes with.
 """
 
@@ -118,9 +118,10 @@ def pack_matrix(w: torch.Tensor, fmt: Format | str, *, scale_inv: torch.Tensor |
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     u = (torch.round(g / scale[:, :, None]).clamp(-8, 7) + 8).to(torch.uint8).view(np_, kp // 8, 2, 4)
     byte = u[:, :, 0, :] | (u[:, :, 1, :] << 4)
-    data = byte.view(tiles, ROWS, kp // 8, 4).permute(0, 2, 1, 3).reshape(tiles, -1)
-    scales = scale.view(tiles, ROWS, groups).permute(0, 2, 1).contiguous()
-    return PackedMatrix(fmt, n, k, kp, data.contiguous(), scales, group=group)
+    lines = byte.view(tiles, ROWS, groups, group // 8, 4).permute(0, 2, 3, 1, 4).reshape(tiles, groups, -1)
+    scale_line = scale.view(tiles, ROWS, groups).permute(0, 2, 1).contiguous().view(torch.uint8)
+    data = torch.cat([lines, scale_line], dim=2).reshape(tiles, -1)
+    return PackedMatrix(fmt, n, k, kp, data.contiguous(), group=group)
 
 
 def unpack_matrix(p: PackedMatrix) -> torch.Tensor:
@@ -137,8 +138,11 @@ def unpack_matrix(p: PackedMatrix) -> torch.Tensor:
         q = p.data.view(torch.int8).view(tiles, kp // 4, ROWS, 4).permute(0, 2, 1, 3).reshape(tiles * ROWS, kp)
         w = q.float() * p.scales.reshape(-1, 1)
     else:
-        b = p.data.view(tiles, kp // 8, ROWS, 4).permute(0, 2, 1, 3)
+        groups, chunks = kp // p.group, p.group // 8
+        per_group = p.data.view(tiles, groups, chunks + 1, 64)
+        b = per_group[:, :, :chunks].reshape(tiles, kp // 8, ROWS, 4).permute(0, 2, 1, 3)
         u = torch.stack([b & 0xF, b >> 4], dim=3).reshape(tiles * ROWS, kp)
-        scale = p.scales.permute(0, 2, 1).reshape(tiles * ROWS, -1).repeat_interleave(p.group, dim=1)
+        scale = per_group[:, :, chunks].contiguous().view(torch.float32)  # [tiles, groups, 16]
+        scale = scale.permute(0, 2, 1).reshape(tiles * ROWS, groups).repeat_interleave(p.group, dim=1)
         w = (u.float() - 8) * scale
     return w[: p.n, : p.k].contiguous()

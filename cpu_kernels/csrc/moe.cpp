@@ -6,6 +6,8 @@
 #include <cmath>
 #include <cstring>
 #include <numeric>
+#include <stdexcept>
+#include <string>
 
 namespace hybridd {
 
@@ -76,7 +78,7 @@ inline Tile tile_of(const PackedMatrices& m, int expert, int tile, Format f, int
     case Format::kBF16: tile_bytes = int64_t(m.kp) * kRows * 2; break;
     case Format::kFP8: tile_bytes = int64_t(m.kp) * kRows; scales_per_tile = m.kp / block_k; break;
     case Format::kINT8: tile_bytes = int64_t(m.kp) * kRows; scales_per_tile = kRows; break;
-    default: tile_bytes = int64_t(m.kp) * kRows / 2; scales_per_tile = (m.kp / group) * kRows; break;
+    default: tile_bytes = int64_t(m.kp / group) * (group / 8 + 1) * 64; break;  // scales inside the stream
   }
   Tile t;
   t.data = m.data + expert * m.data_stride + tile * tile_bytes;
@@ -126,18 +128,20 @@ void tile_dot_generic(Format f, const Tile& t, int block_k, int group, const Act
       for (int r = 0; r < kRows; ++r) acc[r] = float(iacc[r] - t.comp[r]) * t.scales[r] * a.scale[rows[i]];
     } else {
       const int8_t* x = a.q + r0;
+      const int chunks = group / 8;
       for (int g = 0; g < t.kp / group; ++g) {
+        const uint8_t* lines = t.data + int64_t(g) * (chunks + 1) * 64;
+        const float* gs = reinterpret_cast<const float*>(lines + chunks * 64);
         int32_t iacc[kRows] = {0};
         for (int k = g * group; k < (g + 1) * group; ++k) {
-          const int c = k / 8, j = k % 8;
+          const int c = (k % group) / 8, j = k % 8;
           for (int r = 0; r < kRows; ++r) {
-            const uint8_t byte = t.data[c * 64 + r * 4 + (j & 3)];
+            const uint8_t byte = lines[c * 64 + r * 4 + (j & 3)];
             iacc[r] += int32_t(j < 4 ? (byte & 0xf) : (byte >> 4)) * int32_t(x[k]);
           }
         }
         const int32_t corr = 8 * a.gsum[int64_t(rows[i]) * a.ngroups + g];
-        for (int r = 0; r < kRows; ++r)
-          acc[r] += float(iacc[r] - corr) * (t.scales[g * kRows + r] * a.scale[rows[i]]);
+        for (int r = 0; r < kRows; ++r) acc[r] += float(iacc[r] - corr) * (gs[r] * a.scale[rows[i]]);
       }
     }
     std::memcpy(out + i * kRows, acc, sizeof(acc));
@@ -295,9 +299,9 @@ AVX512_TARGET inline void int4_group(const uint8_t* lines, int chunks, int k, co
 }
 
 template <int TB>
-AVX512_TARGET inline void int4_finish(const Tile& t, const Act& a, const int* rows, int g, const __m512i* lo_acc,
+AVX512_TARGET inline void int4_finish(const float* scales, const Act& a, const int* rows, int g, const __m512i* lo_acc,
                                       const __m512i* hi_acc, __m512* acc) {
-  const __m512 gs = _mm512_loadu_ps(t.scales + g * kRows);
+  const __m512 gs = _mm512_loadu_ps(scales);
   for (int i = 0; i < TB; ++i) {
     const __m512i corr = _mm512_set1_epi32(8 * a.gsum[int64_t(rows[i]) * a.ngroups + g]);
     const __m512i sum = _mm512_sub_epi32(_mm512_add_epi32(lo_acc[i], hi_acc[i]), corr);
@@ -305,9 +309,11 @@ AVX512_TARGET inline void int4_finish(const Tile& t, const Act& a, const int* ro
   }
 }
 
+// Each group of an int4 tile is `chunks` weight lines followed by one line of its 16 row scales.
 template <int TB>
 AVX512_TARGET void dot_int4(const Tile& t, int group, const Act& a, const int* rows, float* out) {
   const int chunks = group / 8, groups = t.kp / group;
+  const int64_t stride = int64_t(chunks + 1) * 64;
   __m512 acc[TB];
   const int8_t* x[TB];
   for (int i = 0; i < TB; ++i) {
@@ -317,19 +323,24 @@ AVX512_TARGET void dot_int4(const Tile& t, int group, const Act& a, const int* r
   int g = 0;
   if constexpr (TB == 1) {
     for (; g + 2 <= groups; g += 2) {
+      const uint8_t* g0 = t.data + g * stride;
+      const uint8_t* g1 = g0 + stride;
       __m512i l0[1] = {_mm512_setzero_si512()}, h0[1] = {_mm512_setzero_si512()};
       __m512i l1[1] = {_mm512_setzero_si512()}, h1[1] = {_mm512_setzero_si512()};
-      int4_group<1>(t.data + int64_t(g) * chunks * 64, chunks, g * group, x, l0, h0);
-      int4_group<1>(t.data + int64_t(g + 1) * chunks * 64, chunks, (g + 1) * group, x, l1, h1);
-      int4_finish<1>(t, a, rows, g, l0, h0, acc);
-      int4_finish<1>(t, a, rows, g + 1, l1, h1, acc);
+      int4_group<1>(g0, chunks, g * group, x, l0, h0);
+      _mm_prefetch(reinterpret_cast<const char*>(g0 + chunks * 64 + kPrefetchBytes), _MM_HINT_T0);
+      int4_group<1>(g1, chunks, (g + 1) * group, x, l1, h1);
+      _mm_prefetch(reinterpret_cast<const char*>(g1 + chunks * 64 + kPrefetchBytes), _MM_HINT_T0);
+      int4_finish<1>(reinterpret_cast<const float*>(g0 + chunks * 64), a, rows, g, l0, h0, acc);
+      int4_finish<1>(reinterpret_cast<const float*>(g1 + chunks * 64), a, rows, g + 1, l1, h1, acc);
     }
   }
   for (; g < groups; ++g) {
+    const uint8_t* lines = t.data + g * stride;
     __m512i lo_acc[TB], hi_acc[TB];
     for (int i = 0; i < TB; ++i) lo_acc[i] = hi_acc[i] = _mm512_setzero_si512();
-    int4_group<TB>(t.data + int64_t(g) * chunks * 64, chunks, g * group, x, lo_acc, hi_acc);
-    int4_finish<TB>(t, a, rows, g, lo_acc, hi_acc, acc);
+    int4_group<TB>(lines, chunks, g * group, x, lo_acc, hi_acc);
+    int4_finish<TB>(reinterpret_cast<const float*>(lines + chunks * 64), a, rows, g, lo_acc, hi_acc, acc);
   }
   for (int i = 0; i < TB; ++i) _mm512_storeu_ps(out + i * kRows, acc[i]);
 }
@@ -561,6 +572,17 @@ Isa best_isa() {
 
 const char* isa_name(Isa isa) { return isa == Isa::kAvx512Bf16 ? "avx512_bf16" : "generic"; }
 
+// Work below this many elements runs on the calling thread: waking the pool costs more than it saves.
+constexpr int64_t kInlineElements = 1 << 16;
+
+void MoeRunner::run(int ntasks, int64_t elements, const std::function<void(int, int)>& fn) {
+  if (elements < kInlineElements) {
+    for (int t = 0; t < ntasks; ++t) fn(t, 0);
+    return;
+  }
+  pool_.run(ntasks, fn);
+}
+
 Act MoeRunner::prepare_input(Format f, int group, const void* x, bool f32_io, int T, int K, int kp, int R) {
   const auto in_f32 = [&](int t, int h) {
     return f32_io ? static_cast<const float*>(x)[size_t(t) * K + h]
@@ -588,7 +610,7 @@ Act MoeRunner::prepare_input(Format f, int group, const void* x, bool f32_io, in
   xq_.resize(size_t(T) * kp);
   xscale_.resize(T);
   xgsum_.resize(size_t(T) * xa.ngroups);
-  pool_.run(T, [&](int t, int) {
+  run(T, int64_t(T) * K, [&](int t, int) {
     std::vector<float> row(K);
     for (int h = 0; h < K; ++h) row[h] = in_f32(t, h);
     quantize_row(row.data(), K, kp, f, group, &xq_[size_t(t) * kp], &xscale_[t], &xgsum_[size_t(t) * xa.ngroups]);
@@ -657,6 +679,9 @@ void MoeRunner::forward(const ExpertLayer& L, const void* x, bool f32_io, int T,
   const int kp1 = L.w13.kp, kp2 = L.w2.kp, htiles = L.w2.tiles, itiles = L.w13.tiles / 2;
   const int nslots = T * topk;
 
+  for (int s = 0; s < nslots; ++s)
+    if (ids[s] < 0 || ids[s] >= E)
+      throw std::invalid_argument("expert ids must be in [0, " + std::to_string(E) + "), got " + std::to_string(ids[s]));
   // Group (token, slot) pairs by expert; slot s of the sorted order gets act and y row r.
   std::vector<int> count(E + 1, 0), order(nslots);
   for (int s = 0; s < nslots; ++s) ++count[ids[s] + 1];
@@ -731,7 +756,7 @@ void MoeRunner::forward(const ExpertLayer& L, const void* x, bool f32_io, int T,
     actq_.resize(size_t(nslots) * kp2);
     actscale_.resize(nslots);
     actgsum_.resize(size_t(nslots) * aa.ngroups);
-    pool_.run(nslots, [&](int r, int) {
+    run(nslots, int64_t(nslots) * kp2, [&](int r, int) {
       quantize_row(&actf_[size_t(r) * kp2], I, kp2, f, L.group, &actq_[size_t(r) * kp2], &actscale_[r],
                    &actgsum_[size_t(r) * aa.ngroups]);
     });
@@ -785,7 +810,7 @@ void MoeRunner::forward(const ExpertLayer& L, const void* x, bool f32_io, int T,
   // Phase C: out[t] = scale * sum over its experts (ascending id) of weight * y, rounded once.
   constexpr int kChunk = 256;
   const int hchunks = (H + kChunk - 1) / kChunk;
-  pool_.run(T * hchunks, [&](int task, int) {
+  run(T * hchunks, int64_t(nslots) * H, [&](int task, int) {
     const int t = task / hchunks, h0 = (task % hchunks) * kChunk, h1 = std::min(H, h0 + kChunk);
     std::vector<int> js(topk);
     std::iota(js.begin(), js.end(), 0);

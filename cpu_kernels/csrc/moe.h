@@ -5,8 +5,8 @@
 //   fp8 : [kp/4][64] e4m3, each line two k pairs laid out so that unpacklo/unpackhi_epi8 of the
 //         converted high/low bytes yield the bf16 line of the first and second pair; scales [kp/bk]
 //   int8: [kp/4][16][4] s8 with per-row scales [16] and comp [16] = 128 * row sum (u8 activations)
-//   int4: [kp/8][16][4] bytes, byte j of a row holding k = 8c + j (low nibble) and 8c + 4 + j (high),
-//         nibble = q + 8; scales [kp/group][16]
+//   int4: per group of `group` columns: group/8 lines [16][4] bytes, byte j of a row holding k = 8c + j
+//         (low nibble) and 8c + 4 + j (high), nibble = q + 8; then one line of the 16 rows' fp32 scales
 // w13 interleaves tiles: 2t = gate rows 16t.., 2t + 1 = up rows 16t.. .
 #pragma once
 
@@ -70,6 +70,7 @@ class MoeRunner {
               bool f32_io, int num_tokens, void* out, Isa isa);
 
  private:
+  void run(int ntasks, int64_t elements, const std::function<void(int, int)>& fn);
   Act prepare_input(Format f, int group, const void* x, bool f32_io, int num_tokens, int k, int kp, int rows_per_token);
 
   ThreadPool pool_;
