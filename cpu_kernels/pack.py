@@ -2,8 +2,8 @@
 
 Every packed matrix is a W [N, K] split into tiles of 16 rows with K zero-padded to `kp`:
 bf16 lines of one k pair, fp8 lines of two k pairs (pre-shuffled for the in-register conversion),
-int8 lines of four k, int4 lines of eight k with each group's scales inline. `unpack_matrix` is the exact inverse up to quantization
-and is what the pure-torch reference computes with.
+int8 lines of four k, int4 lines of eight k with each group's scales inline. `unpack_matrix` is the
+exact inverse up to quantization and is what the pure-torch reference computes with.
 """
 
 from __future__ import annotations
