@@ -523,7 +523,8 @@ void tile_dot2(Isa isa, Format f, const Tile& ta, const Tile& tb, int block_k, i
 }
 
 // Symmetric per-row int8 quantization; int8 format stores q + 128 (u8 operand), int4 stores q and group sums.
-void quantize_row(const float* v, int k, int kp, Format f, int group, int8_t* q, float* scale, int32_t* gsum) {
+void quantize_row_generic(const float* v, int k, int kp, Format f, int group, int8_t* q, float* scale,
+                          int32_t* gsum) {
   float amax = 0.0f;
   for (int i = 0; i < k; ++i) amax = std::max(amax, std::fabs(v[i]));
   const float s = amax > 0.0f ? amax / 127.0f : 1.0f;
@@ -540,6 +541,46 @@ void quantize_row(const float* v, int k, int kp, Format f, int group, int8_t* q,
       gsum[g] = sum;
     }
   }
+}
+
+// The same arithmetic 16 lanes at a time (cvtps rounds to nearest even like nearbyint); kp % 16 == 0.
+AVX512_TARGET void quantize_row_avx512(const float* v, int k, int kp, Format f, int group, int8_t* q, float* scale,
+                                       int32_t* gsum) {
+  __m512 amax = _mm512_setzero_ps();
+  for (int i = 0; i < k; i += 16) {
+    const __mmask16 m = k - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (k - i)) - 1);
+    amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_maskz_loadu_ps(m, v + i)));
+  }
+  const float a = _mm512_reduce_max_ps(amax);
+  const float s = a > 0.0f ? a / 127.0f : 1.0f;
+  const __m512 inv = _mm512_set1_ps(1.0f / s);
+  const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+  const __m128i bias = _mm_set1_epi8(static_cast<char>(0x80));
+  int32_t run = 0;
+  for (int i = 0; i < kp; i += 16) {
+    const __mmask16 m = i >= k ? __mmask16(0) : (k - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (k - i)) - 1));
+    const __m512 x = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, v + i), inv), lo), hi);
+    const __m512i xi = _mm512_cvtps_epi32(x);
+    __m128i b = _mm512_cvtsepi32_epi8(xi);
+    if (f == Format::kINT8) b = _mm_xor_si128(b, bias);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), b);
+    if (f == Format::kINT4) {
+      run += _mm512_reduce_add_epi32(xi);
+      if ((i + 16) % group == 0) {
+        gsum[(i + 16) / group - 1] = run;
+        run = 0;
+      }
+    }
+  }
+  *scale = s;
+}
+
+void quantize_row(Isa isa, const float* v, int k, int kp, Format f, int group, int8_t* q, float* scale,
+                  int32_t* gsum) {
+  if (isa == Isa::kAvx512Bf16 && kp % 16 == 0 && (f == Format::kINT8 || group % 16 == 0))
+    quantize_row_avx512(v, k, kp, f, group, q, scale, gsum);
+  else
+    quantize_row_generic(v, k, kp, f, group, q, scale, gsum);
 }
 
 }  // namespace
@@ -583,7 +624,8 @@ void MoeRunner::run(int ntasks, int64_t elements, const std::function<void(int, 
   pool_.run(ntasks, fn);
 }
 
-Act MoeRunner::prepare_input(Format f, int group, const void* x, bool f32_io, int T, int K, int kp, int R) {
+Act MoeRunner::prepare_input(Format f, int group, const void* x, bool f32_io, int T, int K, int kp, int R,
+                             Isa isa) {
   const auto in_f32 = [&](int t, int h) {
     return f32_io ? static_cast<const float*>(x)[size_t(t) * K + h]
                   : bf16_to_f32(static_cast<const uint16_t*>(x)[size_t(t) * K + h]);
@@ -613,7 +655,8 @@ Act MoeRunner::prepare_input(Format f, int group, const void* x, bool f32_io, in
   run(T, int64_t(T) * K, [&](int t, int) {
     std::vector<float> row(K);
     for (int h = 0; h < K; ++h) row[h] = in_f32(t, h);
-    quantize_row(row.data(), K, kp, f, group, &xq_[size_t(t) * kp], &xscale_[t], &xgsum_[size_t(t) * xa.ngroups]);
+    quantize_row(isa, row.data(), K, kp, f, group, &xq_[size_t(t) * kp], &xscale_[t],
+                 &xgsum_[size_t(t) * xa.ngroups]);
   });
   xa.q = xq_.data();
   xa.scale = xscale_.data();
@@ -627,7 +670,7 @@ void MoeRunner::linear(Format f, const PackedMatrices& w, int n, int k, int bloc
   const bool int_fmt = f == Format::kINT8 || f == Format::kINT4;
   const int R = (f32_io && !int_fmt) ? 2 : 1;
   const int m = T * R;
-  const Act xa = prepare_input(f, group, x, f32_io, T, k, w.kp, R);
+  const Act xa = prepare_input(f, group, x, f32_io, T, k, w.kp, R, isa);
   std::vector<int> rows(m);
   std::iota(rows.begin(), rows.end(), 0);
   // Tasks are pairs of row tiles over all tokens; small batches split finer so both cores stay busy.
@@ -699,7 +742,7 @@ void MoeRunner::forward(const ExpertLayer& L, const void* x, bool f32_io, int T,
     if (count[e + 1] > count[e]) active.push_back(e);
 
   // Gate/up inputs: R bf16 rows per token padded to kp1, or quantized rows for the int formats.
-  const Act xa = prepare_input(f, L.group, x, f32_io, T, H, kp1, R);
+  const Act xa = prepare_input(f, L.group, x, f32_io, T, H, kp1, R, isa);
 
   // Phase A: act[r] = silu(gate) * up for every sorted slot r, tiles of 16 intermediate rows.
   if (int_fmt) actf_.assign(size_t(nslots) * kp2, 0.0f);
@@ -757,7 +800,7 @@ void MoeRunner::forward(const ExpertLayer& L, const void* x, bool f32_io, int T,
     actscale_.resize(nslots);
     actgsum_.resize(size_t(nslots) * aa.ngroups);
     run(nslots, int64_t(nslots) * kp2, [&](int r, int) {
-      quantize_row(&actf_[size_t(r) * kp2], I, kp2, f, L.group, &actq_[size_t(r) * kp2], &actscale_[r],
+      quantize_row(isa, &actf_[size_t(r) * kp2], I, kp2, f, L.group, &actq_[size_t(r) * kp2], &actscale_[r],
                    &actgsum_[size_t(r) * aa.ngroups]);
     });
     aa.q = actq_.data();

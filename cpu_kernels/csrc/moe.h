@@ -71,7 +71,8 @@ class MoeRunner {
 
  private:
   void run(int ntasks, int64_t elements, const std::function<void(int, int)>& fn);
-  Act prepare_input(Format f, int group, const void* x, bool f32_io, int num_tokens, int k, int kp, int rows_per_token);
+  Act prepare_input(Format f, int group, const void* x, bool f32_io, int num_tokens, int k, int kp, int rows_per_token,
+                    Isa isa);
 
   ThreadPool pool_;
   std::mutex mutex_;
