@@ -77,7 +77,8 @@ def main() -> None:
         console.print(f"writing {a.preset} ({a.layers} layers) to {model_dir} ...")
         make_model(model_dir, a.preset, layers=a.layers, fp8=a.fp8 or None)
 
-    bw_before = read_bandwidth_gbps(a.threads)
+    probe = lambda: statistics.median(read_bandwidth_gbps(a.threads, reps=5) for _ in range(3))  # noqa: E731
+    bw_before = probe()
     t0 = time.perf_counter()
     llm = LLM(model_dir, dtype=a.dtype, max_num_batched_tokens=max(512, a.prompt_len),
               max_model_len=a.prompt_len + a.decode_tokens + 8, max_num_seqs=1, backend=a.backend,
@@ -92,7 +93,7 @@ def main() -> None:
         out = llm.generate(torch.randint(10, vocab, (a.prompt_len,), generator=gen).tolist(), params)[0]
         prefill.append(a.prompt_len / out.ttft_s)
         decode.append(1.0 / out.tpot_s)
-    bw_after = read_bandwidth_gbps(a.threads)
+    bw_after = probe()
 
     touched = bytes_per_decode_token(llm)
     total = sum(touched.values())
