@@ -63,7 +63,6 @@ const Fp8Tables& fp8_tables() {
 
 inline float silu_mul(float g, float u) { return g / (1.0f + std::exp(-g)) * u; }
 
-
 struct Tile {
   const uint8_t* data;
   const float* scales;
@@ -180,6 +179,7 @@ AVX512_TARGET void dot_bf16(const Tile& t, const uint16_t* const* x, float* out)
     __m512 acc[TB];
     for (int i = 0; i < TB; ++i) acc[i] = _mm512_setzero_ps();
     for (int p = 0; p < pairs; ++p) {
+      if constexpr (TB <= 4) _mm_prefetch(reinterpret_cast<const char*>(w + p * 32) + kPrefetchBytes, _MM_HINT_T0);
       const __m512bh wv = as_bh(_mm512_loadu_si512(w + p * 32));
       for (int i = 0; i < TB; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], wv, as_bh(bcast32(x[i] + 2 * p)));
     }
@@ -243,6 +243,7 @@ AVX512_TARGET void dot_fp8(const Tile& t, int block_k, const uint16_t* const* x,
       __m512 part[TB];
       for (int i = 0; i < TB; ++i) part[i] = _mm512_setzero_ps();
       for (int c = 0; c < lines_per_block; ++c) {
+        if constexpr (TB <= 4) _mm_prefetch(reinterpret_cast<const char*>(base + c * 64 + kPrefetchBytes), _MM_HINT_T0);
         __m512bh a, b;
         fp8_line(regs, base + c * 64, a, b);
         const int k = k0 + 4 * c;
@@ -379,44 +380,7 @@ AVX512_TARGET void tile_dot_avx512(Format f, const Tile& t, int block_k, int gro
   }
 }
 
-// Prefill: two weight tiles (gate and up, or two adjacent down tiles) share every activation broadcast.
-// Lines are bf16 [kp/2][32]; with kScaled, each block_k columns form one partial sum scaled by that
-// block's factor (fp8 blocks), accumulated in `outa`/`outb` [TB][16].
-template <int TB, bool kScaled>
-AVX512_TARGET void dot2_lines(const uint16_t* wa, const uint16_t* wb, const float* sa, const float* sb, int kp,
-                              int block_k, const uint16_t* const* x, float* outa, float* outb) {
-  const int block = kScaled ? block_k : kp;
-  if (kScaled) {
-    std::memset(outa, 0, sizeof(float) * TB * kRows);
-    std::memset(outb, 0, sizeof(float) * TB * kRows);
-  }
-  for (int kb = 0; kb < kp / block; ++kb) {
-    __m512 pa[TB], pb[TB];
-    for (int i = 0; i < TB; ++i) pa[i] = pb[i] = _mm512_setzero_ps();
-    for (int p = kb * block / 2; p < (kb + 1) * block / 2; ++p) {
-      const __m512bh la = as_bh(_mm512_loadu_si512(wa + p * 32));
-      const __m512bh lb = as_bh(_mm512_loadu_si512(wb + p * 32));
-      for (int i = 0; i < TB; ++i) {
-        const __m512bh xv = as_bh(bcast32(x[i] + 2 * p));
-        pa[i] = _mm512_dpbf16_ps(pa[i], la, xv);
-        pb[i] = _mm512_dpbf16_ps(pb[i], lb, xv);
-      }
-    }
-    for (int i = 0; i < TB; ++i) {
-      if (kScaled) {
-        float* oa = outa + i * kRows;
-        float* ob = outb + i * kRows;
-        _mm512_storeu_ps(oa, _mm512_fmadd_ps(pa[i], _mm512_set1_ps(sa[kb]), _mm512_loadu_ps(oa)));
-        _mm512_storeu_ps(ob, _mm512_fmadd_ps(pb[i], _mm512_set1_ps(sb[kb]), _mm512_loadu_ps(ob)));
-      } else {
-        _mm512_storeu_ps(outa + i * kRows, pa[i]);
-        _mm512_storeu_ps(outb + i * kRows, pb[i]);
-      }
-    }
-  }
-}
-
-// One fp8 tile converted to bf16 lines once, so many token blocks reuse it from L2.
+// One fp8 tile (or column range of one) converted to bf16 lines once, so many token blocks reuse it.
 AVX512_TARGET void fp8_tile_to_lines(const Tile& t, uint16_t* lines) {
   const Fp8Regs regs = fp8_regs();
   for (int c = 0; c < t.kp / 4; ++c) {
@@ -427,49 +391,99 @@ AVX512_TARGET void fp8_tile_to_lines(const Tile& t, uint16_t* lines) {
   }
 }
 
-template <int TB>
-AVX512_TARGET void dot2_block(bool scaled, const uint16_t* wa, const uint16_t* wb, const Tile& ta, const Tile& tb,
-                              int block_k, const Act& a, const int* rows, float* outa, float* outb) {
+// Prefill: NT weight tiles (gate and up tiles of two row blocks, or adjacent down tiles) share every
+// activation broadcast: per k pair NT line loads and TB broadcasts feed NT * TB vdpbf16ps.
+// Lines are bf16 [kp/2][32]; with kScaled, each block_k columns form one partial sum scaled by that
+// block's factor (fp8 blocks) and added to out[j] [TB][16]; without, the sums are stored.
+template <int NT, int TB, bool kScaled>
+AVX512_TARGET void dotn_lines(const uint16_t* const* w, const float* const* s, int kp, int block_k,
+                              const uint16_t* const* x, float* const* out) {
+  const int block = kScaled ? block_k : kp;
+  for (int kb = 0; kb < kp / block; ++kb) {
+    __m512 acc[NT][TB];
+    for (int j = 0; j < NT; ++j)
+      for (int i = 0; i < TB; ++i) acc[j][i] = _mm512_setzero_ps();
+    for (int p = kb * block / 2; p < (kb + 1) * block / 2; ++p) {
+      __m512bh line[NT];
+      for (int j = 0; j < NT; ++j) line[j] = as_bh(_mm512_loadu_si512(w[j] + p * 32));
+      for (int i = 0; i < TB; ++i) {
+        const __m512bh xv = as_bh(bcast32(x[i] + 2 * p));
+        for (int j = 0; j < NT; ++j) acc[j][i] = _mm512_dpbf16_ps(acc[j][i], line[j], xv);
+      }
+    }
+    for (int j = 0; j < NT; ++j)
+      for (int i = 0; i < TB; ++i) {
+        float* o = out[j] + i * kRows;
+        if (kScaled) _mm512_storeu_ps(o, _mm512_fmadd_ps(acc[j][i], _mm512_set1_ps(s[j][kb]), _mm512_loadu_ps(o)));
+        else _mm512_storeu_ps(o, acc[j][i]);
+      }
+  }
+}
+
+// TB rows (tokens) x columns [k0, k0 + kp) of NT tiles; s[j] are tile j's scales for that column range.
+template <int NT, int TB>
+AVX512_TARGET void dotn_block(bool scaled, const uint16_t* const* w, const float* const* s, int k0, int kp,
+                              int block_k, const Act& a, const int* rows, float* const* out, int row0) {
   const uint16_t* x[TB];
-  for (int i = 0; i < TB; ++i) x[i] = a.bf + int64_t(rows[i]) * a.kp;
-  if (scaled) dot2_lines<TB, true>(wa, wb, ta.scales, tb.scales, ta.kp, block_k, x, outa, outb);
-  else dot2_lines<TB, false>(wa, wb, nullptr, nullptr, ta.kp, block_k, x, outa, outb);
+  float* o[NT];
+  for (int i = 0; i < TB; ++i) x[i] = a.bf + int64_t(rows[row0 + i]) * a.kp + k0;
+  for (int j = 0; j < NT; ++j) o[j] = out[j] + row0 * kRows;
+  if (scaled) dotn_lines<NT, TB, true>(w, s, kp, block_k, x, o);
+  else dotn_lines<NT, TB, false>(w, s, kp, block_k, x, o);
 }
 
-// Many tokens against two bf16 or fp8 tiles; `scratch` holds 2 * kp * 16 bf16 for converted fp8 tiles.
-AVX512_TARGET void tile_dot2_avx512(Format f, const Tile& ta, const Tile& tb, int block_k, const Act& a,
-                                    const int* rows, int n, float* outa, float* outb, uint16_t* scratch) {
-  const uint16_t* wa = reinterpret_cast<const uint16_t*>(ta.data);
-  const uint16_t* wb = reinterpret_cast<const uint16_t*>(tb.data);
-  const bool scaled = f == Format::kFP8;
-  if (scaled) {
-    fp8_tile_to_lines(ta, scratch);
-    fp8_tile_to_lines(tb, scratch + size_t(ta.kp) * kRows);
-    wa = scratch;
-    wb = scratch + size_t(ta.kp) * kRows;
+template <int NT, int TB>
+AVX512_TARGET void dotn_tail(int rest, bool scaled, const uint16_t* const* w, const float* const* s, int k0, int kp,
+                             int block_k, const Act& a, const int* rows, float* const* out, int row0) {
+  if constexpr (TB > 0) {
+    if (rest == TB) dotn_block<NT, TB>(scaled, w, s, k0, kp, block_k, a, rows, out, row0);
+    else dotn_tail<NT, TB - 1>(rest, scaled, w, s, k0, kp, block_k, a, rows, out, row0);
   }
+}
+
+template <int NT>
+AVX512_TARGET void dotn_rows(bool scaled, const uint16_t* const* w, const float* const* s, int k0, int kp,
+                             int block_k, const Act& a, const int* rows, int n, float* const* out) {
+  constexpr int kTB = NT >= 4 ? 6 : 8;  // NT * kTB accumulators + NT lines + 1 broadcast fit 32 registers
   int i = 0;
-  for (; i + 8 <= n; i += 8) dot2_block<8>(scaled, wa, wb, ta, tb, block_k, a, rows + i, outa + i * kRows, outb + i * kRows);
-  const int rest = n - i;
-  rows += i;
-  outa += i * kRows;
-  outb += i * kRows;
-  switch (rest) {
-    case 7: dot2_block<7>(scaled, wa, wb, ta, tb, block_k, a, rows, outa, outb); break;
-    case 6: dot2_block<6>(scaled, wa, wb, ta, tb, block_k, a, rows, outa, outb); break;
-    case 5: dot2_block<5>(scaled, wa, wb, ta, tb, block_k, a, rows, outa, outb); break;
-    case 4: dot2_block<4>(scaled, wa, wb, ta, tb, block_k, a, rows, outa, outb); break;
-    case 3: dot2_block<3>(scaled, wa, wb, ta, tb, block_k, a, rows, outa, outb); break;
-    case 2: dot2_block<2>(scaled, wa, wb, ta, tb, block_k, a, rows, outa, outb); break;
-    case 1: dot2_block<1>(scaled, wa, wb, ta, tb, block_k, a, rows, outa, outb); break;
-    default: break;
+  for (; i + kTB <= n; i += kTB) dotn_block<NT, kTB>(scaled, w, s, k0, kp, block_k, a, rows, out, i);
+  dotn_tail<NT, kTB - 1>(n - i, scaled, w, s, k0, kp, block_k, a, rows, out, i);
+}
+
+// Columns converted per step in the fp8 prefill path, so the tiles' bf16 lines stay in L2.
+constexpr int kFp8ChunkColumns = 1024;
+
+// Many tokens against NT bf16 or fp8 tiles. fp8 tiles are converted chunk by chunk of columns into
+// `scratch` (NT * min(kp, chunk) * 16 bf16) and every token block runs over a chunk before the next.
+template <int NT>
+AVX512_TARGET void tile_dotn_avx512(Format f, const Tile* t, int block_k, const Act& a, const int* rows, int n,
+                                    float* const* out, uint16_t* scratch) {
+  const uint16_t* w[NT];
+  const float* s[NT] = {};
+  if (f != Format::kFP8) {
+    for (int j = 0; j < NT; ++j) w[j] = reinterpret_cast<const uint16_t*>(t[j].data);
+    dotn_rows<NT>(false, w, s, 0, t[0].kp, block_k, a, rows, n, out);
+    return;
+  }
+  for (int j = 0; j < NT; ++j) std::memset(out[j], 0, sizeof(float) * n * kRows);
+  const int chunk = std::min(t[0].kp, std::max(block_k, kFp8ChunkColumns / block_k * block_k));
+  for (int k0 = 0; k0 < t[0].kp; k0 += chunk) {
+    const int klen = std::min(chunk, t[0].kp - k0);
+    for (int j = 0; j < NT; ++j) {
+      uint16_t* lines = scratch + size_t(j) * chunk * kRows;
+      fp8_tile_to_lines(Tile{t[j].data + int64_t(k0) * kRows, nullptr, nullptr, klen}, lines);
+      w[j] = lines;
+      s[j] = t[j].scales + k0 / block_k;
+    }
+    dotn_rows<NT>(true, w, s, k0, klen, block_k, a, rows, n, out);
   }
 }
 
-// Rows of one expert against two tiles: the prefill kernel above where it pays (bf16/fp8 on AVX-512 with
-// more than one token block), else two single-tile passes.
-void tile_dot2(Isa isa, Format f, const Tile& ta, const Tile& tb, int block_k, int group, const Act& a,
-               const int* rows, int n, float* outa, float* outb, uint16_t* scratch);
+// Rows of one expert against nt (1, 2 or 4) tiles of the same column count: the shared-broadcast prefill
+// kernel where it pays (bf16/fp8 on AVX-512 with more than one token block), else one tile at a time.
+// `scratch` holds nt * kp * 16 bf16.
+void tile_dot_multi(Isa isa, Format f, const Tile* tiles, int nt, int block_k, int group, const Act& a,
+                    const int* rows, int n, float* const* outs, uint16_t* scratch);
 
 // exp(x) = 2^n * 2^f with |f| <= 1/2 and a degree-7 Taylor polynomial of 2^f (relative error < 1e-7).
 AVX512_TARGET inline __m512 exp512(__m512 x) {
@@ -509,17 +523,17 @@ void tile_dot(Isa isa, Format f, const Tile& t, int block_k, int group, const Ac
   else tile_dot_generic(f, t, block_k, group, a, rows, n, out);
 }
 
-void tile_dot2(Isa isa, Format f, const Tile& ta, const Tile& tb, int block_k, int group, const Act& a,
-               const int* rows, int n, float* outa, float* outb, uint16_t* scratch) {
+void tile_dot_multi(Isa isa, Format f, const Tile* tiles, int nt, int block_k, int group, const Act& a,
+                    const int* rows, int n, float* const* outs, uint16_t* scratch) {
   if (isa == Isa::kAvx512Bf16 && (f == Format::kBF16 || f == Format::kFP8) && n > kMaxTokenBlock) {
-    tile_dot2_avx512(f, ta, tb, block_k, a, rows, n, outa, outb, scratch);
+    if (nt == 4) tile_dotn_avx512<4>(f, tiles, block_k, a, rows, n, outs, scratch);
+    else if (nt == 2) tile_dotn_avx512<2>(f, tiles, block_k, a, rows, n, outs, scratch);
+    else tile_dotn_avx512<1>(f, tiles, block_k, a, rows, n, outs, scratch);
     return;
   }
-  for (int b = 0; b < n; b += kMaxTokenBlock) {
-    const int nb = std::min(kMaxTokenBlock, n - b);
-    tile_dot(isa, f, ta, block_k, group, a, rows + b, nb, outa + b * kRows);
-    tile_dot(isa, f, tb, block_k, group, a, rows + b, nb, outb + b * kRows);
-  }
+  for (int j = 0; j < nt; ++j)
+    for (int b = 0; b < n; b += kMaxTokenBlock)
+      tile_dot(isa, f, tiles[j], block_k, group, a, rows + b, std::min(kMaxTokenBlock, n - b), outs[j] + b * kRows);
 }
 
 // Symmetric per-row int8 quantization; int8 format stores q + 128 (u8 operand), int4 stores q and group sums.
@@ -664,6 +678,24 @@ Act MoeRunner::prepare_input(Format f, int group, const void* x, bool f32_io, in
   return xa;
 }
 
+// Runs tiles [t0, t1) of one matrix four (then two, then one) at a time; store(y, tile) takes each result.
+template <typename Store>
+void tile_range(Isa isa, Format f, const PackedMatrices& m, int expert, int t0, int t1, int block_k, int group,
+                const Act& a, const int* rows, int n, std::vector<float>* ys, uint16_t* scratch, Store store) {
+  for (int ti = t0; ti < t1;) {
+    const int nt = t1 - ti >= 4 ? 4 : (t1 - ti >= 2 ? 2 : 1);
+    Tile tiles[4];
+    float* outs[4];
+    for (int j = 0; j < nt; ++j) {
+      tiles[j] = tile_of(m, expert, ti + j, f, block_k, group);
+      outs[j] = ys[j].data();
+    }
+    tile_dot_multi(isa, f, tiles, nt, block_k, group, a, rows, n, outs, scratch);
+    for (int j = 0; j < nt; ++j) store(ys[j].data(), ti + j);
+    ti += nt;
+  }
+}
+
 void MoeRunner::linear(Format f, const PackedMatrices& w, int n, int k, int block_k, int group, const void* x,
                        bool f32_io, int T, void* out, Isa isa) {
   std::lock_guard<std::mutex> lock(mutex_);
@@ -674,15 +706,14 @@ void MoeRunner::linear(Format f, const PackedMatrices& w, int n, int k, int bloc
   std::vector<int> rows(m);
   std::iota(rows.begin(), rows.end(), 0);
   // Tasks are pairs of row tiles over all tokens; small batches split finer so both cores stay busy.
-  const int pairs = (w.tiles + 1) / 2;
-  const int pairs_per_task = std::max(1, std::min(8, pairs / (4 * num_threads())));
-  const int tasks = (pairs + pairs_per_task - 1) / pairs_per_task;
+  // Tasks are runs of row tiles over all tokens; small batches split finer so both cores stay busy.
+  const int per_task = std::max(1, std::min(16, w.tiles / (8 * num_threads())));
+  const int tasks = (w.tiles + per_task - 1) / per_task;
   pool_.run(tasks, [&](int task, int) {
-    thread_local std::vector<float> ya, yb;
+    thread_local std::vector<float> ys[4];
     thread_local std::vector<uint16_t> scratch;
-    ya.resize(size_t(m) * kRows);
-    yb.resize(size_t(m) * kRows);
-    scratch.resize(size_t(2) * w.kp * kRows);
+    for (auto& y : ys) y.resize(size_t(m) * kRows);
+    scratch.resize(size_t(4) * w.kp * kRows);
     const auto store = [&](const float* y, int ti) {
       for (int t = 0; t < T; ++t)
         for (int c = 0; c < kRows && ti * kRows + c < n; ++c) {
@@ -693,21 +724,8 @@ void MoeRunner::linear(Format f, const PackedMatrices& w, int n, int k, int bloc
           else static_cast<uint16_t*>(out)[at] = f32_to_bf16(v);
         }
     };
-    for (int pi = task * pairs_per_task; pi < std::min(pairs, (task + 1) * pairs_per_task); ++pi) {
-      const int ti = 2 * pi;
-      const Tile ta = tile_of(w, 0, ti, f, block_k, group);
-      if (ti + 1 < w.tiles) {
-        const Tile tb = tile_of(w, 0, ti + 1, f, block_k, group);
-        tile_dot2(isa, f, ta, tb, block_k, group, xa, rows.data(), m, ya.data(), yb.data(), scratch.data());
-        store(ya.data(), ti);
-        store(yb.data(), ti + 1);
-      } else {
-        for (int b = 0; b < m; b += kMaxTokenBlock)
-          tile_dot(isa, f, ta, block_k, group, xa, rows.data() + b, std::min(kMaxTokenBlock, m - b),
-                   ya.data() + size_t(b) * kRows);
-        store(ya.data(), ti);
-      }
-    }
+    tile_range(isa, f, w, 0, task * per_task, std::min(w.tiles, (task + 1) * per_task), block_k, group, xa,
+               rows.data(), m, ys, scratch.data(), store);
   });
 }
 
@@ -754,27 +772,30 @@ void MoeRunner::forward(const ExpertLayer& L, const void* x, bool f32_io, int T,
     const int t0 = (task % tasks_per_expert) * tiles_per_task, t1 = std::min(itiles, t0 + tiles_per_task);
     const int begin = count[e], n = count[e + 1] - count[e], m = n * R;
     thread_local std::vector<int> rows;
-    thread_local std::vector<float> gate, up;
+    thread_local std::vector<float> ys[4];
     thread_local std::vector<uint16_t> scratch;
     rows.resize(m);
-    gate.resize(size_t(m) * kRows);
-    up.resize(size_t(m) * kRows);
-    scratch.resize(size_t(2) * kp1 * kRows);
+    for (auto& y : ys) y.resize(size_t(m) * kRows);
+    scratch.resize(size_t(4) * kp1 * kRows);
     for (int i = 0; i < m; ++i) rows[i] = tok[begin + i / R] * R + i % R;
-    for (int ti = t0; ti < t1; ++ti) {
-      const Tile tg = tile_of(L.w13, e, 2 * ti, f, L.block_k, L.group);
-      const Tile tu = tile_of(L.w13, e, 2 * ti + 1, f, L.block_k, L.group);
-      tile_dot2(isa, f, tg, tu, L.block_k, L.group, xa, rows.data(), m, gate.data(), up.data(), scratch.data());
+    // Tiles 2ti (gate) and 2ti + 1 (up) arrive in order: keep each gate until its up tile is stored.
+    float* pending_gate = nullptr;
+    std::vector<float> gate_copy;
+    const auto store = [&](const float* y, int tile) {
+      if (tile % 2 == 0) {
+        gate_copy.assign(y, y + size_t(m) * kRows);
+        pending_gate = gate_copy.data();
+        return;
+      }
+      const int ti = tile / 2;
       for (int i = 0; i < n; ++i) {
         const size_t r = size_t(begin + i);
-        float* g = gate.data() + size_t(i) * R * kRows;
-        float* u = up.data() + size_t(i) * R * kRows;
-        if (R == 2) {
-          for (int c = 0; c < kRows; ++c) {
-            g[c] += g[kRows + c];
-            u[c] += u[kRows + c];
-          }
-        }
+        float* g = pending_gate + size_t(i) * R * kRows;
+        const float* u0 = y + size_t(i) * R * kRows;
+        float u[kRows];
+        for (int c = 0; c < kRows; ++c) u[c] = R == 2 ? u0[c] + u0[kRows + c] : u0[c];
+        if (R == 2)
+          for (int c = 0; c < kRows; ++c) g[c] += g[kRows + c];
         float act[kRows];
         silu_mul_row(isa, g, u, act);
         for (int c = 0; c < kRows; ++c) {
@@ -789,7 +810,8 @@ void MoeRunner::forward(const ExpertLayer& L, const void* x, bool f32_io, int T,
           }
         }
       }
-    }
+    };
+    tile_range(isa, f, L.w13, e, 2 * t0, 2 * t1, L.block_k, L.group, xa, rows.data(), m, ys, scratch.data(), store);
   });
 
   Act aa;
@@ -820,12 +842,11 @@ void MoeRunner::forward(const ExpertLayer& L, const void* x, bool f32_io, int T,
     const int t0 = (task % btasks) * htiles_per_task, t1 = std::min(htiles, t0 + htiles_per_task);
     const int begin = count[e], n = count[e + 1] - count[e], m = n * R;
     thread_local std::vector<int> rows;
-    thread_local std::vector<float> ya, yb;
+    thread_local std::vector<float> ys[4];
     thread_local std::vector<uint16_t> scratch;
     rows.resize(m);
-    ya.resize(size_t(m) * kRows);
-    yb.resize(size_t(m) * kRows);
-    scratch.resize(size_t(2) * kp2 * kRows);
+    for (auto& y : ys) y.resize(size_t(m) * kRows);
+    scratch.resize(size_t(4) * kp2 * kRows);
     for (int i = 0; i < m; ++i) rows[i] = (begin + i / R) * R + i % R;
     const auto store = [&](const float* y, int ti) {
       for (int i = 0; i < n; ++i) {
@@ -834,20 +855,7 @@ void MoeRunner::forward(const ExpertLayer& L, const void* x, bool f32_io, int T,
         for (int c = 0; c < kRows; ++c) dst[c] = R == 2 ? src[c] + src[kRows + c] : src[c];
       }
     };
-    for (int ti = t0; ti < t1; ti += 2) {
-      const Tile ta = tile_of(L.w2, e, ti, f, L.block_k, L.group);
-      if (ti + 1 < t1) {
-        const Tile tb2 = tile_of(L.w2, e, ti + 1, f, L.block_k, L.group);
-        tile_dot2(isa, f, ta, tb2, L.block_k, L.group, aa, rows.data(), m, ya.data(), yb.data(), scratch.data());
-        store(ya.data(), ti);
-        store(yb.data(), ti + 1);
-      } else {
-        for (int b = 0; b < m; b += kMaxTokenBlock)
-          tile_dot(isa, f, ta, L.block_k, L.group, aa, rows.data() + b, std::min(kMaxTokenBlock, m - b),
-                   ya.data() + size_t(b) * kRows);
-        store(ya.data(), ti);
-      }
-    }
+    tile_range(isa, f, L.w2, e, t0, t1, L.block_k, L.group, aa, rows.data(), m, ys, scratch.data(), store);
   });
 
   // Phase C: out[t] = scale * sum over its experts (ascending id) of weight * y, rounded once.
