@@ -25,7 +25,7 @@ def causal_mask(query_len: int, context_len: int, device: torch.device) -> torch
 
 
 def softmax_attention(scores: torch.Tensor, query_len: int, context_len: int, dtype: torch.dtype) -> torch.Tensor:
-    """scores [H, Tq, Tk] (already scaled) -> probabilities in `dtype`, causal, softmax in float32."""
+    """scores [..., Tq, Tk] (already scaled) -> probabilities in `dtype`, causal, softmax in float32."""
     if query_len > 1:
         scores = scores.masked_fill(causal_mask(query_len, context_len, scores.device), float("-inf"))
     return torch.softmax(scores, dim=-1, dtype=torch.float32).to(dtype)
@@ -34,13 +34,19 @@ def softmax_attention(scores: torch.Tensor, query_len: int, context_len: int, dt
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_starts: list[int],
                     query_lens: list[int], context_lens: list[int], block_tables: list[torch.Tensor],
                     scale: float) -> torch.Tensor:
-    """Grouped-query attention. q [N, Hq, D]; caches [blocks, block_size, Hkv, D]; returns [N, Hq, Dv]."""
+    """Grouped-query attention. q [N, Hq, D]; caches [blocks, block_size, Hkv, D]; returns [N, Hq, Dv].
+
+    The query heads sharing a KV head are stacked into one matrix per KV head, so K and V are read as
+    they are cached instead of being repeated for every query head."""
     hq, hkv = q.shape[1], k_cache.shape[2]
+    group = hq // hkv
     out = q.new_empty(q.shape[0], hq, v_cache.shape[-1])
     for start, qlen, ctx, table in zip(query_starts, query_lens, context_lens, block_tables):
-        qs = q[start:start + qlen].transpose(0, 1)
-        k = gather_cache(k_cache, table, ctx).transpose(0, 1).repeat_interleave(hq // hkv, dim=0)
-        v = gather_cache(v_cache, table, ctx).transpose(0, 1).repeat_interleave(hq // hkv, dim=0)
-        probs = softmax_attention(torch.matmul(qs, k.transpose(1, 2)) * scale, qlen, ctx, q.dtype)
-        out[start:start + qlen] = torch.matmul(probs, v).transpose(0, 1)
+        qs = q[start:start + qlen].view(qlen, hkv, group, -1).permute(1, 2, 0, 3).reshape(hkv, group * qlen, -1)
+        k = gather_cache(k_cache, table, ctx).permute(1, 2, 0)
+        v = gather_cache(v_cache, table, ctx).transpose(0, 1)
+        scores = torch.bmm(qs, k).view(hkv, group, qlen, ctx) * scale
+        probs = softmax_attention(scores, qlen, ctx, q.dtype).view(hkv, group * qlen, ctx)
+        o = torch.bmm(probs, v).view(hkv, group, qlen, -1)
+        out[start:start + qlen] = o.permute(2, 0, 1, 3).reshape(qlen, hq, -1)
     return out

@@ -6,13 +6,15 @@ import argparse
 import json
 import logging
 import sys
+from pathlib import Path
 
 from hybrid.config import ConfigError
+from hybrid.expert_pack import PackError
 from hybrid.loader import CheckpointError
 from hybrid.sampling_params import SamplingParams
 from hybrid.tokenizer import TokenizerError
 
-USER_ERRORS = (ConfigError, CheckpointError, TokenizerError, ValueError, FileNotFoundError)
+USER_ERRORS = (ConfigError, CheckpointError, PackError, TokenizerError, ValueError, FileNotFoundError)
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -30,13 +32,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="routed-expert weights in RAM (auto: the checkpoint's, fp8 stays fp8)")
     p.add_argument("--dense-format", default="auto", choices=["auto", "bf16", "fp8", "int8"],
                    help="dense linear weights with the cpu backend (auto: the checkpoint's)")
+    p.add_argument("--expert-pack", help="map the experts from this `hybridd pack` directory instead of packing")
 
 
 def _engine_kwargs(a: argparse.Namespace) -> dict:
     return dict(dtype=a.dtype, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
                 max_num_batched_tokens=a.max_num_batched_tokens, num_kv_blocks=a.num_kv_blocks,
                 kv_cache_bytes=int(a.kv_cache_gb * 2**30), backend=a.backend, expert_format=a.expert_format,
-                dense_format=a.dense_format, num_threads=a.threads)
+                dense_format=a.dense_format, num_threads=a.threads, expert_pack=a.expert_pack)
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -92,6 +95,27 @@ def cmd_generate(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_pack(a: argparse.Namespace) -> int:
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+    from hybrid.config import ModelConfig
+    from hybrid.expert_pack import default_pack_dir, expert_bytes_to_read, verify_pack, write_pack
+    from hybrid.models.experts import default_expert_format
+
+    config = ModelConfig.from_dir(a.model_dir)
+    fmt = a.experts or default_expert_format(config)
+    out = Path(a.out) if a.out else default_pack_dir(a.model_dir, fmt)
+    columns = (TextColumn("packing {task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+               TimeRemainingColumn())
+    with Progress(*columns, transient=True, disable=a.quiet) as bar:
+        task = bar.add_task(f"{config.model_dir.name} experts as {fmt}", total=expert_bytes_to_read(config))
+        wrote = write_pack(a.model_dir, out, fmt, progress=lambda n: bar.advance(task, n))
+    if a.verify:
+        verify_pack(out)
+    print(f"{out}: {'packed' if wrote else 'already up to date'}{' and verified' if a.verify else ''}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="hybridd", description="Local inference for large MoE models.")
     ap.add_argument("-v", "--verbose", action="store_true")
@@ -111,6 +135,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--json", action="store_true", help="print one JSON object with ids, text and timings")
     g.set_defaults(func=cmd_generate)
+    pk = sub.add_parser("pack", help="pack a checkpoint's routed experts into one mappable file")
+    pk.add_argument("model_dir")
+    pk.add_argument("--experts", choices=["bf16", "fp8", "int8", "int4"],
+                    help="expert format (default: the checkpoint's, fp8 stays fp8)")
+    pk.add_argument("--out", help="pack directory (default: $HYBRIDD_HOME/packs/NAME-HASH-FORMAT)")
+    pk.add_argument("--verify", action="store_true", help="re-read the pack and check every checksum")
+    pk.add_argument("--quiet", action="store_true", help="no progress bar")
+    pk.set_defaults(func=cmd_pack)
     return ap
 
 

@@ -206,6 +206,7 @@ class EngineConfig:
     expert_format: str = "auto"
     dense_format: str = "auto"
     num_threads: int | None = None
+    expert_pack: str | Path | None = None
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -223,6 +224,8 @@ class EngineConfig:
             raise ConfigError(f"expert_format must be auto, bf16, fp8, int8 or int4, got {self.expert_format!r}")
         if self.dense_format not in ("auto", "bf16", "fp8", "int8"):
             raise ConfigError(f"dense_format must be auto, bf16, fp8 or int8, got {self.dense_format!r}")
+        if self.backend == "torch" and self.expert_pack is not None:
+            raise ConfigError("an expert pack is run by the cpu backend's kernels, not the torch reference")
         if self.backend == "torch" and (self.expert_format, self.dense_format) != ("auto", "auto"):
             raise ConfigError("expert_format / dense_format need the cpu backend; the torch reference computes "
                               "with the checkpoint's weights in the compute dtype")

@@ -47,7 +47,7 @@ class ModelRunner:
             torch.set_num_threads(1)
         if experts is None:
             experts = load_experts(engine_config.backend, reader, model_config, self.dtype,
-                                   engine_config.expert_format, engine_config.num_threads)
+                                   engine_config.expert_format, engine_config.num_threads, engine_config.expert_pack)
         self.experts = experts
         self.model = build_model(model_config, self.experts, self.dtype)
         load_weights(self.model, reader, model_config.tie_word_embeddings)

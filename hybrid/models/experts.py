@@ -76,6 +76,36 @@ class TorchExperts(Experts):
         return out
 
 
+def default_expert_format(config: ModelConfig) -> str:
+    return "fp8" if config.fp8_block else "bf16"
+
+
+def pack_layer(reader: CheckpointReader, config: ModelConfig, layer: int, fmt: str | None = None):
+    """One MoE layer's experts in the kernels' layout. fp8 checkpoint weights packed as fp8 keep their own
+    block scales (no requantization); every other combination goes through bf16."""
+    from cpu_kernels.moe import pack_experts
+    from cpu_kernels.pack import Format
+
+    fmt = Format.parse(fmt or default_expert_format(config))
+    h, i = config.hidden_size, config.moe_intermediate_size
+    mats: dict[str, list] = {"gate_proj": [], "up_proj": [], "down_proj": []}
+    scales: dict[str, list] = {k: [] for k in mats}
+    for e in range(config.num_experts):
+        for proj, shape in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i))):
+            name = expert_weight_name(layer, e, proj)
+            if fmt == Format.FP8 and config.fp8_block and reader.is_fp8(name):
+                mats[proj].append(reader.get(name))
+                scales[proj].append(reader.get(f"{name}_scale_inv"))
+            else:
+                mats[proj].append(reader.weight(name, shape, torch.bfloat16))
+    native = bool(scales["gate_proj"])
+    return pack_experts(
+        mats["gate_proj"], mats["up_proj"], mats["down_proj"], fmt,
+        gate_scale=scales["gate_proj"] if native else None, up_scale=scales["up_proj"] if native else None,
+        down_scale=scales["down_proj"] if native else None, block=tuple(config.fp8_block) if native else (128, 128),
+    )
+
+
 class KernelExperts(Experts):
     """The C++ fused-MoE kernels over packed weights (cpu_kernels): fp8 checkpoints stay fp8 in RAM unless
     another format is asked for; activations in the model dtype (bf16, or fp32 carried exactly)."""
@@ -86,31 +116,7 @@ class KernelExperts(Experts):
     @classmethod
     def load(cls, reader: CheckpointReader, config: ModelConfig, fmt: str | None = None,
              num_threads: int | None = None) -> "KernelExperts":
-        from cpu_kernels.moe import pack_experts
-        from cpu_kernels.pack import Format
-
-        fmt = Format.parse(fmt or ("fp8" if config.fp8_block else "bf16"))
-        h, i = config.hidden_size, config.moe_intermediate_size
-        layers = {}
-        for layer in config.moe_layers:
-            mats: dict[str, list] = {"gate_proj": [], "up_proj": [], "down_proj": []}
-            scales: dict[str, list] = {k: [] for k in mats}
-            for e in range(config.num_experts):
-                for proj, shape in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i))):
-                    name = expert_weight_name(layer, e, proj)
-                    if fmt == Format.FP8 and config.fp8_block and reader.is_fp8(name):
-                        mats[proj].append(reader.get(name))
-                        scales[proj].append(reader.get(f"{name}_scale_inv"))
-                    else:
-                        mats[proj].append(reader.weight(name, shape, torch.bfloat16))
-            native = bool(scales["gate_proj"])
-            layers[layer] = pack_experts(
-                mats["gate_proj"], mats["up_proj"], mats["down_proj"], fmt,
-                gate_scale=scales["gate_proj"] if native else None, up_scale=scales["up_proj"] if native else None,
-                down_scale=scales["down_proj"] if native else None,
-                block=tuple(config.fp8_block) if native else (128, 128),
-            )
-        return cls(layers, num_threads)
+        return cls({layer: pack_layer(reader, config, layer, fmt) for layer in config.moe_layers}, num_threads)
 
     def forward(self, layer: int, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:
@@ -122,8 +128,14 @@ class KernelExperts(Experts):
 
 
 def load_experts(backend: str, reader: CheckpointReader, config: ModelConfig, dtype: torch.dtype,
-                 expert_format: str = "auto", num_threads: int | None = None) -> Experts:
-    """The in-process experts for `backend`: 'cpu' kernels or the 'torch' reference."""
+                 expert_format: str = "auto", num_threads: int | None = None, pack_dir=None) -> Experts:
+    """The in-process experts for `backend`: 'cpu' kernels (from a mapped pack when `pack_dir` is given,
+    else packed in RAM now) or the 'torch' reference."""
+    fmt = None if expert_format == "auto" else expert_format
     if backend == "torch":
         return TorchExperts.load(reader, config, dtype)
-    return KernelExperts.load(reader, config, None if expert_format == "auto" else expert_format, num_threads)
+    if pack_dir is not None:
+        from hybrid.expert_pack import load_pack
+
+        return KernelExperts(load_pack(pack_dir, config, fmt), num_threads)
+    return KernelExperts.load(reader, config, fmt, num_threads)

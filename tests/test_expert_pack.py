@@ -1,0 +1,113 @@
+"""hybridd pack: one aligned, checksummed, mappable expert file that the kernels run from unchanged."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import prompt_ids
+
+import hybrid.expert_pack as expert_pack
+from hybrid import LLM, SamplingParams
+from hybrid.config import ModelConfig
+from hybrid.expert_pack import EXPERTS_FILE, INDEX_FILE, PackError, load_pack, verify_pack, write_pack
+from hybrid.loader import CheckpointReader
+from hybrid.models.experts import pack_layer
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+
+@pytest.mark.parametrize("preset,fmt", [("tiny-deepseek-v3-fp8", "fp8"), ("tiny-qwen3-moe", "bf16"),
+                                        ("tiny-qwen3-moe", "int4"), ("tiny-deepseek-v3", "int8")])
+def test_pack_maps_back_to_the_same_weights_and_tokens(model_dirs, tmp_path, preset, fmt):
+    model = model_dirs[preset]
+    assert write_pack(model, tmp_path, fmt)
+    config = ModelConfig.from_dir(model)
+    mapped = load_pack(tmp_path, config, fmt)
+    reader = CheckpointReader(model, config.fp8_block)
+    index = json.loads((tmp_path / INDEX_FILE).read_text())
+    for layer in config.moe_layers:
+        fresh = pack_layer(reader, config, layer, fmt)
+        for field in expert_pack.FIELDS:
+            a, b = getattr(fresh, field), getattr(mapped[layer], field)
+            assert (a is None and b is None) or torch.equal(a, b), field
+        assert all(spec["offset"] % 64 == 0 for spec in index["layers"][str(layer)]["tensors"].values())
+    ids = prompt_ids(20, seed=3)
+    inline = LLM(model, expert_format=fmt).generate(ids, GREEDY)[0].token_ids
+    assert LLM(model, expert_format=fmt, expert_pack=str(tmp_path)).generate(ids, GREEDY)[0].token_ids == inline
+
+
+def test_repacking_an_up_to_date_pack_writes_nothing(model_dirs, tmp_path):
+    model = model_dirs["tiny-qwen3-moe"]
+    assert write_pack(model, tmp_path)
+    stamp = (tmp_path / EXPERTS_FILE).stat().st_mtime_ns
+    assert not write_pack(model, tmp_path)
+    assert (tmp_path / EXPERTS_FILE).stat().st_mtime_ns == stamp
+    assert write_pack(model, tmp_path, "int8")  # another format is a new pack
+
+
+def test_a_pack_for_something_else_is_refused(model_dirs, tmp_path):
+    write_pack(model_dirs["tiny-qwen3-moe"], tmp_path, "bf16")
+    with pytest.raises(PackError, match="packed from"):
+        load_pack(tmp_path, ModelConfig.from_dir(model_dirs["tiny-deepseek-v3"]))
+    with pytest.raises(PackError, match="packed as bf16, not fp8"):
+        load_pack(tmp_path, ModelConfig.from_dir(model_dirs["tiny-qwen3-moe"]), "fp8")
+    index = json.loads((tmp_path / INDEX_FILE).read_text())
+    index["version"] = 0
+    (tmp_path / INDEX_FILE).write_text(json.dumps(index))
+    with pytest.raises(PackError, match="pack version"):
+        load_pack(tmp_path, ModelConfig.from_dir(model_dirs["tiny-qwen3-moe"]))
+
+
+def test_an_interrupted_pack_never_looks_complete(model_dirs, tmp_path, monkeypatch):
+    model = model_dirs["tiny-deepseek-v3"]
+    write_pack(model, tmp_path, "bf16")
+    calls = []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return pack_layer(*args, **kwargs)
+
+    monkeypatch.setattr(expert_pack, "pack_layer", failing)
+    with pytest.raises(KeyboardInterrupt):
+        write_pack(model, tmp_path, "int8")
+    assert not (tmp_path / INDEX_FILE).exists()
+    with pytest.raises(PackError, match="no complete expert pack"):
+        load_pack(tmp_path, ModelConfig.from_dir(model))
+
+
+def test_corruption_and_truncation_are_caught(model_dirs, tmp_path):
+    model = model_dirs["tiny-qwen3-moe"]
+    write_pack(model, tmp_path)
+    verify_pack(tmp_path)
+    data = bytearray((tmp_path / EXPERTS_FILE).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (tmp_path / EXPERTS_FILE).write_bytes(bytes(data))
+    with pytest.raises(PackError, match="checksum"):
+        verify_pack(tmp_path)
+    (tmp_path / EXPERTS_FILE).write_bytes(bytes(data[: len(data) // 3]))
+    with pytest.raises(PackError, match="truncated"):
+        load_pack(tmp_path, ModelConfig.from_dir(model))
+
+
+def test_cli_pack_then_generate_from_it(model_dirs, tmp_path):
+    model = tmp_path / "model"
+    shutil.copytree(model_dirs["tiny-deepseek-v3-fp8"], model)
+    out = tmp_path / "pack"
+    run = lambda *a: subprocess.run([sys.executable, "-m", "hybrid.cli", *a], capture_output=True,  # noqa: E731
+                                    text=True, timeout=300)
+    r = run("pack", str(model), "--out", str(out), "--verify", "--quiet")
+    assert r.returncode == 0 and "packed and verified" in r.stdout, r.stderr
+    r = run("pack", str(model), "--out", str(out), "--quiet")
+    assert "already up to date" in r.stdout
+    r = run("generate", "--model", str(model), "--expert-pack", str(out), "--prompt-ids", "5,6,7", "--json",
+            "--max-tokens", "4")
+    assert r.returncode == 0 and len(json.loads(r.stdout)["token_ids"]) == 4, r.stderr
+    r = run("generate", "--model", str(model), "--expert-pack", str(tmp_path), "--prompt-ids", "5", "--json")
+    assert r.returncode == 2 and "no complete expert pack" in r.stderr
