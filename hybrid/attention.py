@@ -43,8 +43,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     out = q.new_empty(q.shape[0], hq, v_cache.shape[-1])
     for start, qlen, ctx, table in zip(query_starts, query_lens, context_lens, block_tables):
         qs = q[start:start + qlen].view(qlen, hkv, group, -1).permute(1, 2, 0, 3).reshape(hkv, group * qlen, -1)
-        k = gather_cache(k_cache, table, ctx).permute(1, 2, 0)
-        v = gather_cache(v_cache, table, ctx).transpose(0, 1)
+        k = gather_cache(k_cache, table, ctx).permute(1, 2, 0).contiguous()
+        v = gather_cache(v_cache, table, ctx).transpose(0, 1).contiguous()
         scores = torch.bmm(qs, k).view(hkv, group, qlen, ctx) * scale
         probs = softmax_attention(scores, qlen, ctx, q.dtype).view(hkv, group * qlen, ctx)
         o = torch.bmm(probs, v).view(hkv, group, qlen, -1)
