@@ -7,7 +7,9 @@ from torch import nn
 
 from hybrid.config import ModelConfig
 from hybrid.forward_batch import ForwardBatch
-from hybrid.models.layers import Linear, RMSNorm, empty_param
+from hybrid.models.experts import Experts
+from hybrid.models.layers import GatedMLP, Linear, RMSNorm, empty_param
+from hybrid.models.rotary_embedding import RotaryEmbedding
 
 
 class DecoderLayer(nn.Module):
@@ -22,6 +24,18 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), batch)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def decoder_layers(cfg: ModelConfig, experts: Experts, dtype: torch.dtype, attention: type[nn.Module],
+                   moe: type[nn.Module]) -> list[DecoderLayer]:
+    """One DecoderLayer per layer: `attention`, and `moe` on MoE layers or a dense GatedMLP elsewhere."""
+    rope = RotaryEmbedding(cfg.rope)
+    return [
+        DecoderLayer(cfg, attention(cfg, i, rope, dtype),
+                     moe(cfg, i, experts, dtype) if i in cfg.moe_layers
+                     else GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype), dtype)
+        for i in range(cfg.num_hidden_layers)
+    ]
 
 
 class CausalLMBody(nn.Module):

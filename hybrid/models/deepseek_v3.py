@@ -13,7 +13,7 @@ from torch import nn
 from hybrid.attention import gather_cache, softmax_attention, write_cache
 from hybrid.config import ModelConfig
 from hybrid.forward_batch import ForwardBatch
-from hybrid.models.causal_lm import CausalLM, DecoderLayer
+from hybrid.models.causal_lm import CausalLM, decoder_layers
 from hybrid.models.experts import Experts
 from hybrid.models.layers import GatedMLP, Linear, RMSNorm
 from hybrid.models.rotary_embedding import RotaryEmbedding, yarn_softmax_scale
@@ -99,13 +99,7 @@ class DeepseekV3MoE(nn.Module):
 
 class DeepseekV3ForCausalLM(CausalLM):
     def __init__(self, cfg: ModelConfig, experts: Experts, dtype: torch.dtype):
-        rope = RotaryEmbedding(cfg.rope)
-        layers = [
-            DecoderLayer(cfg, DeepseekV3Attention(cfg, i, rope, dtype),
-                         DeepseekV3MoE(cfg, i, experts, dtype) if i in cfg.moe_layers
-                         else GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype), dtype)
-            for i in range(cfg.num_hidden_layers)
-        ]
+        layers = decoder_layers(cfg, experts, dtype, DeepseekV3Attention, DeepseekV3MoE)
         super().__init__(cfg, layers, dtype)
 
     def kv_cache_shapes(self, num_blocks: int, block_size: int) -> list[tuple[int, ...]]:

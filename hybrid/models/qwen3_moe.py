@@ -8,9 +8,9 @@ from torch import nn
 from hybrid.attention import paged_attention, write_cache
 from hybrid.config import ModelConfig
 from hybrid.forward_batch import ForwardBatch
-from hybrid.models.causal_lm import CausalLM, DecoderLayer
+from hybrid.models.causal_lm import CausalLM, decoder_layers
 from hybrid.models.experts import Experts
-from hybrid.models.layers import GatedMLP, Linear, RMSNorm
+from hybrid.models.layers import Linear, RMSNorm
 from hybrid.models.rotary_embedding import RotaryEmbedding
 from hybrid.models.router import SoftmaxTopKRouter
 
@@ -58,11 +58,5 @@ class Qwen3MoeSparseBlock(nn.Module):
 
 class Qwen3MoeForCausalLM(CausalLM):
     def __init__(self, cfg: ModelConfig, experts: Experts, dtype: torch.dtype):
-        rope = RotaryEmbedding(cfg.rope)
-        layers = [
-            DecoderLayer(cfg, Qwen3MoeAttention(cfg, i, rope, dtype),
-                         Qwen3MoeSparseBlock(cfg, i, experts, dtype) if i in cfg.moe_layers
-                         else GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype), dtype)
-            for i in range(cfg.num_hidden_layers)
-        ]
+        layers = decoder_layers(cfg, experts, dtype, Qwen3MoeAttention, Qwen3MoeSparseBlock)
         super().__init__(cfg, layers, dtype)
