@@ -9,12 +9,14 @@ import sys
 from pathlib import Path
 
 from hybrid.config import ConfigError
+from hybrid.expert_client import ExpertServerError
 from hybrid.expert_pack import PackError
 from hybrid.loader import CheckpointError
 from hybrid.sampling_params import SamplingParams
 from hybrid.tokenizer import TokenizerError
 
-USER_ERRORS = (ConfigError, CheckpointError, PackError, TokenizerError, ValueError, FileNotFoundError)
+USER_ERRORS = (ConfigError, CheckpointError, PackError, ExpertServerError, TokenizerError, ValueError,
+               FileNotFoundError)
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -33,13 +35,17 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dense-format", default="auto", choices=["auto", "bf16", "fp8", "int8"],
                    help="dense linear weights with the cpu backend (auto: the checkpoint's)")
     p.add_argument("--expert-pack", help="map the experts from this `hybridd pack` directory instead of packing")
+    p.add_argument("--experts", default="inline", choices=["inline", "process"],
+                   help="run the routed experts in this process or in the expert process")
+    p.add_argument("--expert-server", help="control address of a running expert process (with --experts process)")
 
 
 def _engine_kwargs(a: argparse.Namespace) -> dict:
     return dict(dtype=a.dtype, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
                 max_num_batched_tokens=a.max_num_batched_tokens, num_kv_blocks=a.num_kv_blocks,
                 kv_cache_bytes=int(a.kv_cache_gb * 2**30), backend=a.backend, expert_format=a.expert_format,
-                dense_format=a.dense_format, num_threads=a.threads, expert_pack=a.expert_pack)
+                dense_format=a.dense_format, num_threads=a.threads, expert_pack=a.expert_pack, experts=a.experts,
+                expert_server=a.expert_server)
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -72,15 +78,18 @@ def cmd_generate(a: argparse.Namespace) -> int:
                             seed=a.seed, stop=a.stop or [], ignore_eos=a.ignore_eos)
     rid = engine.add_request(prompt, params)
     final = None
-    while final is None:
-        for out in engine.step():
-            if out.request_id != rid:
-                continue
-            if not a.json:
-                sys.stdout.write(out.new_text)
-                sys.stdout.flush()
-            if out.finished:
-                final = out
+    try:
+        while final is None:
+            for out in engine.step():
+                if out.request_id != rid:
+                    continue
+                if not a.json:
+                    sys.stdout.write(out.new_text)
+                    sys.stdout.flush()
+                if out.finished:
+                    final = out
+    finally:
+        engine.close()
     if a.json:
         print(json.dumps({
             "token_ids": final.token_ids, "text": final.text, "prompt_tokens": len(final.prompt_token_ids),

@@ -207,6 +207,9 @@ class EngineConfig:
     dense_format: str = "auto"
     num_threads: int | None = None
     expert_pack: str | Path | None = None
+    experts: str = "inline"
+    expert_server: str | None = None
+    expert_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -224,6 +227,14 @@ class EngineConfig:
             raise ConfigError(f"expert_format must be auto, bf16, fp8, int8 or int4, got {self.expert_format!r}")
         if self.dense_format not in ("auto", "bf16", "fp8", "int8"):
             raise ConfigError(f"dense_format must be auto, bf16, fp8 or int8, got {self.dense_format!r}")
+        if self.experts not in ("inline", "process"):
+            raise ConfigError(f"experts must be inline or process, got {self.experts!r}")
+        if self.expert_server is not None and self.experts != "process":
+            raise ConfigError("expert_server is the control address of an expert process: use experts=process")
+        if self.expert_timeout_s <= 0:
+            raise ConfigError("expert_timeout_s must be positive")
+        if self.backend == "torch" and self.experts == "process":
+            raise ConfigError("the expert process runs the cpu kernels; use backend=cpu with experts=process")
         if self.backend == "torch" and self.expert_pack is not None:
             raise ConfigError("an expert pack is run by the cpu backend's kernels, not the torch reference")
         if self.backend == "torch" and (self.expert_format, self.dense_format) != ("auto", "auto"):

@@ -14,8 +14,12 @@ DEFAULT_MODEL_DIR = Path(__file__).parent / "default_model"
 
 
 class LLM:
-    def __init__(self, model: str | Path | None = None, experts: Experts | None = None, **engine_kwargs):
-        self.engine = LLMEngine(EngineConfig(model=model or DEFAULT_MODEL_DIR, **engine_kwargs), experts)
+    def __init__(self, model: str | Path | None = None, expert_impl: Experts | None = None, **engine_kwargs):
+        """engine_kwargs are EngineConfig fields; `expert_impl` replaces the configured experts outright."""
+        self.engine = LLMEngine(EngineConfig(model=model or DEFAULT_MODEL_DIR, **engine_kwargs), expert_impl)
+
+    def close(self) -> None:
+        self.engine.close()
 
     @property
     def tokenizer(self):

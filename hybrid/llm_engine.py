@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, experts: Experts | None = None):
+    def __init__(self, config: EngineConfig, expert_impl: Experts | None = None):
         self.config = config
         self.model_config = ModelConfig.from_dir(config.model)
         try:
@@ -29,7 +29,7 @@ class LLMEngine:
         except TokenizerError as e:
             log.warning("%s", e)
             self.tokenizer = None
-        self.runner = ModelRunner(self.model_config, config, experts)
+        self.runner = ModelRunner(self.model_config, config, expert_impl)
         self.max_model_len = self.runner.max_model_len
         self.scheduler = Scheduler(BlockManager(self.runner.num_blocks, config.block_size),
                                    config.max_num_seqs, config.max_num_batched_tokens)
@@ -73,6 +73,10 @@ class LLMEngine:
             self.scheduler.finish(seq)
             seq.finish("abort")
             self.detok.pop(request_id, None)
+
+    def close(self) -> None:
+        """Disconnects from (and stops, if this engine started it) the expert process."""
+        self.runner.experts.close()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -45,6 +45,14 @@ class ModelRunner:
         if engine_config.backend == "cpu":
             # The kernels' pinned pool owns the cores; torch's own intra-op threads would spin against it.
             torch.set_num_threads(1)
+        if experts is None and engine_config.experts == "process":
+            from hybrid.expert_client import process_experts
+
+            fmt = None if engine_config.expert_format == "auto" else engine_config.expert_format
+            experts = process_experts(model_config.model_dir, engine_config.max_num_batched_tokens,
+                                      model_config.num_experts_per_tok, control=engine_config.expert_server,
+                                      pack_dir=engine_config.expert_pack, fmt=fmt, threads=engine_config.num_threads,
+                                      timeout_s=engine_config.expert_timeout_s)
         if experts is None:
             experts = load_experts(engine_config.backend, reader, model_config, self.dtype,
                                    engine_config.expert_format, engine_config.num_threads, engine_config.expert_pack)

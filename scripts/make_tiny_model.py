@@ -76,6 +76,10 @@ PRESETS: dict[str, dict] = {
         arch="qwen3_moe", vocab=2048, hidden=128, intermediate=256, moe_intermediate=128, experts=8, top_k=2,
         layers=2, heads=2, kv_heads=1, head_dim=64, mlp_only_layers=[], fp8=True,
     ),
+    "dispatch-7168": dict(
+        arch="qwen3_moe", vocab=2048, hidden=7168, intermediate=32, moe_intermediate=32, experts=8, top_k=8,
+        layers=1, heads=4, kv_heads=1, head_dim=32, mlp_only_layers=[],
+    ),
     "qwen3-30b-a3b": dict(
         arch="qwen3_moe", vocab=32000, hidden=2048, intermediate=6144, moe_intermediate=768, experts=128, top_k=8,
         layers=4, heads=32, kv_heads=4, head_dim=128, mlp_only_layers=[],

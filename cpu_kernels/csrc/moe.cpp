@@ -678,6 +678,24 @@ Act MoeRunner::prepare_input(Format f, int group, const void* x, bool f32_io, in
   return xa;
 }
 
+// Per-thread scratch of one task: row ids, up to four tile results and fp8 conversion lines.
+struct TaskBuffers {
+  std::vector<int> rows;
+  std::vector<float> ys[4];
+  std::vector<uint16_t> scratch;
+
+  void prepare(int m, int kp) {
+    rows.resize(m);
+    for (auto& y : ys) y.resize(size_t(m) * kRows);
+    scratch.resize(size_t(4) * kp * kRows);
+  }
+};
+
+TaskBuffers& task_buffers() {
+  thread_local TaskBuffers buffers;
+  return buffers;
+}
+
 // Runs tiles [t0, t1) of one matrix four (then two, then one) at a time; store(y, tile) takes each result.
 template <typename Store>
 void tile_range(Isa isa, Format f, const PackedMatrices& m, int expert, int t0, int t1, int block_k, int group,
@@ -710,10 +728,8 @@ void MoeRunner::linear(Format f, const PackedMatrices& w, int n, int k, int bloc
   const int per_task = std::max(1, std::min(16, w.tiles / (8 * num_threads())));
   const int tasks = (w.tiles + per_task - 1) / per_task;
   pool_.run(tasks, [&](int task, int) {
-    thread_local std::vector<float> ys[4];
-    thread_local std::vector<uint16_t> scratch;
-    for (auto& y : ys) y.resize(size_t(m) * kRows);
-    scratch.resize(size_t(4) * w.kp * kRows);
+    TaskBuffers& buf = task_buffers();
+    buf.prepare(m, w.kp);
     const auto store = [&](const float* y, int ti) {
       for (int t = 0; t < T; ++t)
         for (int c = 0; c < kRows && ti * kRows + c < n; ++c) {
@@ -725,7 +741,7 @@ void MoeRunner::linear(Format f, const PackedMatrices& w, int n, int k, int bloc
         }
     };
     tile_range(isa, f, w, 0, task * per_task, std::min(w.tiles, (task + 1) * per_task), block_k, group, xa,
-               rows.data(), m, ys, scratch.data(), store);
+               rows.data(), m, buf.ys, buf.scratch.data(), store);
   });
 }
 
@@ -771,13 +787,9 @@ void MoeRunner::forward(const ExpertLayer& L, const void* x, bool f32_io, int T,
     const int e = active[task / tasks_per_expert];
     const int t0 = (task % tasks_per_expert) * tiles_per_task, t1 = std::min(itiles, t0 + tiles_per_task);
     const int begin = count[e], n = count[e + 1] - count[e], m = n * R;
-    thread_local std::vector<int> rows;
-    thread_local std::vector<float> ys[4];
-    thread_local std::vector<uint16_t> scratch;
-    rows.resize(m);
-    for (auto& y : ys) y.resize(size_t(m) * kRows);
-    scratch.resize(size_t(4) * kp1 * kRows);
-    for (int i = 0; i < m; ++i) rows[i] = tok[begin + i / R] * R + i % R;
+    TaskBuffers& buf = task_buffers();
+    buf.prepare(m, kp1);
+    for (int i = 0; i < m; ++i) buf.rows[i] = tok[begin + i / R] * R + i % R;
     // Tiles 2ti (gate) and 2ti + 1 (up) arrive in order: keep each gate until its up tile is stored.
     float* pending_gate = nullptr;
     std::vector<float> gate_copy;
@@ -811,7 +823,8 @@ void MoeRunner::forward(const ExpertLayer& L, const void* x, bool f32_io, int T,
         }
       }
     };
-    tile_range(isa, f, L.w13, e, 2 * t0, 2 * t1, L.block_k, L.group, xa, rows.data(), m, ys, scratch.data(), store);
+    tile_range(isa, f, L.w13, e, 2 * t0, 2 * t1, L.block_k, L.group, xa, buf.rows.data(), m, buf.ys,
+               buf.scratch.data(), store);
   });
 
   Act aa;
@@ -841,13 +854,9 @@ void MoeRunner::forward(const ExpertLayer& L, const void* x, bool f32_io, int T,
     const int e = active[task / btasks];
     const int t0 = (task % btasks) * htiles_per_task, t1 = std::min(htiles, t0 + htiles_per_task);
     const int begin = count[e], n = count[e + 1] - count[e], m = n * R;
-    thread_local std::vector<int> rows;
-    thread_local std::vector<float> ys[4];
-    thread_local std::vector<uint16_t> scratch;
-    rows.resize(m);
-    for (auto& y : ys) y.resize(size_t(m) * kRows);
-    scratch.resize(size_t(4) * kp2 * kRows);
-    for (int i = 0; i < m; ++i) rows[i] = (begin + i / R) * R + i % R;
+    TaskBuffers& buf = task_buffers();
+    buf.prepare(m, kp2);
+    for (int i = 0; i < m; ++i) buf.rows[i] = (begin + i / R) * R + i % R;
     const auto store = [&](const float* y, int ti) {
       for (int i = 0; i < n; ++i) {
         float* dst = &ybuf_[size_t(begin + i) * hp + size_t(ti) * kRows];
@@ -855,7 +864,8 @@ void MoeRunner::forward(const ExpertLayer& L, const void* x, bool f32_io, int T,
         for (int c = 0; c < kRows; ++c) dst[c] = R == 2 ? src[c] + src[kRows + c] : src[c];
       }
     };
-    tile_range(isa, f, L.w2, e, t0, t1, L.block_k, L.group, aa, rows.data(), m, ys, scratch.data(), store);
+    tile_range(isa, f, L.w2, e, t0, t1, L.block_k, L.group, aa, buf.rows.data(), m, buf.ys, buf.scratch.data(),
+               store);
   });
 
   // Phase C: out[t] = scale * sum over its experts (ascending id) of weight * y, rounded once.

@@ -42,7 +42,9 @@ void ThreadPool::worker(int tid) {
     int polls = 0;
     while (generation_.load(std::memory_order_acquire) == seen) {
       _mm_pause();
-      if (++polls % 64 == 0 && std::chrono::steady_clock::now() > deadline) {
+      // Past the first polls, offer the core to any runnable thread (torch, another hybridd process).
+      if (++polls > 256) sched_yield();
+      if (polls % 64 == 0 && std::chrono::steady_clock::now() > deadline) {
         sleepers_.fetch_add(1);
         generation_.wait(seen);
         sleepers_.fetch_sub(1);

@@ -1,6 +1,7 @@
 // A persistent pool of worker threads pinned to cores. run() hands out task indices dynamically; the
 // calling thread works too. Idle workers spin briefly (phases of one MoE call follow each other within
-// microseconds), then sleep on a futex so they do not steal cores from torch between calls.
+// microseconds), yielding to other runnable threads, then sleep on a futex so they do not steal cores
+// from torch or other processes between calls.
 #pragma once
 
 #include <atomic>

@@ -32,6 +32,9 @@ class Experts(ABC):
                  topk_weights: torch.Tensor) -> torch.Tensor:
         return self.forward(layer, hidden_states, topk_ids, topk_weights)
 
+    def close(self) -> None:
+        """Releases what the implementation holds outside this process (nothing for in-process experts)."""
+
 
 class TorchExperts(Experts):
     """Stacked [E, 2I, H] gate/up and [E, H, I] down weights per layer; loops over the experts that got tokens

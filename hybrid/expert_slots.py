@@ -1,0 +1,129 @@
+"""Shared-memory call slots between an engine and the expert process: the per-layer data path.
+
+One shared-memory block per client holds `num_slots` slots (two allow the dual-batch overlap to keep
+two calls in flight). A slot is a small int64 control header, an error-text area, and the hidden
+states, top-k ids, top-k weights and output of one per-layer MoE call, each 64-byte aligned.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from multiprocessing import resource_tracker, shared_memory
+
+import torch
+
+ALIGN = 64
+CTRL_WORDS = 8
+ERROR_BYTES = 1024
+# control words
+REQUEST_SEQ, DONE_SEQ, LAYER, TOKENS, TOPK, DTYPE, STATUS, ERROR_LEN = range(CTRL_WORDS)
+DTYPE_CODES = {torch.bfloat16: 0, torch.float32: 1}
+CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
+ECHO_LAYER = -1  # the server copies x to out without computing: measures the dispatch round trip alone
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+@dataclass(frozen=True)
+class SlotLayout:
+    """Byte offsets inside one slot for calls of up to max_tokens x max_topk (activations up to fp32)."""
+
+    hidden: int
+    max_tokens: int
+    max_topk: int
+
+    def __post_init__(self) -> None:
+        if min(self.hidden, self.max_tokens, self.max_topk) < 1:
+            raise ValueError("slot dimensions must be positive")
+
+    @property
+    def ctrl(self) -> int:
+        return 0
+
+    @property
+    def error(self) -> int:
+        return _align(8 * CTRL_WORDS)
+
+    @property
+    def x(self) -> int:
+        return _align(self.error + ERROR_BYTES)
+
+    @property
+    def ids(self) -> int:
+        return _align(self.x + 4 * self.max_tokens * self.hidden)
+
+    @property
+    def weights(self) -> int:
+        return _align(self.ids + 4 * self.max_tokens * self.max_topk)
+
+    @property
+    def out(self) -> int:
+        return _align(self.weights + 4 * self.max_tokens * self.max_topk)
+
+    @property
+    def size(self) -> int:
+        return _align(self.out + 4 * self.max_tokens * self.hidden)
+
+
+class ExpertSlots:
+    """Views of every slot of one client's shared-memory block (created by the server, attached by the client)."""
+
+    def __init__(self, shm: shared_memory.SharedMemory, layout: SlotLayout, num_slots: int):
+        if shm.size < layout.size * num_slots:
+            raise ValueError(f"shared memory {shm.name} holds {shm.size} bytes, slots need {layout.size * num_slots}")
+        self.shm, self.layout, self.num_slots = shm, layout, num_slots
+        self._base = torch.frombuffer(shm.buf, dtype=torch.uint8, count=layout.size * num_slots)
+
+    @classmethod
+    def create(cls, name: str, layout: SlotLayout, num_slots: int) -> "ExpertSlots":
+        return cls(shared_memory.SharedMemory(name=name, create=True, size=layout.size * num_slots), layout, num_slots)
+
+    @classmethod
+    def attach(cls, name: str, layout: SlotLayout, num_slots: int) -> "ExpertSlots":
+        """Maps a block the server created. The server owns it: a client exiting must not unlink it, which
+        Python < 3.13's resource tracker would do for every attached block."""
+        try:
+            shm = shared_memory.SharedMemory(name=name, track=False)
+        except TypeError:
+            shm = shared_memory.SharedMemory(name=name)
+            resource_tracker.unregister(shm._name, "shared_memory")
+        return cls(shm, layout, num_slots)
+
+    def _bytes(self, slot: int, offset: int, nbytes: int) -> torch.Tensor:
+        start = slot * self.layout.size + offset
+        return self._base[start:start + nbytes]
+
+    def ctrl(self, slot: int) -> torch.Tensor:
+        return self._bytes(slot, self.layout.ctrl, 8 * CTRL_WORDS).view(torch.int64)
+
+    def x(self, slot: int, tokens: int, dtype: torch.dtype) -> torch.Tensor:
+        n = tokens * self.layout.hidden
+        return self._bytes(slot, self.layout.x, n * dtype.itemsize).view(dtype).view(tokens, self.layout.hidden)
+
+    def out(self, slot: int, tokens: int, dtype: torch.dtype) -> torch.Tensor:
+        n = tokens * self.layout.hidden
+        return self._bytes(slot, self.layout.out, n * dtype.itemsize).view(dtype).view(tokens, self.layout.hidden)
+
+    def ids(self, slot: int, tokens: int, topk: int) -> torch.Tensor:
+        return self._bytes(slot, self.layout.ids, 4 * tokens * topk).view(torch.int32).view(tokens, topk)
+
+    def weights(self, slot: int, tokens: int, topk: int) -> torch.Tensor:
+        return self._bytes(slot, self.layout.weights, 4 * tokens * topk).view(torch.float32).view(tokens, topk)
+
+    def set_error(self, slot: int, text: str) -> None:
+        raw = text.encode()[:ERROR_BYTES]
+        self._bytes(slot, self.layout.error, len(raw)).copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+        self.ctrl(slot)[ERROR_LEN] = len(raw)
+
+    def error_text(self, slot: int) -> str:
+        n = int(self.ctrl(slot)[ERROR_LEN])
+        return bytes(self._bytes(slot, self.layout.error, n).numpy()).decode(errors="replace")
+
+    def close(self) -> None:
+        self._base = None
+        try:
+            self.shm.close()
+        except BufferError:
+            pass  # a view is still referenced somewhere; the mapping goes away with the process

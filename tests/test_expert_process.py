@@ -1,0 +1,108 @@
+"""The expert process: same tokens as inline experts, two calls in flight, bounded failure, restart."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+from conftest import prompt_ids
+
+from hybrid import LLM, SamplingParams
+from hybrid.config import ModelConfig
+from hybrid.expert_client import ExpertClient, ExpertServerError, ExpertServerProcess
+from hybrid.expert_pack import load_pack, write_pack
+from hybrid.expert_slots import ECHO_LAYER
+from hybrid.models.experts import KernelExperts
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def served(model_dirs, tmp_path_factory):
+    """An fp8 DeepSeek pack served by one expert process for the module."""
+    model = model_dirs["tiny-deepseek-v3-fp8"]
+    pack = tmp_path_factory.mktemp("pack")
+    write_pack(model, pack)
+    proc = ExpertServerProcess.spawn(model, pack)
+    yield model, pack, proc
+    proc.stop()
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-deepseek-v3-fp8"])
+def test_process_and_inline_give_the_same_tokens(model_dirs, preset):
+    model = model_dirs[preset]
+    prompts = [prompt_ids(n, seed=50 + n) for n in (5, 23, 11)]
+    inline = [o.token_ids for o in LLM(model, dtype="float32").generate(prompts, GREEDY)]
+    llm = LLM(model, dtype="float32", experts="process")
+    try:
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == inline
+    finally:
+        llm.close()
+
+
+def test_two_calls_in_flight_and_errors_are_reported(served):
+    model, pack, proc = served
+    config = ModelConfig.from_dir(model)
+    local = KernelExperts(load_pack(pack, config))
+    client = ExpertClient(proc.control, max_tokens=16, max_topk=config.num_experts_per_tok, process=proc)
+    try:
+        layer = config.moe_layers[0]
+        g = torch.Generator().manual_seed(0)
+        calls = []
+        for t in (3, 7):
+            x = torch.randn(t, config.hidden_size, generator=g).to(torch.bfloat16)
+            ids = torch.stack([torch.randperm(config.num_experts, generator=g)[:config.num_experts_per_tok]
+                               for _ in range(t)])
+            w = torch.rand(t, config.num_experts_per_tok, generator=g)
+            calls.append(((x, ids, w), client.submit(layer, x, ids, w)))
+        for (x, ids, w), handle in reversed(calls):
+            assert torch.equal(handle.wait(), local(layer, x, ids, w))
+        with pytest.raises(ExpertServerError, match="layer 999 has no experts"):
+            client.submit(999, x, ids, w).wait()
+        echo = torch.randn(2, config.hidden_size)
+        assert torch.equal(client.submit(ECHO_LAYER, echo, ids[:2], w[:2]).wait(), echo)
+        assert client.request({"op": "health"})["ok"]
+    finally:
+        client.close()
+
+
+def test_a_stalled_expert_process_times_out(served):
+    model, pack, proc = served
+    config = ModelConfig.from_dir(model)
+    client = ExpertClient(proc.control, max_tokens=4, max_topk=config.num_experts_per_tok, timeout_s=1.0,
+                          process=proc)
+    x = torch.randn(1, config.hidden_size)
+    ids = torch.zeros(1, config.num_experts_per_tok, dtype=torch.long)
+    w = torch.ones(1, config.num_experts_per_tok)
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        with pytest.raises(ExpertServerError, match="did not finish a layer call within 1.0s"):
+            client.submit(config.moe_layers[0], x, ids, w).wait()
+        assert time.monotonic() - start < 3
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+    client.close()
+
+
+def test_a_killed_expert_process_fails_the_request_fast_and_a_new_start_works(model_dirs):
+    model = model_dirs["tiny-qwen3-moe"]
+    llm = LLM(model, experts="process")
+    engine = llm.engine
+    engine.add_request(prompt_ids(9, seed=1), GREEDY)
+    engine.step()
+    os.kill(engine.runner.experts.client.process.pid, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(ExpertServerError, match="died"):
+        while engine.has_unfinished():
+            engine.step()
+    assert time.monotonic() - start < 5
+    llm.close()
+    again = LLM(model, experts="process")
+    try:
+        assert len(again.generate(prompt_ids(9, seed=1), GREEDY)[0].token_ids) == GREEDY.max_tokens
+    finally:
+        again.close()
