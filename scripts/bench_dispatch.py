@@ -1,7 +1,7 @@
 """Cost of running the routed experts in the expert process instead of in the engine.
 
 Prints the round trip of a per-layer call through the shared-memory slots and doorbells with no
-compute (the server echoes the hidden states) for a tiny payload (H=64, top-8... of the tiny model)
+compute (the server echoes the hidden states) for a tiny payload (the tiny model: H=64, k=4)
 and a real decode payload (H=7168, k=8, one token), then end-to-end decode tok/s of the real-shaped
 benchmark model with inline experts vs the expert process, in the same run.
 

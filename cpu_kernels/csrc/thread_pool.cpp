@@ -4,6 +4,7 @@
 #include <sched.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <immintrin.h>
 
 namespace hybridd {
@@ -19,6 +20,7 @@ void pin_current_thread(int cpu) {
 }  // namespace
 
 ThreadPool::ThreadPool(std::vector<int> cpus, int spin_us) : cpus_(std::move(cpus)), spin_us_(spin_us) {
+  if (const char* env = std::getenv("HYBRIDD_POOL_SPIN_US")) spin_us_ = std::atoi(env);
   if (cpus_.empty()) cpus_.push_back(-1);
   for (int t = 1; t < size(); ++t) threads_.emplace_back([this, t] { worker(t); });
 }
