@@ -121,7 +121,7 @@ class ExpertServer:
             os.close(req)
             os.close(resp)
 
-    def _call(self, slots: ExpertSlots, slot: int, ctrl: torch.Tensor) -> None:
+    def _call(self, slots: ExpertSlots, slot: int, ctrl) -> None:
         layer, tokens, topk = int(ctrl[LAYER]), int(ctrl[TOKENS]), int(ctrl[TOPK])
         dtype = CODE_DTYPES[int(ctrl[DTYPE])]
         x = slots.x(slot, tokens, dtype)
