@@ -76,6 +76,10 @@ PRESETS: dict[str, dict] = {
         arch="qwen3_moe", vocab=2048, hidden=128, intermediate=256, moe_intermediate=128, experts=8, top_k=2,
         layers=2, heads=2, kv_heads=1, head_dim=64, mlp_only_layers=[], fp8=True,
     ),
+    "experts-heavy": dict(
+        arch="qwen3_moe", vocab=2048, hidden=1024, intermediate=256, moe_intermediate=768, experts=64, top_k=8,
+        layers=2, heads=4, kv_heads=2, head_dim=64, mlp_only_layers=[],
+    ),
     "dispatch-7168": dict(
         arch="qwen3_moe", vocab=2048, hidden=7168, intermediate=32, moe_intermediate=32, experts=8, top_k=8,
         layers=1, heads=4, kv_heads=1, head_dim=32, mlp_only_layers=[],

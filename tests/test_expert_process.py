@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -106,3 +108,78 @@ def test_a_killed_expert_process_fails_the_request_fast_and_a_new_start_works(mo
         assert len(again.generate(prompt_ids(9, seed=1), GREEDY)[0].token_ids) == GREEDY.max_tokens
     finally:
         again.close()
+
+
+CLIENT = """
+import json, sys
+from hybrid import LLM, SamplingParams
+llm = LLM(sys.argv[1], experts="process", expert_server=sys.argv[2], max_num_batched_tokens=256, max_model_len=512)
+llm.generate(list(range(10, 200)), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+print("ready", flush=True)
+sys.stdin.readline()
+"""
+# The same libraries and tokenizer an engine loads, without any model weights.
+BARE = """
+import sys, torch, zmq, hybrid.llm, cpu_kernels.moe
+from hybrid.tokenizer import Tokenizer
+Tokenizer(sys.argv[1])
+print("ready", flush=True)
+sys.stdin.readline()
+"""
+
+
+def pss_kb(pid: int) -> dict[str, int]:
+    fields = {}
+    for line in open(f"/proc/{pid}/smaps_rollup"):
+        key, _, rest = line.partition(":")
+        if key.startswith("Pss"):
+            fields[key] = int(rest.split()[0])
+    return fields
+
+
+def mapping_pss_kb(pid: int, path: str) -> int:
+    total, inside = 0, False
+    for line in open(f"/proc/{pid}/smaps"):
+        first = line.split()
+        if first and "-" in first[0] and len(first) >= 5:
+            inside = line.rstrip().endswith(path)
+        elif inside and line.startswith("Pss:"):
+            total += int(line.split()[1])
+    return total
+
+
+def test_experts_are_in_ram_once_across_the_expert_process_and_two_engines(tmp_path):
+    """The expert process maps the pack; two engines using it hold no copy of the experts. PSS is measured
+    with all three running, against a bare `import torch, hybrid` process as the per-process baseline."""
+    from make_tiny_model import make_model
+
+    model = make_model(tmp_path / "model", "experts-heavy")
+    pack = tmp_path / "pack"
+    write_pack(model, pack)
+    experts_file = str(pack / "experts.bin")
+    pack_kb = (pack / "experts.bin").stat().st_size // 1024
+    server = ExpertServerProcess.spawn(model, pack)
+    procs = []
+    try:
+        for code, args in ((CLIENT, [str(model), server.control]), (CLIENT, [str(model), server.control]),
+                           (BARE, [str(model)])):
+            p = subprocess.Popen([sys.executable, "-c", code, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 text=True)
+            procs.append(p)
+        for p in procs:
+            assert p.stdout.readline().strip() == "ready"
+        clients, bare = procs[:2], pss_kb(procs[2].pid)
+        server_pss = pss_kb(server.pid)
+        mapped = sum(mapping_pss_kb(pid, experts_file) for pid in [server.pid] + [c.pid for c in clients])
+        assert mapped > 0.5 * pack_kb  # the experts were touched...
+        assert mapped <= 1.1 * pack_kb  # ...and are resident once
+        for pid in [server.pid] + [c.pid for c in clients]:
+            # no process copied the experts into its own memory
+            assert pss_kb(pid)["Pss_Anon"] < bare["Pss_Anon"] + 0.5 * pack_kb
+        total = server_pss["Pss"] + sum(pss_kb(c.pid)["Pss"] for c in clients)
+        dense_kb = sum(f.stat().st_size for f in model.glob("*.safetensors")) // 1024 - pack_kb
+        assert total <= 1.1 * (pack_kb + dense_kb) + 3 * bare["Pss"]
+    finally:
+        for p in procs:
+            p.kill()
+        server.stop()
