@@ -391,6 +391,27 @@ AVX512_TARGET void fp8_tile_to_lines(const Tile& t, uint16_t* lines) {
   }
 }
 
+// fp8 lines with their block scale multiplied in and rounded to bf16 (one rounding per weight, like the
+// bf16 activations they meet): the prefill inner loop then needs no per-block rescaling.
+AVX512_TARGET inline __m512 widen_bf16(__m256i h) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+AVX512_TARGET void fp8_tile_to_scaled_lines(const Tile& t, const float* scales, int block_k, uint16_t* lines) {
+  const Fp8Regs regs = fp8_regs();
+  for (int c = 0; c < t.kp / 4; ++c) {
+    __m512bh pair[2];
+    fp8_line(regs, t.data + c * 64, pair[0], pair[1]);
+    const __m512 s = _mm512_set1_ps(scales[(4 * c) / block_k]);
+    for (int h = 0; h < 2; ++h) {
+      const __m512i v = reinterpret_cast<__m512i>(pair[h]);
+      const __m512 lo = _mm512_mul_ps(widen_bf16(_mm512_castsi512_si256(v)), s);
+      const __m512 hi = _mm512_mul_ps(widen_bf16(_mm512_extracti64x4_epi64(v, 1)), s);
+      _mm512_storeu_si512(lines + (2 * c + h) * 32, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+    }
+  }
+}
+
 // Prefill: NT weight tiles (gate and up tiles of two row blocks, or adjacent down tiles) share every
 // activation broadcast: per k pair NT line loads and TB broadcasts feed NT * TB vdpbf16ps.
 // Lines are bf16 [kp/2][32]; with kScaled, each block_k columns form one partial sum scaled by that
@@ -467,15 +488,23 @@ AVX512_TARGET void tile_dotn_avx512(Format f, const Tile* t, int block_k, const 
   }
   for (int j = 0; j < NT; ++j) std::memset(out[j], 0, sizeof(float) * n * kRows);
   const int chunk = std::min(t[0].kp, std::max(block_k, kFp8ChunkColumns / block_k * block_k));
+  static const float kOne = 1.0f;
   for (int k0 = 0; k0 < t[0].kp; k0 += chunk) {
     const int klen = std::min(chunk, t[0].kp - k0);
     for (int j = 0; j < NT; ++j) {
       uint16_t* lines = scratch + size_t(j) * chunk * kRows;
-      fp8_tile_to_lines(Tile{t[j].data + int64_t(k0) * kRows, nullptr, nullptr, klen}, lines);
+      const Tile part{t[j].data + int64_t(k0) * kRows, nullptr, nullptr, klen};
+      if (a.exact) {
+        fp8_tile_to_lines(part, lines);
+        s[j] = t[j].scales + k0 / block_k;
+      } else {
+        fp8_tile_to_scaled_lines(part, t[j].scales + k0 / block_k, block_k, lines);
+        s[j] = &kOne;
+      }
       w[j] = lines;
-      s[j] = t[j].scales + k0 / block_k;
     }
-    dotn_rows<NT>(true, w, s, k0, klen, block_k, a, rows, n, out);
+    // bf16 activations: the block scales are already in the weights, so the chunk is one partial sum.
+    dotn_rows<NT>(true, w, s, k0, klen, a.exact ? block_k : klen, a, rows, n, out);
   }
 }
 
@@ -646,6 +675,7 @@ Act MoeRunner::prepare_input(Format f, int group, const void* x, bool f32_io, in
   };
   Act xa;
   xa.kp = kp;
+  xa.exact = R == 2;
   if (f == Format::kBF16 || f == Format::kFP8) {
     if (R == 1 && kp == K && !f32_io) {
       xa.bf = static_cast<const uint16_t*>(x);
@@ -829,6 +859,7 @@ void MoeRunner::forward(const ExpertLayer& L, const void* x, bool f32_io, int T,
 
   Act aa;
   aa.kp = kp2;
+  aa.exact = R == 2;
   if (int_fmt) {
     aa.ngroups = kp2 / L.group;
     actq_.resize(size_t(nslots) * kp2);

@@ -51,6 +51,7 @@ struct Act {
   const int32_t* gsum = nullptr; // int4: per row, per group sum of q
   int64_t kp = 0;
   int ngroups = 0;
+  bool exact = false;            // rows are bf16 hi + lo pairs of fp32 values: weights must stay unrounded
 };
 
 Isa best_isa();
