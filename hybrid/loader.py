@@ -85,12 +85,17 @@ class CheckpointReader:
     def is_fp8(self, weight_name: str) -> bool:
         return self.get(weight_name).dtype == torch.float8_e4m3fn
 
-    def weight(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """A tensor of the given shape in `dtype`; fp8 weights are dequantized with their `_scale_inv` sibling."""
+    def checked(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """The raw stored tensor, after checking it has the shape the config implies."""
         t = self.get(name)
         if tuple(t.shape) != tuple(shape):
             raise CheckpointError(f"{self.file_of(name)}: tensor {name!r} has shape {tuple(t.shape)}, "
                                   f"the config implies {tuple(shape)}")
+        return t
+
+    def weight(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A tensor of the given shape in `dtype`; fp8 weights are dequantized with their `_scale_inv` sibling."""
+        t = self.checked(name, shape)
         if t.dtype == torch.float8_e4m3fn:
             scale_name = f"{name}_scale_inv"
             if self.fp8_block is None:

@@ -18,20 +18,25 @@ from hybrid.scheduler import ScheduledSeq
 UNPACKED_LINEARS = ("kv_b_proj",)
 
 
-def pack_dense_linears(model: torch.nn.Module, reader: CheckpointReader, fmt: str = "auto") -> None:
-    """Moves every dense Linear to the CPU kernels: fp8 checkpoint weights stay fp8 (their own block scales),
-    others are packed as bf16 unless `fmt` asks for another format."""
+def pack_dense_linears(model: torch.nn.Module, reader: CheckpointReader, fmt: str = "auto",
+                       tied_embeddings: bool = False) -> None:
+    """Moves every dense Linear to the CPU kernels straight from the checkpoint (before the other weights
+    load, so no dequantized copy is ever made): fp8 weights stay fp8 with their own block scales, others
+    are packed as bf16 unless `fmt` asks for another format."""
     from cpu_kernels.linear import PackedLinear
 
     for name, module in model.named_modules():
         if not isinstance(module, Linear) or name.rsplit(".", 1)[-1] in UNPACKED_LINEARS:
             continue
         wname = f"{name}.weight"
-        if fmt in ("auto", "fp8") and wname in reader and reader.is_fp8(wname):
-            packed = PackedLinear.pack(reader.get(wname), "fp8", reader.get(f"{wname}_scale_inv"),
-                                       block=reader.fp8_block)
+        if wname not in reader and name == "lm_head" and tied_embeddings:
+            wname = "model.embed_tokens.weight"
+        if fmt in ("auto", "fp8") and reader.is_fp8(wname):
+            packed = PackedLinear.pack(reader.checked(wname, tuple(module.weight.shape)), "fp8",
+                                       reader.get(f"{wname}_scale_inv"), block=reader.fp8_block)
         else:
-            packed = PackedLinear.pack(module.weight.data, "bf16" if fmt == "auto" else fmt)
+            weight = reader.weight(wname, tuple(module.weight.shape), torch.bfloat16)
+            packed = PackedLinear.pack(weight, "bf16" if fmt == "auto" else fmt)
         module.use_kernel(packed)
 
 
@@ -58,9 +63,9 @@ class ModelRunner:
                                    engine_config.expert_format, engine_config.num_threads, engine_config.expert_pack)
         self.experts = experts
         self.model = build_model(model_config, self.experts, self.dtype)
-        load_weights(self.model, reader, model_config.tie_word_embeddings)
         if engine_config.backend == "cpu":
-            pack_dense_linears(self.model, reader, engine_config.dense_format)
+            pack_dense_linears(self.model, reader, engine_config.dense_format, model_config.tie_word_embeddings)
+        load_weights(self.model, reader, model_config.tie_word_embeddings)
         self.model.to(self.device)
         per_token = sum(math.prod(s[2:]) for s in self.model.kv_cache_shapes(1, 1))
         bytes_per_token = per_token * self.dtype.itemsize * model_config.num_hidden_layers
