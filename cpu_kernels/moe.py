@@ -16,8 +16,9 @@ from cpu_kernels.thread_pool import default_cpus
 ISA_GENERIC = 0
 
 
+@lru_cache(maxsize=1)
 def kernel_isa() -> int:
-    """The instruction set the kernels use: the best this CPU has, or HYBRIDD_KERNEL_ISA=generic."""
+    """The instruction set the kernels use: the best this CPU has, or HYBRIDD_KERNEL_ISA=generic (read once)."""
     if os.environ.get("HYBRIDD_KERNEL_ISA", "").lower() == "generic":
         return ISA_GENERIC
     return _C.best_isa()
