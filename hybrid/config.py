@@ -227,6 +227,8 @@ class EngineConfig:
             raise ConfigError(f"expert_format must be auto, bf16, fp8, int8 or int4, got {self.expert_format!r}")
         if self.dense_format not in ("auto", "bf16", "fp8", "int8"):
             raise ConfigError(f"dense_format must be auto, bf16, fp8 or int8, got {self.dense_format!r}")
+        if self.backend == "cpu" and self.device != "cpu":
+            raise ConfigError(f"the cpu kernels run on the CPU; device={self.device!r} needs backend=torch")
         if self.experts not in ("inline", "process"):
             raise ConfigError(f"experts must be inline or process, got {self.experts!r}")
         if self.expert_server is not None and self.experts != "process":

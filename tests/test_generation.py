@@ -103,6 +103,19 @@ def test_bad_requests_are_refused_with_a_reason(llm):
     assert llm.generate([5, 6, 7], SamplingParams(temperature=0, max_tokens=3))[0].token_ids
 
 
+def test_inconsistent_engine_settings_are_refused(model_dirs):
+    from hybrid.config import ConfigError
+
+    model = model_dirs["tiny-qwen3-moe"]
+    for kwargs, match in (({"device": "cuda"}, "needs backend=torch"),
+                          ({"backend": "torch", "expert_format": "int4"}, "need the cpu backend"),
+                          ({"backend": "torch", "experts": "process"}, "use backend=cpu"),
+                          ({"expert_server": "ipc:///nowhere"}, "use experts=process"),
+                          ({"max_model_len": 10**6, "num_kv_blocks": 2}, "KV pool holds")):
+        with pytest.raises(ConfigError, match=match):
+            LLM(model, **kwargs)
+
+
 def test_chat_template_is_applied(llm):
     tok = llm.tokenizer
     ids = tok.apply_chat_template([{"role": "user", "content": "hello"}])
