@@ -14,7 +14,7 @@ def main() -> None:
     print(f"best instruction set: {best_path()}")
     print(f"kernel path: {kernel_isa_name()}")
     print(f"numa nodes: {len(numa_nodes())} ({'; '.join(','.join(map(str, n)) for n in numa_nodes())})")
-    print(f"thread pool cores: {','.join(map(str, default_cpus()))} (thread 0 is the caller)")
+    print(f"thread pool cores: {','.join(map(str, default_cpus()))} (thread 0 is the calling thread)")
 
 
 if __name__ == "__main__":

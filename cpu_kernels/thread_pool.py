@@ -30,7 +30,7 @@ def numa_nodes() -> list[list[int]]:
 
 def default_cpus(num_threads: int | None = None) -> list[int]:
     """Cores for `num_threads` pool threads (default: every allowed core), filling one NUMA node before the next.
-    Thread 0 is the calling thread and is left unpinned."""
+    Thread 0 is the calling thread, pinned to the first of them when it first runs a kernel."""
     cpus = [c for node in numa_nodes() for c in node]
     n = len(cpus) if num_threads is None else num_threads
     if n < 1:

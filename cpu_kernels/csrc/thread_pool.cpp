@@ -61,6 +61,13 @@ void ThreadPool::worker(int tid) {
 
 void ThreadPool::run(int ntasks, const std::function<void(int, int)>& fn) {
   if (ntasks <= 0) return;
+  // The caller is thread 0: keep it on its own core, or a wake-up can land it on a worker's core and
+  // leave another core idle for the whole call (seen with two processes handing calls back and forth).
+  thread_local int pinned_to = -2;
+  if (pinned_to != cpus_[0]) {
+    pin_current_thread(cpus_[0]);
+    pinned_to = cpus_[0];
+  }
   if (size() == 1 || ntasks == 1) {
     for (int t = 0; t < ntasks; ++t) fn(t, 0);
     return;

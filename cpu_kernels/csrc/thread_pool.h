@@ -14,7 +14,8 @@ namespace hybridd {
 
 class ThreadPool {
  public:
-  // cpus[i] is the core of thread i (-1: not pinned); thread 0 is the caller and is never pinned.
+  // cpus[i] is the core of thread i (-1: not pinned); thread 0 is whichever thread calls run(), pinned to
+  // cpus[0] from its first call on.
   explicit ThreadPool(std::vector<int> cpus, int spin_us = 50);
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
