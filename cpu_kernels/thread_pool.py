@@ -17,9 +17,13 @@ def _cpulist(text: str) -> list[int]:
     return cpus
 
 
+# Read once: the kernel pool pins the calling thread while it runs, and a mask read then would be one core.
+ALLOWED_CPUS = sorted(os.sched_getaffinity(0))
+
+
 def numa_nodes() -> list[list[int]]:
     """Allowed CPUs of each NUMA node (one node holding every allowed CPU where sysfs says nothing)."""
-    allowed = sorted(os.sched_getaffinity(0))
+    allowed = ALLOWED_CPUS
     nodes = []
     for node in sorted(Path("/sys/devices/system/node").glob("node[0-9]*"), key=lambda p: int(p.name[4:])):
         cpus = [c for c in _cpulist((node / "cpulist").read_text()) if c in allowed]
@@ -30,7 +34,7 @@ def numa_nodes() -> list[list[int]]:
 
 def default_cpus(num_threads: int | None = None) -> list[int]:
     """Cores for `num_threads` pool threads (default: every allowed core), filling one NUMA node before the next.
-    Thread 0 is the calling thread, pinned to the first of them when it first runs a kernel."""
+    Thread 0 is the calling thread, pinned to the first of them while it runs a kernel."""
     cpus = [c for node in numa_nodes() for c in node]
     n = len(cpus) if num_threads is None else num_threads
     if n < 1:
