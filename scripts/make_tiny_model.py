@@ -24,8 +24,9 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from cpu_kernels.pack import quantize_fp8_blocks
+
 FP8_BLOCK = 128
-FP8_MAX = 448.0
 
 QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 QWEN_TEMPLATE = (
@@ -196,18 +197,6 @@ def hf_config(p: dict, ids: dict) -> dict:
     return cfg
 
 
-def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """128x128 block quantization as DeepSeek ships it: w ~= fp8 * weight_scale_inv."""
-    rows, cols = w.shape
-    br, bc = math.ceil(rows / FP8_BLOCK), math.ceil(cols / FP8_BLOCK)
-    padded = torch.zeros(br * FP8_BLOCK, bc * FP8_BLOCK, dtype=torch.float32)
-    padded[:rows, :cols] = w.float()
-    blocks = padded.view(br, FP8_BLOCK, bc, FP8_BLOCK)
-    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX
-    q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q.view(br * FP8_BLOCK, bc * FP8_BLOCK)[:rows, :cols].contiguous(), scale
-
-
 class ShardWriter:
     """Accumulates tensors and writes model-0000N-of-0000M.safetensors shards plus the index."""
 
@@ -260,7 +249,7 @@ class WeightMaker:
     def linear(self, name: str, out_f: int, in_f: int, quantize: bool = True) -> None:
         w = self.randn(out_f, in_f, std=1.0 / math.sqrt(in_f))
         if self.fp8 and quantize:
-            q, scale = quantize_fp8(w)
+            q, scale = quantize_fp8_blocks(w, (FP8_BLOCK, FP8_BLOCK))
             self.writer.add(f"{name}.weight", q)
             self.writer.add(f"{name}.weight_scale_inv", scale)
         else:

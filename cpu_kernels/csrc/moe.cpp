@@ -820,13 +820,12 @@ void MoeRunner::forward(const ExpertLayer& L, const void* x, bool f32_io, int T,
     TaskBuffers& buf = task_buffers();
     buf.prepare(m, kp1);
     for (int i = 0; i < m; ++i) buf.rows[i] = tok[begin + i / R] * R + i % R;
-    // Tiles 2ti (gate) and 2ti + 1 (up) arrive in order: keep each gate until its up tile is stored.
+    // Tiles 2ti (gate) and 2ti + 1 (up) arrive in order, and the even-length range is run four or two
+    // tiles at a time, so a gate's result buffer is still intact when its up tile is stored.
     float* pending_gate = nullptr;
-    std::vector<float> gate_copy;
-    const auto store = [&](const float* y, int tile) {
+    const auto store = [&](float* y, int tile) {
       if (tile % 2 == 0) {
-        gate_copy.assign(y, y + size_t(m) * kRows);
-        pending_gate = gate_copy.data();
+        pending_gate = y;
         return;
       }
       const int ti = tile / 2;
