@@ -17,8 +17,13 @@ def _cpulist(text: str) -> list[int]:
     return cpus
 
 
-# Read once: the kernel pool pins the calling thread while it runs, and a mask read then would be one core.
+# Read once: the kernel pool pins the thread that calls it, and a mask read after that would be one core.
 ALLOWED_CPUS = sorted(os.sched_getaffinity(0))
+
+
+def unpin_child() -> None:
+    """preexec_fn for processes started from a thread the pool pinned: give them every allowed core back."""
+    os.sched_setaffinity(0, ALLOWED_CPUS)
 
 
 def numa_nodes() -> list[list[int]]:
@@ -34,7 +39,7 @@ def numa_nodes() -> list[list[int]]:
 
 def default_cpus(num_threads: int | None = None) -> list[int]:
     """Cores for `num_threads` pool threads (default: every allowed core), filling one NUMA node before the next.
-    Thread 0 is the calling thread, pinned to the first of them while it runs a kernel."""
+    Thread 0 is the calling thread, pinned to the first of them from its first kernel call on."""
     cpus = [c for node in numa_nodes() for c in node]
     n = len(cpus) if num_threads is None else num_threads
     if n < 1:

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import zmq
 
+from cpu_kernels.thread_pool import unpin_child
 from hybrid.expert_server import CALL_BYTE
 from hybrid.expert_slots import (
     DONE_SEQ,
@@ -55,7 +56,7 @@ class ExpertServerProcess:
                "--parent-pid", str(os.getpid())]
         if threads:
             cmd += ["--threads", str(threads)]
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True, preexec_fn=unpin_child)
         ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
         line = proc.stdout.readline() if ready else ""
         if not line:

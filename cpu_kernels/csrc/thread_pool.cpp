@@ -17,22 +17,6 @@ void pin_current_thread(int cpu) {
   CPU_SET(cpu, &set);
   pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
 }
-class CallerPin {
- public:
-  explicit CallerPin(int cpu) : active_(cpu >= 0) {
-    if (!active_) return;
-    pthread_getaffinity_np(pthread_self(), sizeof(saved_), &saved_);
-    pin_current_thread(cpu);
-  }
-  ~CallerPin() {
-    if (active_) pthread_setaffinity_np(pthread_self(), sizeof(saved_), &saved_);
-  }
-
- private:
-  bool active_;
-  cpu_set_t saved_;
-};
-
 }  // namespace
 
 ThreadPool::ThreadPool(std::vector<int> cpus, int spin_us) : cpus_(std::move(cpus)), spin_us_(spin_us) {
@@ -77,10 +61,14 @@ void ThreadPool::worker(int tid) {
 
 void ThreadPool::run(int ntasks, const std::function<void(int, int)>& fn) {
   if (ntasks <= 0) return;
-  // The caller is thread 0: keep it on its own core for the call, or a wake-up can land it on a worker's
-  // core and leave another core idle (seen with two processes handing calls back and forth). Its own
-  // affinity comes back afterwards, so threads and processes it starts later are not confined.
-  const CallerPin pin(cpus_[0]);
+  // The caller is thread 0: keep it on its own core, or a wake-up can land it on a worker's core and
+  // leave another core idle (seen with two processes handing calls back and forth). Pinned once per
+  // thread: re-pinning around every call costs a migration per call.
+  thread_local int pinned_to = -2;
+  if (pinned_to != cpus_[0]) {
+    pin_current_thread(cpus_[0]);
+    pinned_to = cpus_[0];
+  }
   if (size() == 1 || ntasks == 1) {
     for (int t = 0; t < ntasks; ++t) fn(t, 0);
     return;

@@ -15,7 +15,7 @@ namespace hybridd {
 class ThreadPool {
  public:
   // cpus[i] is the core of thread i (-1: not pinned); thread 0 is whichever thread calls run(), pinned to
-  // cpus[0] for the duration of each call.
+  // cpus[0] from its first call on (processes it starts inherit that: see cpu_kernels.thread_pool).
   explicit ThreadPool(std::vector<int> cpus, int spin_us = 50);
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
