@@ -15,6 +15,7 @@ import select
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -208,14 +209,23 @@ class ExpertClient:
 
 
 class ProcessExperts(Experts):
-    """Routed experts computed by the expert process."""
+    """Routed experts computed by the expert process; `respawn` starts a fresh one (and its client) when
+    this engine owns the process."""
 
-    def __init__(self, client: ExpertClient):
-        self.client = client
+    def __init__(self, client: ExpertClient, respawn: Callable[[], ExpertClient] | None = None):
+        self.client, self.respawn = client, respawn
 
     def forward(self, layer: int, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:
         return self.client.submit(layer, hidden_states, topk_ids, topk_weights).wait().to(hidden_states.dtype)
+
+    def restart(self) -> None:
+        """Replaces a dead or stalled expert process this engine started."""
+        if self.respawn is None:
+            raise ExpertServerError(f"the expert process at {self.client.control} was not started by this engine; "
+                                    "restart it there")
+        self.close()
+        self.client = self.respawn()
 
     def close(self) -> None:
         self.client.close()
@@ -232,11 +242,14 @@ def process_experts(model_dir: str | Path, max_tokens: int, max_topk: int, *, co
     from hybrid.expert_pack import default_pack_dir, write_pack
     from hybrid.models.experts import default_expert_format
 
-    process = None
-    if control is None:
-        fmt = fmt or default_expert_format(ModelConfig.from_dir(model_dir))
-        pack_dir = pack_dir or default_pack_dir(model_dir, fmt)
+    if control is not None:
+        return ProcessExperts(ExpertClient(control, max_tokens, max_topk, timeout_s=timeout_s))
+    fmt = fmt or default_expert_format(ModelConfig.from_dir(model_dir))
+    pack_dir = pack_dir or default_pack_dir(model_dir, fmt)
+
+    def spawn() -> ExpertClient:
         write_pack(model_dir, pack_dir, fmt)
         process = ExpertServerProcess.spawn(model_dir, pack_dir, threads)
-        control = process.control
-    return ProcessExperts(ExpertClient(control, max_tokens, max_topk, timeout_s=timeout_s, process=process))
+        return ExpertClient(process.control, max_tokens, max_topk, timeout_s=timeout_s, process=process)
+
+    return ProcessExperts(spawn(), spawn)

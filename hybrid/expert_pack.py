@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from hybrid.config import ModelConfig
+from hybrid.daemon_config import hybridd_home
 from hybrid.loader import CheckpointReader
 from hybrid.models.experts import default_expert_format, pack_layer
 
@@ -46,9 +47,8 @@ def model_fingerprint(model_dir: str | Path) -> str:
 
 
 def default_pack_dir(model_dir: str | Path, fmt: str) -> Path:
-    home = Path(os.environ.get("HYBRIDD_HOME", Path.home() / ".hybridd"))
     model_dir = Path(model_dir).resolve()
-    return home / "packs" / f"{model_dir.name}-{model_fingerprint(model_dir)[:8]}-{fmt}"
+    return hybridd_home() / "packs" / f"{model_dir.name}-{model_fingerprint(model_dir)[:8]}-{fmt}"
 
 
 def read_index(pack_dir: str | Path) -> dict:

@@ -1,0 +1,222 @@
+"""The engine process: runs `LLMEngine` behind ZeroMQ for the api process.
+
+Messages are JSON objects. In (PULL): `add` {rid, prompt_ids, params}, `abort` {rid}. Out (PUSH):
+`progress` while packing/loading, `ready` with the model's facts, `out` per new token(s), `error` for a
+request the engine cannot finish, and `stats` every STATS_PERIOD_S and between steps — the api process
+treats a silent engine as hung. If the expert process dies, every in-flight request gets an error,
+the expert process is restarted and the engine keeps serving.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import time
+from collections import deque
+
+import zmq
+
+from hybrid.daemon_config import DaemonConfig
+from hybrid.expert_client import ExpertServerError, ProcessExperts
+from hybrid.llm_engine import LLMEngine
+from hybrid.outputs import RequestOutput
+from hybrid.sampling_params import SamplingParams
+
+log = logging.getLogger("hybridd.engine")
+
+STATS_PERIOD_S = 0.25
+RATE_WINDOW_S = 5.0
+
+
+class EngineServer:
+    def __init__(self, config: DaemonConfig):
+        self.config = config
+        self._ctx = zmq.Context()
+        self.inbox = self._ctx.socket(zmq.PULL)
+        self.inbox.bind(config.paths.engine_in)
+        self.outbox = self._ctx.socket(zmq.PUSH)
+        self.outbox.setsockopt(zmq.LINGER, 1000)
+        self.outbox.connect(config.paths.engine_out)
+        self.engine: LLMEngine | None = None
+        self.rid_of: dict[int, str] = {}
+        self.seq_of: dict[str, int] = {}
+        self.stopping = False
+        self._generated: deque[tuple[float, int]] = deque()
+        self._last_stats = 0.0
+
+    def send(self, msg: dict) -> None:
+        self.outbox.send_json(msg)
+
+    def load(self) -> None:
+        engine_config = self.config.engine_config()
+        if engine_config.experts == "process" and engine_config.expert_server is None:
+            self._pack(engine_config)
+        self.send({"op": "progress", "phase": "loading model"})
+        self.engine = LLMEngine(engine_config)
+        self.send({"op": "ready", "pid": os.getpid(), "info": self.info()})
+
+    def _pack(self, engine_config) -> None:
+        from hybrid.config import ModelConfig
+        from hybrid.expert_pack import default_pack_dir, expert_bytes_to_read, is_current, write_pack
+        from hybrid.models.experts import default_expert_format
+
+        model = ModelConfig.from_dir(engine_config.model)
+        fmt = default_expert_format(model) if engine_config.expert_format == "auto" else engine_config.expert_format
+        pack_dir = engine_config.expert_pack or default_pack_dir(engine_config.model, fmt)
+        if is_current(pack_dir, model, fmt):
+            return
+        total, done, last = expert_bytes_to_read(model), 0, 0.0
+
+        def progress(n: int) -> None:
+            nonlocal done, last
+            done += n
+            if time.monotonic() - last > 0.2:
+                last = time.monotonic()
+                self.send({"op": "progress", "phase": "packing experts", "done": done, "total": total})
+
+        log.info("packing %s experts as %s into %s", model.model_dir, fmt, pack_dir)
+        write_pack(engine_config.model, pack_dir, fmt, progress=progress)
+
+    def info(self) -> dict:
+        from cpu_kernels.moe import kernel_isa_name
+
+        e = self.engine
+        return {
+            "model": self.config.model_name, "model_dir": str(e.model_config.model_dir),
+            "architecture": e.model_config.model_type, "max_model_len": e.max_model_len,
+            "vocab_size": e.model_config.vocab_size, "num_kv_blocks": e.runner.num_blocks,
+            "block_size": e.config.block_size, "max_num_seqs": e.config.max_num_seqs, "mode": "cpu-only",
+            "devices": ["cpu"], "backend": e.config.backend,
+            "kernel_path": kernel_isa_name() if e.config.backend == "cpu" else "torch reference",
+            "experts": e.config.experts,
+            "expert_pid": self.expert_pid(),
+        }
+
+    def stats(self) -> dict:
+        e = self.engine
+        now = time.monotonic()
+        while self._generated and now - self._generated[0][0] > RATE_WINDOW_S:
+            self._generated.popleft()
+        bm = e.scheduler.blocks
+        return {
+            "op": "stats", "pid": os.getpid(), "running": len(e.scheduler.running),
+            "waiting": len(e.scheduler.waiting), "kv_blocks_used": bm.num_blocks - bm.num_free,
+            "kv_blocks_total": bm.num_blocks,
+            "tokens_per_s": sum(n for _, n in self._generated) / RATE_WINDOW_S,
+            "expert_pid": self.expert_pid(),
+        }
+
+    def expert_pid(self) -> int | None:
+        experts = self.engine.runner.experts
+        return experts.client.server_pid if isinstance(experts, ProcessExperts) else None
+
+    def handle(self, msg: dict) -> None:
+        op = msg.get("op")
+        if op == "add":
+            rid = msg["rid"]
+            try:
+                seq_id = self.engine.add_request(msg["prompt_ids"], SamplingParams(**msg["params"]))
+            except (ValueError, TypeError) as e:
+                self.send({"op": "error", "rid": rid, "status": 400, "message": str(e)})
+                return
+            self.rid_of[seq_id], self.seq_of[rid] = rid, seq_id
+        elif op == "abort":
+            seq_id = self.seq_of.pop(msg["rid"], None)
+            if seq_id is not None:
+                self.rid_of.pop(seq_id, None)
+                self.engine.abort(seq_id)
+        else:
+            log.warning("ignoring unknown message %r", op)
+
+    def fail_all(self, status: int, message: str) -> None:
+        for seq_id, rid in list(self.rid_of.items()):
+            self.engine.abort(seq_id)
+            self.send({"op": "error", "rid": rid, "status": status, "message": message})
+        self.rid_of.clear()
+        self.seq_of.clear()
+
+    def emit(self, out: RequestOutput) -> None:
+        rid = self.rid_of.get(out.request_id)
+        if rid is None:
+            return
+        self._generated.append((time.monotonic(), len(out.new_token_ids)))
+        self.send({"op": "out", "rid": rid, "ids": out.new_token_ids, "text": out.new_text,
+                   "finished": out.finished, "finish_reason": out.finish_reason,
+                   "prompt_tokens": len(out.prompt_token_ids), "completion_tokens": len(out.token_ids)})
+        if out.finished:
+            self.rid_of.pop(out.request_id, None)
+            self.seq_of.pop(rid, None)
+
+    def step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except ExpertServerError as e:
+            log.error("expert process failed: %s; restarting it", e)
+            self.fail_all(503, f"the expert process failed ({e}); hybridd is restarting it, retry the request")
+            self.restart_experts()
+            return
+        for out in outputs:
+            self.emit(out)
+
+    def restart_experts(self) -> None:
+        experts = self.engine.runner.experts
+        if isinstance(experts, ProcessExperts):
+            experts.restart()
+            log.info("expert process restarted (pid %d)", experts.client.server_pid)
+
+    def serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.inbox, zmq.POLLIN)
+        while not self.stopping:
+            busy = self.engine.has_unfinished()
+            if poller.poll(0 if busy else int(STATS_PERIOD_S * 1000)):
+                while True:
+                    try:
+                        msg = self.inbox.recv_json(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self.handle(msg)
+            if self.engine.has_unfinished():
+                self.step()
+            if time.monotonic() - self._last_stats >= STATS_PERIOD_S or not busy:
+                self._last_stats = time.monotonic()
+                self.send(self.stats())
+        self.fail_all(503, "hybridd is stopping; the request was aborted")
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+        self.inbox.close(linger=0)
+        self.outbox.close()
+        self._ctx.term()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="hybridd engine process")
+    ap.add_argument("--config", required=True, help="daemon.json written by the supervisor")
+    a = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    server = EngineServer(DaemonConfig.load(a.config))
+
+    def stop(*_) -> None:
+        server.stopping = True
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    try:
+        server.load()
+        server.serve()
+    except Exception as e:
+        log.exception("engine failed")
+        server.send({"op": "fatal", "message": f"{type(e).__name__}: {e}"})
+        return 1
+    finally:
+        server.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

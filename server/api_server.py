@@ -1,0 +1,38 @@
+"""The api process: loads the tokenizer and serves the FastAPI app with uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+import uvicorn
+
+from hybrid.daemon_config import DaemonConfig
+from hybrid.engine_client import EngineClient
+from hybrid.tokenizer import Tokenizer, TokenizerError
+from server.app import build_app
+
+GRACEFUL_SHUTDOWN_S = 10
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="hybridd api process")
+    ap.add_argument("--config", required=True, help="daemon.json written by the supervisor")
+    a = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = DaemonConfig.load(a.config)
+    try:
+        tokenizer = Tokenizer(config.model)
+    except TokenizerError as e:
+        logging.getLogger("hybridd.api").warning("%s; only token-id completions are served", e)
+        tokenizer = None
+    client = EngineClient(config.paths.engine_in, config.paths.engine_out, config.engine_timeout_s)
+    app = build_app(config, client, tokenizer)
+    uvicorn.run(app, host=config.host, port=config.port, log_level="warning", access_log=False,
+                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

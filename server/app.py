@@ -1,0 +1,294 @@
+"""The FastAPI application: OpenAI routes with SSE streaming, /health, /status, /metrics and the chat page."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing, asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from hybrid.daemon_config import DaemonConfig
+from hybrid.engine_client import EngineClient, EngineError
+from hybrid.tokenizer import Tokenizer, TokenizerError
+from server.metrics import Metrics
+from server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    SamplingFields,
+    error_body,
+    now,
+    usage,
+)
+
+STATIC_DIR = Path(__file__).parent / "static"
+RETRY_AFTER_S = 2
+DISCONNECT_POLL_S = 0.25
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
+
+
+def _error_response(e: ApiError) -> JSONResponse:
+    return JSONResponse(error_body(e.message, e.status, e.param, e.code), status_code=e.status, headers=e.headers)
+
+
+def _sse(obj: dict | str) -> str:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
+
+
+class RequestStats:
+    """One request's timings as the client sees them, recorded into the metrics when it ends."""
+
+    def __init__(self, metrics: Metrics, prompt_tokens: int):
+        self.metrics, self.prompt_tokens = metrics, prompt_tokens
+        self.start = time.perf_counter()
+        self.first: float | None = None
+        self.completion_tokens = 0
+        metrics.prompt_tokens.inc(prompt_tokens)
+
+    def token(self, msg: dict) -> None:
+        if self.first is None:
+            self.first = time.perf_counter()
+            self.metrics.ttft.observe(self.first - self.start)
+        self.metrics.generation_tokens.inc(msg["completion_tokens"] - self.completion_tokens)
+        self.completion_tokens = msg["completion_tokens"]
+
+    def end(self, outcome: str) -> None:
+        end = time.perf_counter()
+        if outcome in ("stop", "length"):
+            self.metrics.e2e.observe(end - self.start)
+            if self.first is not None and self.completion_tokens > 1:
+                self.metrics.tpot.observe((end - self.first) / (self.completion_tokens - 1))
+        self.metrics.finished(outcome)
+
+
+def build_app(config: DaemonConfig, client: EngineClient, tokenizer: Tokenizer | None) -> FastAPI:
+    name = config.model_name
+    metrics = Metrics(name)
+    max_pending = config.engine_config().max_num_seqs + config.max_queue
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        await client.start()
+        yield
+        await client.close()
+
+    app = FastAPI(title="hybridd", lifespan=lifespan, docs_url=None, redoc_url=None)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, e: ApiError):
+        return _error_response(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, e: RequestValidationError):
+        err = e.errors()[0]
+        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+        if err.get("type") == "json_invalid":
+            return _error_response(ApiError(400, f"the request body is not valid JSON: {err.get('msg')}"))
+        msg = err.get("msg", "invalid request").removeprefix("Value error, ")
+        return _error_response(ApiError(400, f"{loc}: {msg}" if loc else msg, param=loc or None))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, e: StarletteHTTPException):
+        return _error_response(ApiError(e.status_code, str(e.detail)))
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if config.api_key and request.url.path != "/health":
+            given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+            if request.method == "GET" and request.url.path == "/":
+                given = given or request.query_params.get("key", "")
+            if given != config.api_key:
+                return _error_response(ApiError(401, "missing or wrong API key (Authorization: Bearer KEY)",
+                                                code="invalid_api_key"))
+        return await call_next(request)
+
+    def check_model(req: SamplingFields) -> None:
+        if req.model != name:
+            raise ApiError(404, f"the model {req.model!r} does not exist; this daemon serves {name!r}",
+                           param="model", code="model_not_found")
+
+    def admit(req: SamplingFields, prompt_ids: list[int]) -> tuple[dict, RequestStats]:
+        if not client.ready:
+            raise ApiError(503, client.state.describe(), headers={"Retry-After": str(RETRY_AFTER_S)})
+        info = client.state.info
+        max_len, vocab = info["max_model_len"], info["vocab_size"]
+        if not prompt_ids:
+            raise ApiError(400, "the prompt is empty", param="prompt")
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise ApiError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+        room = max_len - len(prompt_ids)
+        if room < 1:
+            raise ApiError(400, f"this model's maximum context length is {max_len} tokens; the prompt has "
+                           f"{len(prompt_ids)} and at least one must be generated", param="messages",
+                           code="context_length_exceeded")
+        wanted = req.requested_max_tokens
+        if wanted is not None and wanted > room:
+            raise ApiError(400, f"max_tokens={wanted} does not fit: the prompt has {len(prompt_ids)} tokens of "
+                           f"the {max_len}-token context, leaving {room}", param="max_tokens",
+                           code="context_length_exceeded")
+        if client.num_pending >= max_pending:
+            metrics.finished("rejected")
+            raise ApiError(503, f"the server is busy: {client.num_pending} requests are queued or running; retry "
+                           "shortly", headers={"Retry-After": str(RETRY_AFTER_S)})
+        return req.sampling_params(wanted or room), RequestStats(metrics, len(prompt_ids))
+
+    def need_tokenizer() -> Tokenizer:
+        if tokenizer is None:
+            raise ApiError(400, "this model has no tokenizer: send token ids to /v1/completions")
+        return tokenizer
+
+    async def run(request: Request, prompt_ids: list[int], params: dict, stats: RequestStats,
+                  chunk, include_usage: bool, opening: dict | None = None) -> Response:
+        """Streams SSE chunks built by chunk(rid, created, text, finish_reason), after `opening` if given,
+        or returns the whole completion."""
+        created, rid = now(), uuid.uuid4().hex
+
+        async def events() -> AsyncIterator[str]:
+            outcome = "abort"
+            try:
+                if opening is not None:
+                    yield _sse({**chunk(rid, created, "", None), "choices": [opening]})
+                async with aclosing(client.generate(prompt_ids, params)) as gen:
+                    async for msg in gen:
+                        stats.token(msg)
+                        if msg["text"] or msg["finished"]:
+                            yield _sse(chunk(rid, created, msg["text"], msg["finish_reason"]))
+                        if msg["finished"]:
+                            outcome = msg["finish_reason"]
+                if include_usage:
+                    yield _sse(chunk(rid, created, None, None, usage(stats.prompt_tokens, stats.completion_tokens)))
+                yield _sse("[DONE]")
+            except EngineError as e:
+                outcome = "error"
+                yield _sse(error_body(str(e), e.status))
+                yield _sse("[DONE]")
+            finally:
+                stats.end(outcome)
+
+        if request.state.stream:
+            return StreamingResponse(events(), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+        async def collect() -> tuple[str, str]:
+            parts, reason = [], None
+            async with aclosing(client.generate(prompt_ids, params)) as gen:
+                async for msg in gen:
+                    stats.token(msg)
+                    parts.append(msg["text"])
+                    reason = msg["finish_reason"]
+            return "".join(parts), reason
+
+        task = asyncio.create_task(collect())
+        while not task.done():
+            await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if not task.done() and await request.is_disconnected():
+                task.cancel()
+                stats.end("abort")
+                return Response(status_code=499)
+        try:
+            text, reason = task.result()
+        except EngineError as e:
+            stats.end("error")
+            raise ApiError(e.status, str(e)) from None
+        stats.end(reason)
+        return JSONResponse(chunk(rid, created, text, reason, usage(stats.prompt_tokens, stats.completion_tokens),
+                                  final=True))
+
+    def chat_chunk(rid, created, text, reason, use=None, final=False) -> dict:
+        if final:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason}
+            return {"id": f"chatcmpl-{rid}", "object": "chat.completion", "created": created, "model": name,
+                    "choices": [choice], "usage": use}
+        choices = [] if use else [{"index": 0, "delta": {"content": text}, "finish_reason": reason}]
+        body = {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk", "created": created, "model": name,
+                "choices": choices}
+        if use:
+            body["usage"] = use
+        return body
+
+    def text_chunk(rid, created, text, reason, use=None, final=False) -> dict:
+        choices = [] if use and not final else [{"index": 0, "text": text, "finish_reason": reason,
+                                                 "logprobs": None}]
+        body = {"id": f"cmpl-{rid}", "object": "text_completion", "created": created, "model": name,
+                "choices": choices}
+        if use:
+            body["usage"] = use
+        return body
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, request: Request):
+        check_model(req)
+        tok = need_tokenizer()
+        try:
+            messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                        for m in req.messages]
+            prompt_ids = tok.apply_chat_template(messages)
+        except (ValueError, TokenizerError) as e:
+            raise ApiError(400, f"messages: {e}", param="messages") from None
+        except Exception as e:  # a chat template raising on an odd conversation is the caller's error
+            raise ApiError(400, f"messages: the chat template rejected them: {e}", param="messages") from None
+        params, stats = admit(req, prompt_ids)
+        request.state.stream = req.stream
+        opening = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+        return await run(request, prompt_ids, params, stats, chat_chunk, req.include_usage, opening)
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request):
+        check_model(req)
+        if isinstance(req.prompt, str):
+            try:
+                prompt_ids = need_tokenizer().encode(req.prompt)
+            except TokenizerError as e:
+                raise ApiError(400, str(e), param="prompt") from None
+        else:
+            prompt_ids = list(req.prompt)
+        params, stats = admit(req, prompt_ids)
+        request.state.stream = req.stream
+        return await run(request, prompt_ids, params, stats, text_chunk, req.include_usage)
+
+    @app.get("/v1/models")
+    async def models():
+        max_len = client.state.info.get("max_model_len")
+        return ModelList(data=[ModelCard(id=name, max_model_len=max_len)]).model_dump()
+
+    @app.get("/health")
+    async def health():
+        s = client.state
+        if s.status == "ready":
+            return {"status": "ok", "model": name}
+        body = {"status": s.status, "reason": s.reason, "progress": s.progress}
+        return JSONResponse(body, status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
+
+    @app.get("/status")
+    async def status():
+        s = client.state
+        return {"model": name, "status": s.status, "reason": s.reason, "engine_pid": s.pid, "restarts": s.restarts,
+                "info": s.info, "stats": s.stats, "progress": s.progress, "pending": client.num_pending,
+                "max_pending": max_pending, "url": config.url}
+
+    @app.get("/metrics")
+    async def prometheus():
+        body = metrics.render(client.state.stats, client.num_pending, client.ready)
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/")
+    async def index():
+        return FileResponse(STATIC_DIR / "index.html", media_type="text/html")
+
+    return app
+

@@ -1,0 +1,126 @@
+"""OpenAI-compatible request and response bodies (the subset hybridd serves), validated by pydantic."""
+
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+MAX_STOP_SEQUENCES = 16
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class SamplingFields(BaseModel):
+    """Fields shared by both completion routes; unknown fields are ignored as OpenAI's API does."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=-1)
+    seed: int | None = None
+    stop: str | list[str] | None = Field(default=None, validate_default=True)
+    n: int = Field(default=1, ge=1, le=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: str | list[str] | None) -> list[str]:
+        stops = [v] if isinstance(v, str) else list(v or [])
+        if len(stops) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences")
+        if any(not s for s in stops):
+            raise ValueError("stop sequences must be non-empty")
+        return stops
+
+    def sampling_params(self, max_tokens: int) -> dict:
+        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": max(self.top_k, 0),
+                "max_tokens": max_tokens, "seed": self.seed, "stop": self.stop, "ignore_eos": self.ignore_eos}
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[dict] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            parts = [p.get("text") for p in self.content if p.get("type") == "text"]
+            if len(parts) != len(self.content) or any(not isinstance(t, str) for t in parts):
+                raise ValueError("only text content parts are supported")
+            return "".join(parts)
+        return self.content or ""
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, v):
+        if isinstance(v, list) and v and isinstance(v[0], (str, list)):
+            if len(v) != 1:
+                raise ValueError("hybridd serves one prompt per request; send a batch as separate requests")
+            v = v[0]
+        if len(v) == 0:
+            raise ValueError("the prompt is empty")
+        return v
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                 total_tokens=prompt_tokens + completion_tokens).model_dump()
+
+
+def now() -> int:
+    return int(time.time())
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: str = "model"
+    created: int = Field(default_factory=now)
+    owned_by: str = "hybridd"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: str = "list"
+    data: list[ModelCard]
+
+
+def error_body(message: str, status: int, param: str | None = None, code: str | None = None) -> dict:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    if status == 401:
+        kind = "authentication_error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
