@@ -302,7 +302,7 @@ def cmd_slo_report(a: argparse.Namespace) -> int:
     report = asyncio.run(SloReport(config).run(
         lambda lv: console.print(f"  concurrency {lv['concurrency']}: {lv['requests'] - lv['errors']} ok, "
                                  f"goodput {lv['goodput']:.0%}")))
-    Console().print(render_table(report))
+    Console(width=None if sys.stdout.isatty() else 200).print(render_table(report))
     if a.json:
         write_json(report, a.json)
         console.print(f"wrote {a.json}")

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
 from pathlib import Path
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -81,13 +81,22 @@ def build_app(config: DaemonConfig, client: EngineClient, tokenizer: Tokenizer |
     metrics = Metrics(name)
     max_pending = config.engine_config().max_num_seqs + config.max_queue
 
+    def check_key(request: Request) -> None:
+        if config.api_key and request.url.path != "/health":
+            given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+            if request.method == "GET" and request.url.path == "/":
+                given = given or request.query_params.get("key", "")
+            if given != config.api_key:
+                raise ApiError(401, "missing or wrong API key (Authorization: Bearer KEY)", code="invalid_api_key")
+
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         await client.start()
         yield
         await client.close()
 
-    app = FastAPI(title="hybridd", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(title="hybridd", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  dependencies=[Depends(check_key)])
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, e: ApiError):
@@ -105,17 +114,6 @@ def build_app(config: DaemonConfig, client: EngineClient, tokenizer: Tokenizer |
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, e: StarletteHTTPException):
         return _error_response(ApiError(e.status_code, str(e.detail)))
-
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if config.api_key and request.url.path != "/health":
-            given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-            if request.method == "GET" and request.url.path == "/":
-                given = given or request.query_params.get("key", "")
-            if given != config.api_key:
-                return _error_response(ApiError(401, "missing or wrong API key (Authorization: Bearer KEY)",
-                                                code="invalid_api_key"))
-        return await call_next(request)
 
     def check_model(req: SamplingFields) -> None:
         if req.model != name:

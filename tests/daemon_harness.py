@@ -1,0 +1,72 @@
+"""Starts and stops real daemons (`hybridd start` in the background) in a private HYBRIDD_HOME for tests."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Daemon:
+    home: Path
+    port: int
+    api_key: str | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def env(self) -> dict:
+        return {**os.environ, "HYBRIDD_HOME": str(self.home)}
+
+    @property
+    def headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def cli(self, *args: str, timeout: float = 120, stdin: str | None = None) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "hybrid.cli", *args], env=self.env, capture_output=True,
+                              text=True, timeout=timeout, input=stdin)
+
+    def start(self, *extra: str) -> None:
+        args = ["start", "--port", str(self.port), "--kv-cache-gb", "0.25", *extra]
+        if self.api_key:
+            args += ["--api-key", self.api_key]
+        r = self.cli(*args, timeout=300)
+        assert r.returncode == 0, f"hybridd start failed:\n{r.stdout}\n{r.stderr}\n{self.logs()}"
+
+    def stop(self) -> subprocess.CompletedProcess:
+        return self.cli("stop", timeout=120)
+
+    def status(self) -> dict:
+        return httpx.get(f"{self.url}/status", headers=self.headers, timeout=10).json()
+
+    def health(self) -> httpx.Response:
+        return httpx.get(f"{self.url}/health", timeout=10)
+
+    def wait_healthy(self, timeout_s: float = 120) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if self.health().status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise AssertionError(f"daemon not healthy after {timeout_s}s:\n{self.logs()}")
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted((self.home / "logs").glob("*.log")))

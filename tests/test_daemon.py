@@ -1,0 +1,340 @@
+"""A real daemon on the embedded tiny model, driven with the official openai client, raw HTTP and the CLI."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+import time
+
+import httpx
+import openai
+import psutil
+import pytest
+from daemon_harness import Daemon, free_port
+
+from hybrid import LLM, SamplingParams
+
+MODEL = "default_model"
+LONG = {"max_tokens": 3000, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    d = Daemon(tmp_path_factory.mktemp("home"), free_port())
+    d.start()
+    yield d
+    d.stop()
+
+
+@pytest.fixture
+def client(daemon) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{daemon.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def metric(daemon: Daemon, name: str, labels: str = "") -> float:
+    text = httpx.get(f"{daemon.url}/metrics", headers=daemon.headers).text
+    m = re.search(rf"^{re.escape(name)}\{{[^}}]*{re.escape(labels)}[^}}]*\}} (\S+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_chat_nonstreaming_and_streaming_agree(client):
+    messages = [{"role": "user", "content": "Tell me about rivers."}]
+    full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0)
+    assert full.choices[0].finish_reason in ("stop", "length")
+    assert full.usage.completion_tokens >= 1 and full.usage.total_tokens == full.usage.prompt_tokens + \
+        full.usage.completion_tokens
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == \
+        [full.choices[0].finish_reason]
+
+
+def test_completion_matches_in_process_engine(client):
+    prompt = list(range(40, 71))
+    got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    llm = LLM(experts="inline")
+    try:
+        want = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0]
+    finally:
+        llm.close()
+    assert got.choices[0].text == want.text
+    assert got.usage.completion_tokens == 16 and got.usage.prompt_tokens == len(prompt)
+
+
+def test_stop_sequences(client):
+    base = client.completions.create(model=MODEL, prompt="The history of", max_tokens=24, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = next(base[i:i + 3] for i in range(4, len(base) - 3) if base[i:i + 3].isalnum())
+    cut = client.completions.create(model=MODEL, prompt="The history of", max_tokens=24, temperature=0,
+                                    stop=[stop], extra_body={"ignore_eos": True})
+    assert cut.choices[0].text == base[:base.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(model=MODEL, prompt="The history of", max_tokens=24, temperature=0,
+                                         stop=stop, stream=True, extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == base[:base.index(stop)]
+
+
+def test_seeded_sampling_repeats(client):
+    kw = dict(model=MODEL, prompt="Once", max_tokens=12, temperature=0.9, top_p=0.9, seed=7,
+              extra_body={"top_k": 50})
+    assert client.completions.create(**kw).choices[0].text == client.completions.create(**kw).choices[0].text
+
+
+def test_metrics_move(daemon, client):
+    before_gen = metric(daemon, "hybridd_generation_tokens_total")
+    before_prompt = metric(daemon, "hybridd_prompt_tokens_total")
+    before_ttft = metric(daemon, "hybridd_time_to_first_token_seconds_count")
+    r = client.completions.create(model=MODEL, prompt=[5, 6, 7, 8], max_tokens=5, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 5
+    assert metric(daemon, "hybridd_generation_tokens_total") == before_gen + 5
+    assert metric(daemon, "hybridd_prompt_tokens_total") == before_prompt + 4
+    assert metric(daemon, "hybridd_time_to_first_token_seconds_count") == before_ttft + 1
+    text = httpx.get(f"{daemon.url}/metrics").text
+    for name in ("hybridd_time_per_output_token_seconds_bucket", "hybridd_e2e_request_latency_seconds_bucket",
+                 "hybridd_queue_depth", "hybridd_kv_cache_usage_ratio", "hybridd_num_requests_running"):
+        assert name in text
+
+
+BAD_REQUESTS = [
+    ("/v1/chat/completions", "{not json", 400, "not valid JSON"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": "hello"}, 400, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
+    ("/v1/chat/completions", {"model": "gpt-17", "messages": [{"role": "user", "content": "x"}]}, 404, "gpt-17"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}, 400, "model"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": "many"},
+     400, "max_tokens"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "temperature": 1e9},
+     400, "temperature"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_p": 0},
+     400, "top_p"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": -3},
+     400, "max_tokens"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 4}, 400, "n"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                              "max_tokens": 10**9}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stop": [""]},
+     400, "stop"),
+    ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "empty"),
+    ("/v1/completions", {"model": MODEL, "prompt": [1, 2, 99999999]}, 400, "token ids"),
+    ("/v1/completions", {"model": MODEL, "prompt": [7] * 4200}, 400, "context length"),
+    ("/v1/completions", {"model": MODEL, "prompt": "word " * 5000}, 400, "context length"),
+    ("/v1/completions", {"model": MODEL, "prompt": ["a", "b"]}, 400, "one prompt"),
+    ("/v1/nothing-here", {}, 404, ""),
+]
+
+
+@pytest.mark.parametrize("route,body,status,needle", BAD_REQUESTS, ids=[f"{i}" for i in range(len(BAD_REQUESTS))])
+def test_bad_input_gets_clear_4xx(daemon, route, body, status, needle):
+    kw = {"content": body} if isinstance(body, str) else {"json": body}
+    r = httpx.post(f"{daemon.url}{route}", headers={"content-type": "application/json"}, timeout=30, **kw)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert needle.lower() in err["message"].lower() and err["type"] == "invalid_request_error"
+
+
+def test_daemon_serves_after_bad_input(daemon, client):
+    for route, body, _, _ in BAD_REQUESTS:
+        kw = {"content": body} if isinstance(body, str) else {"json": body}
+        httpx.post(f"{daemon.url}{route}", headers={"content-type": "application/json"}, timeout=30, **kw)
+    assert daemon.health().status_code == 200
+    r = client.completions.create(model=MODEL, prompt="hi", max_tokens=3, temperature=0)
+    assert r.usage.completion_tokens >= 1
+
+
+def wait_idle(daemon: Daemon, timeout_s: float = 10) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        stats = daemon.status()["stats"]
+        if stats["running"] == 0 and stats["waiting"] == 0 and stats["kv_blocks_used"] == 0:
+            return stats
+        time.sleep(0.1)
+    raise AssertionError(f"engine still busy: {daemon.status()}")
+
+
+def test_disconnect_mid_stream_aborts_and_frees_kv(daemon):
+    before = metric(daemon, "hybridd_requests_total", 'outcome="abort"')
+    with httpx.stream("POST", f"{daemon.url}/v1/completions", timeout=30,
+                      json={"model": MODEL, "prompt": "A long story", "stream": True, **LONG}) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        assert daemon.status()["stats"]["kv_blocks_used"] > 0
+    wait_idle(daemon)
+    assert metric(daemon, "hybridd_requests_total", 'outcome="abort"') == before + 1
+
+
+def test_nonstreaming_disconnect_aborts(daemon):
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{daemon.url}/v1/completions", json={"model": MODEL, "prompt": "Again", **LONG}, timeout=1.0)
+    wait_idle(daemon)
+
+
+def test_web_page_is_served(daemon):
+    r = httpx.get(f"{daemon.url}/")
+    assert r.status_code == 200 and "text/html" in r.headers["content-type"]
+    assert "/v1/chat/completions" in r.text and "http" not in r.text.split("<script>")[1].replace("https://", "")
+
+
+def test_cli_status_chat_and_refusals(daemon):
+    r = daemon.cli("status")
+    assert r.returncode == 0 and "avx" in r.stdout.lower() and "KV cache" in r.stdout and MODEL in r.stdout
+    r = daemon.cli("chat", "--max-tokens", "8", stdin="Hello there\n/exit\n")
+    assert r.returncode == 0, r.stderr
+    assert "tok/s" in r.stderr and r.stdout.strip()
+    r = daemon.cli("start", "--port", str(daemon.port))
+    assert r.returncode == 2 and "already running" in r.stderr
+    r = daemon.cli("start", "--gpus", "0,1", "--port", str(free_port()))
+    assert r.returncode == 2 and "--cpu-only" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_slo_report_writes_table_json_and_png(daemon, tmp_path):
+    import json
+
+    from PIL import Image
+
+    out, png = tmp_path / "slo.json", tmp_path / "slo.png"
+    r = daemon.cli("slo-report", "--url", daemon.url, "--concurrency", "1,2", "--requests", "3", "--max-tokens", "8",
+                   "--json", str(out), "--plot", str(png), timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "TTFT" in r.stdout and "goodput" in r.stdout
+    report = json.loads(out.read_text())
+    assert [lv["concurrency"] for lv in report["levels"]] == [1, 2]
+    for lv in report["levels"]:
+        assert lv["errors"] == 0 and lv["requests"] == 3
+        assert 0 < lv["ttft_s"]["p50"] <= lv["ttft_s"]["p90"] <= lv["ttft_s"]["p99"]
+        assert 0 < lv["tpot_s"]["p50"] <= lv["tpot_s"]["p99"]
+        assert all(res["completion_tokens"] == 8 for res in lv["results"])
+        assert 0.0 <= lv["goodput"] <= 1.0
+    with Image.open(png) as im:
+        assert im.format == "PNG" and im.size[0] > 500
+
+
+def kill_mid_stream(daemon: Daemon, client: openai.OpenAI, pid: int) -> float:
+    stream = client.completions.create(model=MODEL, prompt="Tell a long story", stream=True, max_tokens=3000,
+                                       extra_body={"ignore_eos": True})
+    next(iter(stream))
+    os.kill(pid, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(openai.APIError):
+        for _ in stream:
+            pass
+    return time.monotonic() - start
+
+
+def test_expert_process_death_fails_request_then_recovers(daemon, client):
+    old = daemon.status()["info"]["expert_pid"]
+    assert kill_mid_stream(daemon, client, old) < 10
+    r = client.completions.create(model=MODEL, prompt="again", max_tokens=4, temperature=0)
+    assert r.usage.completion_tokens >= 1
+    new = daemon.status()["stats"]["expert_pid"]
+    assert new != old and psutil.pid_exists(new)
+
+
+def test_engine_death_fails_request_reports_and_restarts(daemon, client):
+    old = daemon.status()["engine_pid"]
+    assert kill_mid_stream(daemon, client, old) < 10
+    seen_down = False
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and not seen_down:
+        r = daemon.health()
+        seen_down = r.status_code == 503 and "exited" in r.json()["reason"]
+    assert seen_down
+    daemon.wait_healthy()
+    status = daemon.status()
+    assert status["engine_pid"] != old and status["restarts"] >= 1
+    assert client.completions.create(model=MODEL, prompt="back", max_tokens=4).usage.completion_tokens >= 1
+    assert "engine (pid" in (daemon.home / "logs" / "daemon.log").read_text()
+
+
+def test_web_page_streams_in_headless_chromium(daemon):
+    sync_api = pytest.importorskip("playwright.sync_api")
+    if not os.path.exists("/usr/bin/chromium"):
+        pytest.skip("Debian's chromium is not installed (apt-get install chromium)")
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=[
+            "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+            "--disable-sync", "--no-first-run"])
+        try:
+            page = browser.new_page()
+            page.goto(daemon.url + "/")
+            page.wait_for_function(f"document.getElementById('model').textContent.includes('{MODEL}')")
+            page.evaluate("""() => { window.updates = 0; new MutationObserver(() => window.updates++)
+                .observe(document.getElementById('log'), {childList: true, subtree: true, characterData: true}); }""")
+            page.fill("#input", "Hello, who are you?")
+            page.click("#send")
+            page.wait_for_selector(".assistant[data-state=done]", timeout=60_000)
+            assert page.inner_text(".assistant").strip()
+            assert "tokens/s" in page.inner_text(".stats")
+            assert page.evaluate("window.updates") > 3
+            page.fill("#input", "And then?")
+            page.press("#input", "Enter")
+            page.wait_for_function("document.querySelectorAll('.assistant[data-state=done]').length == 2",
+                                   timeout=60_000)
+            assert page.locator(".user").count() == 2
+        finally:
+            browser.close()
+
+
+def test_stop_is_graceful_and_complete(tmp_path):
+    d = Daemon(tmp_path / "home", free_port())
+    d.start()
+    status = d.status()
+    pids = [status["engine_pid"], status["info"]["expert_pid"]]
+    result: dict = {}
+
+    def stream():
+        try:
+            with httpx.stream("POST", f"{d.url}/v1/completions", timeout=60,
+                              json={"model": MODEL, "prompt": "x", "stream": True, **LONG}) as r:
+                result["body"] = "".join(r.iter_lines())
+        except httpx.HTTPError as e:
+            result["error"] = e
+
+    t = threading.Thread(target=stream)
+    t.start()
+    time.sleep(1.0)
+    r = d.stop()
+    assert r.returncode == 0 and "stopped" in r.stdout
+    t.join(30)
+    assert not t.is_alive()
+    assert "error" in result or "[DONE]" in result["body"]
+    assert not (d.home / "hybridd.pid").exists()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(psutil.pid_exists(p) for p in pids):
+        time.sleep(0.1)
+    assert not any(psutil.pid_exists(p) for p in pids)
+    r = d.stop()
+    assert r.returncode == 2 and "not running" in r.stderr
+
+
+def test_api_key_and_bounded_queue(tmp_path):
+    d = Daemon(tmp_path / "home", free_port(), api_key="sesame")
+    d.start("--max-num-seqs", "1", "--max-queue", "1")
+    try:
+        assert httpx.get(f"{d.url}/health").status_code == 200
+        for path in ("/v1/models", "/metrics", "/status", "/"):
+            r = httpx.get(f"{d.url}{path}")
+            assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        assert httpx.get(f"{d.url}/?key=sesame").status_code == 200
+        c = openai.OpenAI(base_url=f"{d.url}/v1", api_key="sesame", max_retries=0)
+        assert c.models.list().data[0].id == MODEL
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{d.url}/v1", api_key="wrong", max_retries=0).models.list()
+        streams = [c.completions.create(model=MODEL, prompt="x", stream=True, max_tokens=2000,
+                                        extra_body={"ignore_eos": True}) for _ in range(2)]
+        r = httpx.post(f"{d.url}/v1/completions", headers=d.headers, json={"model": MODEL, "prompt": "x"})
+        assert r.status_code == 503 and "busy" in r.json()["error"]["message"] and r.headers["retry-after"]
+        for s in streams:
+            s.close()
+        wait_idle(d)
+        assert c.completions.create(model=MODEL, prompt="x", max_tokens=2).usage.completion_tokens >= 1
+    finally:
+        d.stop()
