@@ -9,6 +9,8 @@ import os
 import sys
 from pathlib import Path
 
+import httpx
+
 from hybrid.config import ConfigError
 from hybrid.daemon import DaemonError
 from hybrid.expert_client import ExpertServerError
@@ -400,6 +402,11 @@ def main(argv: list[str] | None = None) -> int:
         return a.func(a)
     except USER_ERRORS as e:
         print(f"hybridd: error: {e}", file=sys.stderr)
+        return 2
+    except httpx.HTTPError as e:
+        where = f" {e.request.url}" if isinstance(e, httpx.RequestError) else ""
+        print(f"hybridd: error: cannot reach the daemon{where}: {e} (is it running? `hybridd status`)",
+              file=sys.stderr)
         return 2
 
 

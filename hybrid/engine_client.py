@@ -112,7 +112,9 @@ class EngineClient:
                     queue.put_nowait(msg if op == "out" else EngineError(msg["message"], msg["status"]))
             elif op == "stats":
                 self.state.stats = msg
-                if self.state.status == "down" and msg["pid"] == self.state.pid and self._alive(msg["pid"]):
+                if msg["pid"] != self.state.pid:
+                    await self._out.send_json({"op": "hello"})  # an engine that was ready before this api started
+                elif self.state.status == "down" and self._alive(msg["pid"]):
                     self.state.status, self.state.reason = "ready", ""
             elif op == "ready":
                 if self.state.pid is not None and self.state.pid != msg["pid"]:

@@ -1,10 +1,10 @@
 """The engine process: runs `LLMEngine` behind ZeroMQ for the api process.
 
-Messages are JSON objects. In (PULL): `add` {rid, prompt_ids, params}, `abort` {rid}. Out (PUSH):
-`progress` while packing/loading, `ready` with the model's facts, `out` per new token(s), `error` for a
-request the engine cannot finish, and `stats` every STATS_PERIOD_S and between steps — the api process
-treats a silent engine as hung. If the expert process dies, every in-flight request gets an error,
-the expert process is restarted and the engine keeps serving.
+Messages are JSON objects. In (PULL): `add` {rid, prompt_ids, params}, `abort` {rid}, `hello` (a
+restarted api asks for `ready`). Out (PUSH): `progress` while packing/loading, `ready` with the model's
+facts, `out` per new token(s), `error` for a request the engine cannot finish, and `stats` every
+STATS_PERIOD_S and between steps — the api process treats a silent engine as hung. If the expert
+process dies, every in-flight request gets an error, the expert process is restarted and the engine keeps serving.
 """
 
 from __future__ import annotations
@@ -123,6 +123,8 @@ class EngineServer:
                 self.send({"op": "error", "rid": rid, "status": 400, "message": str(e)})
                 return
             self.rid_of[seq_id], self.seq_of[rid] = rid, seq_id
+        elif op == "hello":
+            self.send({"op": "ready", "pid": os.getpid(), "info": self.info()})
         elif op == "abort":
             seq_id = self.seq_of.pop(msg["rid"], None)
             if seq_id is not None:

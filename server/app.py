@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -277,7 +278,7 @@ def build_app(config: DaemonConfig, client: EngineClient, tokenizer: Tokenizer |
         s = client.state
         return {"model": name, "status": s.status, "reason": s.reason, "engine_pid": s.pid, "restarts": s.restarts,
                 "info": s.info, "stats": s.stats, "progress": s.progress, "pending": client.num_pending,
-                "max_pending": max_pending, "url": config.url}
+                "max_pending": max_pending, "url": config.url, "api_pid": os.getpid()}
 
     @app.get("/metrics")
     async def prometheus():

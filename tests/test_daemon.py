@@ -254,6 +254,14 @@ def test_engine_death_fails_request_reports_and_restarts(daemon, client):
     assert "engine (pid" in (daemon.home / "logs" / "daemon.log").read_text()
 
 
+def test_api_process_death_is_restarted(daemon, client):
+    old = daemon.status()["api_pid"]
+    os.kill(old, signal.SIGKILL)
+    daemon.wait_healthy()
+    assert daemon.status()["api_pid"] != old
+    assert client.completions.create(model=MODEL, prompt="up", max_tokens=2).usage.completion_tokens >= 1
+
+
 def test_web_page_streams_in_headless_chromium(daemon):
     sync_api = pytest.importorskip("playwright.sync_api")
     if not os.path.exists("/usr/bin/chromium"):
