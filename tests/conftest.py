@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -38,3 +39,8 @@ def gqa_and_mla(request, model_dirs) -> Path:
 def prompt_ids(n: int, seed: int, low: int = 5, high: int = 2000) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(low, high, (n,), generator=g).tolist()
+
+
+if not torch.cuda.is_available():
+    # Triton kernels run on CPU tensors through Triton's interpreter where there is no GPU.
+    os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -1,0 +1,143 @@
+"""Split-KV (flash-decoding) attention for one query token per sequence over a paged cache.
+
+Stage 1: one program per (sequence, KV head, split) runs an online softmax over its share of the
+context for all query heads of that KV head at once (the group is the M side of the dot), writing a
+partial output and its log-sum-exp. Stage 2 combines the splits. GQA and MLA share the kernel: MLA's
+absorbed decode is one latent KV head whose keys are the cached [latent | rope] rows and whose values
+are the latent part of the same rows, with every query head in the group.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from hybrid.attention import paged_attention
+
+MIN_DOT = 16
+TARGET_SPLITS = 8
+
+
+@triton.jit
+def _split_kernel(q_ptr, k_ptr, v_ptr, tables, ctx_lens, o_part, lse_part,
+                  s_qb, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_tb, s_ob, s_oh, s_os, s_lb, s_lh,
+                  scale, split_len,
+                  GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, PAGE: tl.constexpr,
+                  BLOCK_H: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+                  UPCAST: tl.constexpr):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx = tl.load(ctx_lens + b)
+    start = split * split_len
+    end = tl.minimum(start + split_len, ctx)
+    hs = tl.arange(0, BLOCK_H)
+    heads = kvh * GROUP + hs
+    hmask = hs < GROUP
+    dk = tl.arange(0, BLOCK_DK)
+    dv = tl.arange(0, BLOCK_DV)
+    q = tl.load(q_ptr + b * s_qb + heads[:, None] * s_qh + dk[None, :],
+                mask=hmask[:, None] & (dk[None, :] < DK), other=0.0)
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    denom = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        toks = n0 + tl.arange(0, BLOCK_N)
+        tmask = toks < end
+        blk = tl.load(tables + b * s_tb + toks // PAGE, mask=tmask, other=0).to(tl.int64)
+        off = toks % PAGE
+        k = tl.load(k_ptr + blk[:, None] * s_kb + off[:, None] * s_kt + kvh * s_kh + dk[None, :],
+                    mask=tmask[:, None] & (dk[None, :] < DK), other=0.0)
+        if UPCAST:
+            qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
+        else:
+            qk = tl.dot(q, tl.trans(k)) * scale
+        qk = tl.where(tmask[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m, tl.max(qk, 1))
+        p = tl.exp(qk - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        denom = denom * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + blk[:, None] * s_vb + off[:, None] * s_vt + kvh * s_vh + dv[None, :],
+                    mask=tmask[:, None] & (dv[None, :] < DV), other=0.0)
+        if UPCAST:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+    safe = tl.where(denom > 0, denom, 1.0)
+    out = acc / safe[:, None]
+    lse = tl.where(denom > 0, m + tl.log(safe), float("-inf"))
+    tl.store(o_part + b * s_ob + heads[:, None] * s_oh + split * s_os + dv[None, :], out,
+             mask=hmask[:, None] & (dv[None, :] < DV))
+    tl.store(lse_part + b * s_lb + heads * s_lh + split, lse, mask=hmask)
+
+
+@triton.jit
+def _combine_kernel(o_part, lse_part, out, num_splits, s_ob, s_oh, s_os, s_lb, s_lh, s_b, s_h,
+                    DV: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    ss = tl.arange(0, BLOCK_S)
+    dv = tl.arange(0, BLOCK_DV)
+    smask = ss < num_splits
+    lse = tl.load(lse_part + b * s_lb + h * s_lh + ss, mask=smask, other=float("-inf"))
+    top = tl.max(lse, 0)
+    w = tl.where(smask & (lse > float("-inf")), tl.exp(lse - top), 0.0)
+    w = w / tl.sum(w, 0)
+    parts = tl.load(o_part + b * s_ob + h * s_oh + ss[:, None] * s_os + dv[None, :],
+                    mask=smask[:, None] & (dv[None, :] < DV), other=0.0)
+    result = tl.sum(parts * w[:, None], 0)
+    tl.store(out + b * s_b + h * s_h + dv, result.to(out.dtype.element_ty), mask=dv < DV)
+
+
+def upcast_dots(dtype: torch.dtype) -> bool:
+    """fp32 operands run their dots in IEEE fp32; so do 16-bit ones under Triton's interpreter, whose
+    bf16 tl.dot returns garbage (triton 3.7). On a GPU 16-bit dots stay on the tensor cores."""
+    return dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def dot_width(n: int) -> int:
+    """A power-of-two tile side of at least 16, the smallest tl.dot operand GPUs accept."""
+    return max(MIN_DOT, triton.next_power_of_2(n))
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     context_lens: torch.Tensor, scale: float, num_splits: int | None = None,
+                     block_n: int = 32) -> torch.Tensor:
+    """q [B, Hq, Dk]; caches [blocks, page, Hkv, D] (any strides but a unit last one; v may be a view of
+    k's storage); block_tables [B, max_blocks] int32; context_lens [B] int32 >= 1. Returns [B, Hq, Dv]."""
+    batch, hq, dk = q.shape
+    page, hkv, dv = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
+    if hq % hkv or k_cache.shape[3] != dk or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+        raise ValueError(f"decode_attention: q {tuple(q.shape)} vs caches {tuple(k_cache.shape)}, "
+                         f"{tuple(v_cache.shape)} (unit last stride needed)")
+    q = q.contiguous()
+    group = hq // hkv
+    max_ctx = int(context_lens.max())
+    splits = num_splits or max(1, min(TARGET_SPLITS, triton.cdiv(max_ctx, 4 * block_n)))
+    split_len = triton.cdiv(triton.cdiv(max_ctx, splits), block_n) * block_n
+    splits = triton.cdiv(max_ctx, split_len)
+    o_part = torch.empty(batch, hq, splits, dv, dtype=torch.float32, device=q.device)
+    lse = torch.empty(batch, hq, splits, dtype=torch.float32, device=q.device)
+    _split_kernel[(batch, hkv, splits)](
+        q, k_cache, v_cache, block_tables, context_lens, o_part, lse,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
+        scale, split_len, GROUP=group, DK=dk, DV=dv, PAGE=page, BLOCK_H=dot_width(group),
+        BLOCK_DK=dot_width(dk), BLOCK_DV=dot_width(dv), BLOCK_N=block_n, UPCAST=upcast_dots(q.dtype))
+    out = torch.empty(batch, hq, dv, dtype=q.dtype, device=q.device)
+    _combine_kernel[(batch, hq)](o_part, lse, out, splits, o_part.stride(0), o_part.stride(1), o_part.stride(2),
+                                 lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), DV=dv,
+                                 BLOCK_S=triton.next_power_of_2(splits), BLOCK_DV=triton.next_power_of_2(dv))
+    return out
+
+
+def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    lens = [int(c) for c in context_lens]
+    tables = [block_tables[i, :triton.cdiv(c, k_cache.shape[1])].long() for i, c in enumerate(lens)]
+    return paged_attention(q, k_cache, v_cache, list(range(len(lens))), [1] * len(lens), lens, tables, scale)
