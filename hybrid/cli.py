@@ -44,6 +44,19 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--experts", default="inline", choices=["inline", "process"],
                    help="run the routed experts in this process or in the expert process")
     p.add_argument("--expert-server", help="control address of a running expert process (with --experts process)")
+    p.add_argument("--attn-device", help="with --gpus: the device that plays GPU 0's role (cpu: the hybrid path "
+                   "on the CPU, Triton attention under TRITON_INTERPRET=1)")
+    p.add_argument("--no-overlap", action="store_true", help="with --gpus: no dual-batch attention/MoE overlap")
+
+
+def _parse_gpus(text: str) -> list[int]:
+    try:
+        gpus = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--gpus wants comma-separated device indices, got {text!r}") from None
+    if not gpus:
+        raise argparse.ArgumentTypeError("--gpus needs at least one device index")
+    return gpus
 
 
 def _engine_kwargs(a: argparse.Namespace) -> dict:
@@ -51,7 +64,15 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
                 max_num_batched_tokens=a.max_num_batched_tokens, num_kv_blocks=a.num_kv_blocks,
                 kv_cache_bytes=int(a.kv_cache_gb * 2**30), backend=a.backend, expert_format=a.expert_format,
                 dense_format=a.dense_format, num_threads=a.threads, expert_pack=a.expert_pack, experts=a.experts,
-                expert_server=a.expert_server)
+                expert_server=a.expert_server, gpus=getattr(a, "gpus", None), attn_device=a.attn_device,
+                overlap=not a.no_overlap)
+
+
+def _explain_gpus(gpus: list[int] | None) -> None:
+    if gpus and len(gpus) > 1:
+        print(f"hybridd: GPU {gpus[0]} runs attention, the KV cache and the dense layers; GPU(s) "
+              f"{','.join(map(str, gpus[1:]))} are reserved for streamed prefill (SLP), which is not built yet, "
+              "and stay idle for now", file=sys.stderr)
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -69,6 +90,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
     if a.threads and a.backend == "torch":
         torch.set_num_threads(a.threads)
     llm = LLM(a.model, **_engine_kwargs(a))
+    _explain_gpus(a.gpus)
     engine = llm.engine
     if a.prompt_ids is not None:
         if a.chat:
@@ -131,19 +153,6 @@ def cmd_pack(a: argparse.Namespace) -> int:
     return 0
 
 
-def _check_gpus(a: argparse.Namespace) -> None:
-    if a.gpus is None:
-        return
-    if a.cpu_only:
-        raise DaemonError("--gpus and --cpu-only exclude each other")
-    import torch
-
-    if not torch.cuda.is_available():
-        raise DaemonError(f"--gpus {a.gpus} asks for CUDA GPUs, but torch sees none on this machine; "
-                          "run with --cpu-only")
-    raise DaemonError("the GPU hybrid path is not available in this version yet; run with --cpu-only")
-
-
 def _wait_ready(config, proc, timeout_s: float) -> None:
     """Shows packing/loading progress until /health answers ok; stops the daemon if it cannot start."""
     import time
@@ -193,12 +202,12 @@ def cmd_start(a: argparse.Namespace) -> int:
     from hybrid.daemon_config import DaemonConfig
     from hybrid.llm import DEFAULT_MODEL_DIR
 
-    _check_gpus(a)
     model = str(Path(a.model).resolve()) if a.model else str(DEFAULT_MODEL_DIR)
     ModelConfig.from_dir(model)
     config = DaemonConfig(model=model, host=a.host, port=a.port, api_key=a.api_key,
                           served_model_name=a.served_model_name, max_queue=a.max_queue,
                           engine={k: v for k, v in _engine_kwargs(a).items() if v is not None})
+    _explain_gpus(a.gpus)
     running = running_daemon(config.paths)
     if running is not None:
         raise DaemonError(f"hybridd is already running (pid {running['pid']}) at {running['url']}; "
@@ -330,6 +339,8 @@ def build_parser() -> argparse.ArgumentParser:
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-ids", type=_parse_ids, help="prompt token ids, comma-separated")
+    g.add_argument("--gpus", type=_parse_gpus, help="hybrid path: attention, KV and dense layers on this CUDA "
+                   "device, routed experts in the expert process (with --attn-device cpu: the CPU plays the GPU)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -352,7 +363,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(st)
     st.set_defaults(experts="process")
     dev = st.add_mutually_exclusive_group()
-    dev.add_argument("--gpus", help="CUDA devices for attention and dense layers, e.g. 0,1")
+    dev.add_argument("--gpus", type=_parse_gpus, help="CUDA devices: the first runs attention, KV cache and "
+                     "dense layers; routed experts stay on the CPU (e.g. 0 or 0,1)")
     dev.add_argument("--cpu-only", action="store_true", help="run everything on the CPU (the default without CUDA)")
     st.add_argument("--host", default="127.0.0.1")
     st.add_argument("--port", type=int, default=8000)

@@ -210,8 +210,16 @@ class EngineConfig:
     experts: str = "inline"
     expert_server: str | None = None
     expert_timeout_s: float = 30.0
+    gpus: list[int] | None = None
+    attn_device: str | None = None
+    attention: str = "torch"
+    overlap: bool = True
 
     def __post_init__(self) -> None:
+        if self.gpus is not None:
+            self._hybrid()
+        if self.attention not in ("torch", "triton"):
+            raise ConfigError(f"attention must be torch or triton, got {self.attention!r}")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be auto or one of {sorted(DTYPES)}, got {self.dtype!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -235,15 +243,33 @@ class EngineConfig:
             raise ConfigError("expert_server is the control address of an expert process: use experts=process")
         if self.expert_timeout_s <= 0:
             raise ConfigError("expert_timeout_s must be positive")
-        if self.backend == "torch" and self.experts == "process":
+        if self.backend == "torch" and self.experts == "process" and self.gpus is None:
             raise ConfigError("the expert process runs the cpu kernels; use backend=cpu with experts=process")
-        if self.backend == "torch" and self.expert_pack is not None:
+        if self.backend == "torch" and self.expert_pack is not None and self.gpus is None:
             raise ConfigError("an expert pack is run by the cpu backend's kernels, not the torch reference")
-        if self.backend == "torch" and (self.expert_format, self.dense_format) != ("auto", "auto"):
+        if self.backend == "torch" and (self.dense_format != "auto" or (self.expert_format != "auto"
+                                                                        and self.gpus is None)):
             raise ConfigError("expert_format / dense_format need the cpu backend; the torch reference computes "
                               "with the checkpoint's weights in the compute dtype")
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError("num_threads must be >= 1")
+
+    def _hybrid(self) -> None:
+        """--gpus: attention, KV cache and dense layers on the device (torch + Triton attention), routed
+        experts in the expert process. attn_device="cpu" plays the GPU's role on the CPU, same code path."""
+        if not self.gpus or any(g < 0 for g in self.gpus):
+            raise ConfigError(f"gpus must list CUDA device indices, got {self.gpus}")
+        device = self.attn_device or f"cuda:{self.gpus[0]}"
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise ConfigError(f"--gpus {','.join(map(str, self.gpus))} needs CUDA, and torch sees no GPU here; "
+                              "use --cpu-only, or --attn-device cpu to run the hybrid path with the CPU as device")
+        if device not in ("cpu",) and not device.startswith("cuda"):
+            raise ConfigError(f"attn_device must be cpu or cuda[:N], got {device!r}")
+        self.device, self.backend, self.attention, self.experts = device, "torch", "triton", "process"
+
+    @property
+    def hybrid(self) -> bool:
+        return self.gpus is not None
 
     def torch_dtype(self, model: ModelConfig) -> torch.dtype:
         return model.checkpoint_dtype if self.dtype == "auto" else DTYPES[self.dtype]

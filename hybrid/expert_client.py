@@ -217,7 +217,12 @@ class ProcessExperts(Experts):
 
     def forward(self, layer: int, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:
-        return self.client.submit(layer, hidden_states, topk_ids, topk_weights).wait().to(hidden_states.dtype)
+        return self.submit(layer, hidden_states, topk_ids, topk_weights)()
+
+    def submit(self, layer: int, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
+               topk_weights: torch.Tensor) -> Callable[[], torch.Tensor]:
+        handle = self.client.submit(layer, hidden_states, topk_ids, topk_weights)
+        return lambda: handle.wait().to(hidden_states.device, hidden_states.dtype)
 
     def restart(self) -> None:
         """Replaces a dead or stalled expert process this engine started."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -22,6 +23,7 @@ class ForwardBatch:
     context_lens: list[int]
     block_tables: list[torch.Tensor]
     kv_caches: list[tuple[torch.Tensor, ...]]
+    attention: Any = None  # a gpu.triton_attention.TritonAttention in the hybrid runner; None: the torch path
 
     def __post_init__(self) -> None:
         n = len(self.query_lens)

@@ -62,6 +62,12 @@ class ModelRunner:
             experts = load_experts(engine_config.backend, reader, model_config, self.dtype,
                                    engine_config.expert_format, engine_config.num_threads, engine_config.expert_pack)
         self.experts = experts
+        self.attention = None
+        self.overlap = engine_config.hybrid and engine_config.overlap
+        if engine_config.attention == "triton":
+            from gpu.triton_attention import TritonAttention
+
+            self.attention = TritonAttention()
         self.model = build_model(model_config, self.experts, self.dtype)
         if engine_config.backend == "cpu":
             pack_dense_linears(self.model, reader, engine_config.dense_format, model_config.tie_word_embeddings)
@@ -94,12 +100,22 @@ class ModelRunner:
             if item.samples:
                 sample_rows.append(len(ids) - 1)
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
-        fb = ForwardBatch(as_tensor(positions), as_tensor(slots), starts, lens, ctx_lens, tables, self.kv_caches)
+        fb = ForwardBatch(as_tensor(positions), as_tensor(slots), starts, lens, ctx_lens, tables, self.kv_caches,
+                          self.attention)
         return as_tensor(ids), fb, sample_rows
+
+    def overlaps(self, batch: list[ScheduledSeq]) -> bool:
+        """Dual-batch overlap runs decode steps of two or more sequences with the experts out of process."""
+        return self.overlap and len(batch) >= 2 and all(item.num_tokens == 1 for item in batch)
 
     @torch.inference_mode()
     def execute(self, batch: list[ScheduledSeq], all_logits: bool = False) -> torch.Tensor:
         """Logits [num sampling seqs, vocab] in float32, or for every query row when all_logits is set."""
+        if not all_logits and self.overlaps(batch):
+            half = len(batch) // 2
+            (ids_a, fb_a, rows_a), (ids_b, fb_b, rows_b) = self.prepare(batch[:half]), self.prepare(batch[half:])
+            hidden_a, hidden_b = self.model.model.forward_overlapped(ids_a, fb_a, ids_b, fb_b)
+            return self.model.compute_logits(torch.cat([hidden_a[rows_a], hidden_b[rows_b]])).float()
         input_ids, fb, sample_rows = self.prepare(batch)
         hidden = self.model(input_ids, fb)
         if not all_logits:

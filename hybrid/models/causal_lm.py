@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -21,9 +23,20 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
+    def attend(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        return x + self.self_attn(self.input_layernorm(x), batch)
+
+    def begin_mlp(self, h: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """Starts h + mlp(norm(h)); an MoE block's routed experts may still be running when this returns."""
+        y = self.post_attention_layernorm(h)
+        if hasattr(self.mlp, "begin"):
+            finish = self.mlp.begin(y)
+            return lambda: h + finish()
+        out = h + self.mlp(y)
+        return lambda: out
+
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return self.begin_mlp(self.attend(x, batch))()
 
 
 def decoder_layers(cfg: ModelConfig, experts: Experts, dtype: torch.dtype, attention: type[nn.Module],
@@ -53,6 +66,22 @@ class CausalLMBody(nn.Module):
         for layer in self.layers:
             x = layer(x, batch)
         return self.norm(x)
+
+    def forward_overlapped(self, ids_a: torch.Tensor, batch_a: ForwardBatch, ids_b: torch.Tensor,
+                           batch_b: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dual-batch overlap: the routed experts of one micro-batch run (in the expert process) while
+        the device runs the other's attention. Per layer: A's attention, A's experts start, B's previous
+        experts are awaited, B's attention, B's experts start; A's are awaited at the next layer."""
+        xa, xb = self.embed_tokens.weight[ids_a], self.embed_tokens.weight[ids_b]
+        pending_a = pending_b = None
+        for layer in self.layers:
+            if pending_a is not None:
+                xa = pending_a()
+            pending_a = layer.begin_mlp(layer.attend(xa, batch_a))
+            if pending_b is not None:
+                xb = pending_b()
+            pending_b = layer.begin_mlp(layer.attend(xb, batch_b))
+        return self.norm(pending_a()), self.norm(pending_b())
 
 
 class CausalLM(nn.Module):

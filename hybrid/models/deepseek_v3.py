@@ -7,6 +7,8 @@ the query and output instead, so attention reads only the latent.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -51,6 +53,8 @@ class DeepseekV3Attention(nn.Module):
         latent = self.kv_a_layernorm(latent)
         q_rope, k_rope = self.rope(batch.positions, q_rope, k_rope.view(n, 1, self.rope_dim))
         (cache,) = batch.kv_caches[self.layer]
+        if batch.attention is not None:
+            return self._latent_paged(q_nope, q_rope, latent, k_rope, cache, batch)
         write_cache(cache, batch.slot_mapping, torch.cat([latent, k_rope.view(n, self.rope_dim)], dim=-1))
         out = x.new_empty(n, self.num_heads * self.v_dim)
         for start, qlen, ctx, table in zip(batch.query_starts, batch.query_lens, batch.context_lens,
@@ -60,6 +64,21 @@ class DeepseekV3Attention(nn.Module):
             attend = self._absorbed if qlen == 1 else self._expanded
             out[rows] = attend(q_nope[rows], q_rope[rows], kv[:, :self.lora], kv[:, self.lora:], ctx).flatten(1)
         return self.o_proj(out)
+
+    def _absorption(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_UK [H, nope, lora] and W_UV [H, v_dim, lora] out of kv_b_proj."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.lora)
+        return w[:, :self.nope], w[:, self.nope:]
+
+    def _latent_paged(self, q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor,
+                      cache: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Every row (prefill, extend or decode) attends in latent space through batch.attention's kernels."""
+        n = latent.shape[0]
+        batch.attention.store(cache, batch.slot_mapping, torch.cat([latent, k_rope.view(n, self.rope_dim)], dim=-1))
+        w_uk, w_uv = self._absorption()
+        q_latent = torch.einsum("nhd,hdl->nhl", q_nope, w_uk)
+        out_latent = batch.attention.mla(torch.cat([q_latent, q_rope], dim=-1), cache, self.lora, batch, self.scale)
+        return self.o_proj(torch.einsum("nhl,hvl->nhv", out_latent, w_uv).flatten(1))
 
     def _expanded(self, q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor,
                   ctx: int) -> torch.Tensor:
@@ -75,8 +94,7 @@ class DeepseekV3Attention(nn.Module):
     def _absorbed(self, q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor,
                   ctx: int) -> torch.Tensor:
         """Attention in latent space: W_UK folded into the query, W_UV applied after the weighted sum."""
-        w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.lora)
-        w_uk, w_uv = w[:, :self.nope], w[:, self.nope:]
+        w_uk, w_uv = self._absorption()
         q_latent = torch.matmul(q_nope.transpose(0, 1), w_uk)
         scores = (torch.matmul(q_latent, latent.t()) + torch.matmul(q_rope.transpose(0, 1), k_rope.t())) * self.scale
         probs = softmax_attention(scores, q_nope.shape[0], ctx, q_nope.dtype)
@@ -92,9 +110,15 @@ class DeepseekV3MoE(nn.Module):
                                          cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor, dtype)
         self.shared_experts = GatedMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def begin(self, x: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """Routes and starts the routed experts, then runs the shared experts on the device meanwhile."""
         ids, weights = self.gate(x)
-        return self.experts(self.layer, x, ids, weights) + self.shared_experts(x)
+        routed = self.experts.submit(self.layer, x, ids, weights)
+        shared = self.shared_experts(x)
+        return lambda: routed() + shared
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.begin(x)()
 
 
 class DeepseekV3ForCausalLM(CausalLM):

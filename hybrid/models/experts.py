@@ -8,6 +8,7 @@ interface, so models never change when the experts move.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +32,13 @@ class Experts(ABC):
     def __call__(self, layer: int, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
                  topk_weights: torch.Tensor) -> torch.Tensor:
         return self.forward(layer, hidden_states, topk_ids, topk_weights)
+
+    def submit(self, layer: int, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
+               topk_weights: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """Starts a call and returns what waits for its result. In-process experts compute here; the expert
+        process returns at once, so the caller can run attention of another micro-batch meanwhile."""
+        out = self.forward(layer, hidden_states, topk_ids, topk_weights)
+        return lambda: out
 
     def close(self) -> None:
         """Releases what the implementation holds outside this process (nothing for in-process experts)."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -37,6 +39,11 @@ class Qwen3MoeAttention(nn.Module):
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
         q, k = self.rope(batch.positions, q, k)
         k_cache, v_cache = batch.kv_caches[self.layer]
+        if batch.attention is not None:
+            batch.attention.store(k_cache, batch.slot_mapping, k)
+            batch.attention.store(v_cache, batch.slot_mapping, v)
+            o = batch.attention.gqa(q, k_cache, v_cache, batch, self.scale)
+            return self.o_proj(o.reshape(n, -1))
         write_cache(k_cache, batch.slot_mapping, k)
         write_cache(v_cache, batch.slot_mapping, v)
         o = paged_attention(q, k_cache, v_cache, batch.query_starts, batch.query_lens, batch.context_lens,
@@ -51,9 +58,13 @@ class Qwen3MoeSparseBlock(nn.Module):
         self.gate = SoftmaxTopKRouter(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,
                                       cfg.norm_topk_prob, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def begin(self, x: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """Routes on the device and starts the routed experts; the returned call waits for them."""
         ids, weights = self.gate(x)
-        return self.experts(self.layer, x, ids, weights)
+        return self.experts.submit(self.layer, x, ids, weights)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.begin(x)()
 
 
 class Qwen3MoeForCausalLM(CausalLM):
