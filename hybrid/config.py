@@ -212,14 +212,16 @@ class EngineConfig:
     expert_timeout_s: float = 30.0
     gpus: list[int] | None = None
     attn_device: str | None = None
-    attention: str = "torch"
+    attention: str = "auto"
     overlap: bool = True
 
     def __post_init__(self) -> None:
         if self.gpus is not None:
             self._hybrid()
-        if self.attention not in ("torch", "triton"):
-            raise ConfigError(f"attention must be torch or triton, got {self.attention!r}")
+        if self.attention not in ("auto", "torch", "triton"):
+            raise ConfigError(f"attention must be auto, torch or triton, got {self.attention!r}")
+        if self.attention == "auto":
+            self.attention = "torch"
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be auto or one of {sorted(DTYPES)}, got {self.dtype!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -265,7 +267,9 @@ class EngineConfig:
                               "use --cpu-only, or --attn-device cpu to run the hybrid path with the CPU as device")
         if device not in ("cpu",) and not device.startswith("cuda"):
             raise ConfigError(f"attn_device must be cpu or cuda[:N], got {device!r}")
-        self.device, self.backend, self.attention, self.experts = device, "torch", "triton", "process"
+        self.device, self.backend, self.experts = device, "torch", "process"
+        if self.attention == "auto":
+            self.attention = "triton"
 
     @property
     def hybrid(self) -> bool:
