@@ -81,8 +81,6 @@ class EngineServer:
         write_pack(engine_config.model, pack_dir, fmt, progress=progress)
 
     def info(self) -> dict:
-        from cpu_kernels.moe import kernel_isa_name
-
         e = self.engine
         return {
             "model": self.config.model_name, "model_dir": str(e.model_config.model_dir),
@@ -93,10 +91,18 @@ class EngineServer:
             "devices": [e.config.device] + (["experts: cpu"] if e.config.hybrid else []),
             "attention": e.config.attention, "overlap": e.config.hybrid and e.config.overlap,
             "backend": e.config.backend,
-            "kernel_path": kernel_isa_name() if e.config.backend == "cpu" else "torch reference",
+            "kernel_path": self.kernel_path(),
             "experts": e.config.experts,
             "expert_pid": self.expert_pid(),
         }
+
+    def kernel_path(self) -> str:
+        from cpu_kernels.moe import kernel_isa_name
+
+        c = self.engine.config
+        if c.hybrid:
+            return f"experts {kernel_isa_name()}, attention {c.attention} on {c.device}"
+        return kernel_isa_name() if c.backend == "cpu" else "torch reference"
 
     def stats(self) -> dict:
         e = self.engine

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -65,6 +66,9 @@ class ModelRunner:
         self.attention = None
         self.overlap = engine_config.hybrid and engine_config.overlap
         if engine_config.attention == "triton":
+            if self.device.type == "cpu":
+                # Triton kernels reach CPU tensors only through its interpreter, read when kernels are defined.
+                os.environ.setdefault("TRITON_INTERPRET", "1")
             from gpu.triton_attention import TritonAttention
 
             self.attention = TritonAttention()
