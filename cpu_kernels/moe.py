@@ -141,7 +141,8 @@ def runner(num_threads: int | None = None) -> _C.MoeRunner:
 def fused_moe(p: PackedExperts, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
               scale: float = 1.0, num_threads: int | None = None, isa: int | None = None) -> torch.Tensor:
     """out[t] = scale * sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]). x is bf16 or fp32 [T, H];
-    fp32 activations are carried as hi + lo bf16 pairs, so bf16/fp8 weights see fp32-accurate inputs."""
+    fp32 activations are carried as hi + lo bf16 pairs, so bf16/fp8 weights see fp32-accurate inputs.
+    An id of -1 drops that slot (its expert is computed elsewhere, e.g. resident on a GPU)."""
     if x.dim() != 2 or x.shape[1] != p.hidden:
         raise ValueError(f"hidden states must be [T, {p.hidden}], got {tuple(x.shape)}")
     if x.dtype not in (torch.bfloat16, torch.float32):
@@ -169,7 +170,7 @@ def fused_moe_reference(w13: torch.Tensor, w2: torch.Tensor, x: torch.Tensor, to
     xf = x.float()
     out = torch.zeros_like(xf)
     inter = w13.shape[1] // 2
-    for e in torch.unique(topk_ids).tolist():
+    for e in torch.unique(topk_ids[topk_ids >= 0]).tolist():
         tok, slot = torch.nonzero(topk_ids == e, as_tuple=True)
         h = F.linear(xf[tok], w13[e].float())
         y = F.linear(F.silu(h[:, :inter]) * h[:, inter:], w2[e].float())

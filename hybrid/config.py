@@ -214,6 +214,8 @@ class EngineConfig:
     attn_device: str | None = None
     attention: str = "auto"
     overlap: bool = True
+    gpu_experts: int = 0
+    expert_profile: str | None = None
 
     def __post_init__(self) -> None:
         if self.gpus is not None:
@@ -255,6 +257,10 @@ class EngineConfig:
                               "with the checkpoint's weights in the compute dtype")
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError("num_threads must be >= 1")
+        if (self.gpu_experts or self.expert_profile) and self.gpus is None:
+            raise ConfigError("gpu_experts / expert_profile keep experts on a GPU: use them with --gpus")
+        if self.gpu_experts < 0:
+            raise ConfigError("gpu_experts must be >= 0")
 
     def _hybrid(self) -> None:
         """--gpus: attention, KV cache and dense layers on the device (torch + Triton attention), routed

@@ -119,8 +119,14 @@ class EngineServer:
         }
 
     def expert_pid(self) -> int | None:
+        experts = self.process_experts()
+        return experts.client.server_pid if experts is not None else None
+
+    def process_experts(self) -> ProcessExperts | None:
+        """The expert process's client, also when hot experts on the device wrap it."""
         experts = self.engine.runner.experts
-        return experts.client.server_pid if isinstance(experts, ProcessExperts) else None
+        experts = getattr(experts, "remote", experts)
+        return experts if isinstance(experts, ProcessExperts) else None
 
     def handle(self, msg: dict) -> None:
         op = msg.get("op")
@@ -173,8 +179,8 @@ class EngineServer:
             self.emit(out)
 
     def restart_experts(self) -> None:
-        experts = self.engine.runner.experts
-        if isinstance(experts, ProcessExperts):
+        experts = self.process_experts()
+        if experts is not None:
             experts.restart()
             log.info("expert process restarted (pid %d)", experts.client.server_pid)
 

@@ -62,6 +62,11 @@ class ModelRunner:
         if experts is None:
             experts = load_experts(engine_config.backend, reader, model_config, self.dtype,
                                    engine_config.expert_format, engine_config.num_threads, engine_config.expert_pack)
+        if engine_config.gpu_experts:
+            from gpu.hot_experts import HotExperts
+
+            experts = HotExperts(experts, reader, model_config, self.dtype, self.device, engine_config.gpu_experts,
+                                 engine_config.expert_profile)
         self.experts = experts
         self.attention = None
         self.overlap = engine_config.hybrid and engine_config.overlap

@@ -134,12 +134,31 @@ def test_native_fp8_pack_is_lossless():
     assert torch.equal(back, ref)
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_dropped_slots_are_neither_run_nor_summed(fmt):
+    e, h, i, k, t = 8, 96, 40, 4, 21
+    p = pack_experts(*experts(e, h, i, seed=3), fmt)
+    w13, w2 = unpack_experts(p)
+    ids, weights = routing(t, e, k, seed=4)
+    ids[ids < 3] = -1  # experts 0-2 "live on the GPU"
+    ids[5] = -1  # a token with every slot elsewhere
+    x = torch.randn(t, h, generator=torch.Generator().manual_seed(5))
+    for isa in ISAS:
+        out = fused_moe(p, x, ids, weights, isa=isa)
+        ref = fused_moe_reference(w13, w2, x, ids, weights)
+        assert rel_err(out, ref) < BOUND.get((fmt, torch.float32), INT_BOUND)
+        assert torch.equal(out[5], torch.zeros(h))
+    assert torch.equal(fused_moe(p, x[:2], torch.full((2, k), -1), weights[:2]), torch.zeros(2, h))
+
+
 def test_bad_inputs_are_rejected():
     p = pack_experts(*experts(4, 64, 32, seed=0), "bf16")
     x = torch.randn(2, 64)
     ids, w = routing(2, 4, 2, seed=0)
     with pytest.raises(ValueError, match="expert ids"):
         fused_moe(p, x, ids + 10, w)
+    with pytest.raises(ValueError, match="expert ids"):
+        fused_moe(p, x, ids - 5, w)
     with pytest.raises(ValueError, match="hidden states"):
         fused_moe(p, torch.randn(2, 65), ids, w)
     with pytest.raises(ValueError, match="bfloat16 or float32"):

@@ -57,6 +57,34 @@ def test_hybrid_matches_transformers_and_cpu_only(any_model, overlap):
     assert (calls["overlapped"] > 0) == overlap
 
 
+@pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-deepseek-v3-fp8"])
+def test_hot_experts_on_the_device(model_dirs, preset, tmp_path):
+    """Hot experts from counts collected while serving, then from a saved profile: same greedy tokens."""
+    model = model_dirs[preset]
+    prompts = [prompt_ids(30, seed=5), prompt_ids(11, seed=6)]
+    cpu = LLM(model, dtype="float32")
+    try:
+        want = greedy(cpu, prompts)
+    finally:
+        cpu.close()
+    hybrid = LLM(model, dtype="float32", gpus=[0], attn_device="cpu", gpu_experts=3)
+    hot = hybrid.engine.runner.experts
+    hot.warmup_tokens = 16
+    try:
+        assert greedy(hybrid, prompts) == want
+        assert hot.layers and hot.device_slots > 0
+        profile = tmp_path / "profile.json"
+        hot.save_profile(profile)
+    finally:
+        hybrid.close()
+    again = LLM(model, dtype="float32", gpus=[0], attn_device="cpu", gpu_experts=3, expert_profile=str(profile))
+    try:
+        assert set(again.engine.runner.experts.layers) == set(hot.layers)
+        assert greedy(again, prompts) == want
+    finally:
+        again.close()
+
+
 def test_hybrid_cli_matches_cpu_only(model_dirs):
     model = str(model_dirs["tiny-deepseek-v3"])
     base = [sys.executable, "-m", "hybrid.cli", "generate", "--model", model, "--prompt-ids", "5,6,7,8,9",

@@ -786,22 +786,31 @@ void MoeRunner::forward(const ExpertLayer& L, const void* x, bool f32_io, int T,
   const int kp1 = L.w13.kp, kp2 = L.w2.kp, htiles = L.w2.tiles, itiles = L.w13.tiles / 2;
   const int nslots = T * topk;
 
-  for (int s = 0; s < nslots; ++s)
+  // An id of -1 marks a slot computed elsewhere (a GPU-resident expert): it is neither run nor summed.
+  int used = 0;
+  for (int s = 0; s < nslots; ++s) {
+    if (ids[s] == -1) continue;
     if (ids[s] < 0 || ids[s] >= E)
-      throw std::invalid_argument("expert ids must be in [0, " + std::to_string(E) + "), got " + std::to_string(ids[s]));
+      throw std::invalid_argument("expert ids must be in [0, " + std::to_string(E) + ") or -1, got " +
+                                  std::to_string(ids[s]));
+    ++used;
+  }
   // Group (token, slot) pairs by expert; slot s of the sorted order gets act and y row r.
-  std::vector<int> count(E + 1, 0), order(nslots);
-  for (int s = 0; s < nslots; ++s) ++count[ids[s] + 1];
+  std::vector<int> count(E + 1, 0), order(used);
+  for (int s = 0; s < nslots; ++s)
+    if (ids[s] >= 0) ++count[ids[s] + 1];
   std::partial_sum(count.begin(), count.end(), count.begin());
   {
     std::vector<int> fill(count.begin(), count.end() - 1);
-    for (int s = 0; s < nslots; ++s) order[fill[ids[s]]++] = s;
+    for (int s = 0; s < nslots; ++s)
+      if (ids[s] >= 0) order[fill[ids[s]]++] = s;
   }
-  std::vector<int> tok(nslots), slot_row(nslots), active;
-  for (int r = 0; r < nslots; ++r) {
+  std::vector<int> tok(used), slot_row(nslots, -1), active;
+  for (int r = 0; r < used; ++r) {
     tok[r] = order[r] / topk;
     slot_row[order[r]] = r;
   }
+  const int rows = std::max(used, 1);
   for (int e = 0; e < E; ++e)
     if (count[e + 1] > count[e]) active.push_back(e);
 
@@ -809,8 +818,8 @@ void MoeRunner::forward(const ExpertLayer& L, const void* x, bool f32_io, int T,
   const Act xa = prepare_input(f, L.group, x, f32_io, T, H, kp1, R, isa);
 
   // Phase A: act[r] = silu(gate) * up for every sorted slot r, tiles of 16 intermediate rows.
-  if (int_fmt) actf_.assign(size_t(nslots) * kp2, 0.0f);
-  else actbf_.assign(size_t(nslots) * R * kp2, 0);
+  if (int_fmt) actf_.assign(size_t(rows) * kp2, 0.0f);
+  else actbf_.assign(size_t(rows) * R * kp2, 0);
   const int tiles_per_task = std::max(1, std::min(itiles, 4));
   const int tasks_per_expert = (itiles + tiles_per_task - 1) / tiles_per_task;
   pool_.run(int(active.size()) * tasks_per_expert, [&](int task, int) {
@@ -861,10 +870,10 @@ void MoeRunner::forward(const ExpertLayer& L, const void* x, bool f32_io, int T,
   aa.exact = R == 2;
   if (int_fmt) {
     aa.ngroups = kp2 / L.group;
-    actq_.resize(size_t(nslots) * kp2);
-    actscale_.resize(nslots);
-    actgsum_.resize(size_t(nslots) * aa.ngroups);
-    run(nslots, int64_t(nslots) * kp2, [&](int r, int) {
+    actq_.resize(size_t(rows) * kp2);
+    actscale_.resize(rows);
+    actgsum_.resize(size_t(rows) * aa.ngroups);
+    run(used, int64_t(used) * kp2, [&](int r, int) {
       quantize_row(isa, &actf_[size_t(r) * kp2], I, kp2, f, L.group, &actq_[size_t(r) * kp2], &actscale_[r],
                    &actgsum_[size_t(r) * aa.ngroups]);
     });
@@ -877,7 +886,7 @@ void MoeRunner::forward(const ExpertLayer& L, const void* x, bool f32_io, int T,
 
   // Phase B: y[r] = act[r] @ W2^T for each expert, tiles of 16 hidden rows.
   const int hp = htiles * kRows;
-  ybuf_.resize(size_t(nslots) * hp);
+  ybuf_.resize(size_t(rows) * hp);
   const int htiles_per_task = std::max(1, std::min(htiles, 8));
   const int btasks = (htiles + htiles_per_task - 1) / htiles_per_task;
   pool_.run(int(active.size()) * btasks, [&](int task, int) {
@@ -910,6 +919,7 @@ void MoeRunner::forward(const ExpertLayer& L, const void* x, bool f32_io, int T,
     std::fill(acc, acc + (h1 - h0), 0.0f);
     for (int j : js) {
       const int s = t * topk + j;
+      if (slot_row[s] < 0) continue;
       const float w = weights[s];
       const float* y = &ybuf_[size_t(slot_row[s]) * hp];
       for (int h = h0; h < h1; ++h) acc[h - h0] += w * y[h];
