@@ -22,6 +22,36 @@ TARGET_SPLITS = 8
 
 
 @triton.jit
+def attend_tile(q, m, denom, acc, toks, tmask, visible, table_row, k_ptr, v_ptr, kvh,
+                s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, scale, DK: tl.constexpr, DV: tl.constexpr, PAGE: tl.constexpr,
+                BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, UPCAST: tl.constexpr):
+    """One key tile of an online softmax: the sequence's tokens `toks` (valid where tmask), found through its
+    block-table row; `visible` [rows, tile] masks what each query row may see. Returns (m, denom, acc)."""
+    dk = tl.arange(0, BLOCK_DK)
+    dv = tl.arange(0, BLOCK_DV)
+    blk = tl.load(table_row + toks // PAGE, mask=tmask, other=0).to(tl.int64)
+    off = toks % PAGE
+    k = tl.load(k_ptr + blk[:, None] * s_kb + off[:, None] * s_kt + kvh * s_kh + dk[None, :],
+                mask=tmask[:, None] & (dk[None, :] < DK), other=0.0)
+    if UPCAST:
+        qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
+    else:
+        qk = tl.dot(q, tl.trans(k)) * scale
+    qk = tl.where(visible, qk, float("-inf"))
+    m_new = tl.maximum(m, tl.max(qk, 1))
+    p = tl.exp(qk - m_new[:, None])
+    alpha = tl.exp(m - m_new)
+    denom = denom * alpha + tl.sum(p, 1)
+    v = tl.load(v_ptr + blk[:, None] * s_vb + off[:, None] * s_vt + kvh * s_vh + dv[None, :],
+                mask=tmask[:, None] & (dv[None, :] < DV), other=0.0)
+    if UPCAST:
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, denom, acc
+
+
+@triton.jit
 def _split_kernel(q_ptr, k_ptr, v_ptr, tables, ctx_lens, o_part, lse_part,
                   s_qb, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_tb, s_ob, s_oh, s_os, s_lb, s_lh,
                   scale, split_len,
@@ -47,26 +77,9 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, tables, ctx_lens, o_part, lse_part,
     for n0 in range(start, end, BLOCK_N):
         toks = n0 + tl.arange(0, BLOCK_N)
         tmask = toks < end
-        blk = tl.load(tables + b * s_tb + toks // PAGE, mask=tmask, other=0).to(tl.int64)
-        off = toks % PAGE
-        k = tl.load(k_ptr + blk[:, None] * s_kb + off[:, None] * s_kt + kvh * s_kh + dk[None, :],
-                    mask=tmask[:, None] & (dk[None, :] < DK), other=0.0)
-        if UPCAST:
-            qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
-        else:
-            qk = tl.dot(q, tl.trans(k)) * scale
-        qk = tl.where(tmask[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m, tl.max(qk, 1))
-        p = tl.exp(qk - m_new[:, None])
-        alpha = tl.exp(m - m_new)
-        denom = denom * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + blk[:, None] * s_vb + off[:, None] * s_vt + kvh * s_vh + dv[None, :],
-                    mask=tmask[:, None] & (dv[None, :] < DV), other=0.0)
-        if UPCAST:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m = m_new
+        m, denom, acc = attend_tile(q, m, denom, acc, toks, tmask, tmask[None, :], tables + b * s_tb, k_ptr, v_ptr,
+                                    kvh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, scale, DK, DV, PAGE, BLOCK_DK, BLOCK_DV,
+                                    UPCAST)
     safe = tl.where(denom > 0, denom, 1.0)
     out = acc / safe[:, None]
     lse = tl.where(denom > 0, m + tl.log(safe), float("-inf"))
@@ -104,16 +117,22 @@ def dot_width(n: int) -> int:
     return max(MIN_DOT, triton.next_power_of_2(n))
 
 
+def paged_shapes(op: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int]:
+    """(page size, KV heads, value width) after checking q [*, Hq, Dk] against caches [blocks, page, Hkv, D]."""
+    page, hkv, dv = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
+    if q.shape[1] % hkv or k_cache.shape[3] != q.shape[2] or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+        raise ValueError(f"{op}: q {tuple(q.shape)} vs caches {tuple(k_cache.shape)}, {tuple(v_cache.shape)} "
+                         "(Hq a multiple of Hkv, equal key widths and a unit last stride needed)")
+    return page, hkv, dv
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      context_lens: torch.Tensor, scale: float, num_splits: int | None = None,
                      block_n: int = 32) -> torch.Tensor:
     """q [B, Hq, Dk]; caches [blocks, page, Hkv, D] (any strides but a unit last one; v may be a view of
     k's storage); block_tables [B, max_blocks] int32; context_lens [B] int32 >= 1. Returns [B, Hq, Dv]."""
     batch, hq, dk = q.shape
-    page, hkv, dv = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
-    if hq % hkv or k_cache.shape[3] != dk or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
-        raise ValueError(f"decode_attention: q {tuple(q.shape)} vs caches {tuple(k_cache.shape)}, "
-                         f"{tuple(v_cache.shape)} (unit last stride needed)")
+    page, hkv, dv = paged_shapes("decode_attention", q, k_cache, v_cache)
     q = q.contiguous()
     group = hq // hkv
     max_ctx = int(context_lens.max())

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gpu.decode_attention import dot_width, upcast_dots
+from gpu.decode_attention import attend_tile, dot_width, paged_shapes, upcast_dots
 from hybrid.attention import paged_attention
 
 
@@ -44,27 +44,10 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, tables, tile_seq, tile_row, q_starts, q_
     for n0 in range(0, hi, BLOCK_N):
         toks = n0 + tl.arange(0, BLOCK_N)
         tmask = toks < hi
-        blk = tl.load(tables + seq * s_tb + toks // PAGE, mask=tmask, other=0).to(tl.int64)
-        off = toks % PAGE
-        k = tl.load(k_ptr + blk[:, None] * s_kb + off[:, None] * s_kt + kvh * s_kh + dk[None, :],
-                    mask=tmask[:, None] & (dk[None, :] < DK), other=0.0)
-        if UPCAST:
-            qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * scale
-        else:
-            qk = tl.dot(q, tl.trans(k)) * scale
         visible = tmask[None, :] & (toks[None, :] <= pos[:, None])
-        qk = tl.where(visible, qk, float("-inf"))
-        m_new = tl.maximum(m, tl.max(qk, 1))
-        p = tl.exp(qk - m_new[:, None])
-        alpha = tl.exp(m - m_new)
-        denom = denom * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + blk[:, None] * s_vb + off[:, None] * s_vt + kvh * s_vh + dv[None, :],
-                    mask=tmask[:, None] & (dv[None, :] < DV), other=0.0)
-        if UPCAST:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m = m_new
+        m, denom, acc = attend_tile(q, m, denom, acc, toks, tmask, visible, tables + seq * s_tb, k_ptr, v_ptr, kvh,
+                                    s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, scale, DK, DV, PAGE, BLOCK_DK, BLOCK_DV,
+                                    UPCAST)
     out = acc / denom[:, None]
     tl.store(out_ptr + (q_start + rows)[:, None].to(tl.int64) * s_on + h * s_oh + dv[None, :],
              out.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & (dv[None, :] < DV))
@@ -77,10 +60,7 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     context_lens[i] - 1); caches [blocks, page, Hkv, D]; block_tables [num seqs, max_blocks] int32.
     Returns [N, Hq, Dv]."""
     n, hq, dk = q.shape
-    page, hkv, dv = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
-    if hq % hkv or k_cache.shape[3] != dk or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
-        raise ValueError(f"extend_attention: q {tuple(q.shape)} vs caches {tuple(k_cache.shape)}, "
-                         f"{tuple(v_cache.shape)} (unit last stride needed)")
+    page, hkv, dv = paged_shapes("extend_attention", q, k_cache, v_cache)
     q = q.contiguous()
     seqs, rows = [], []
     for i, qlen in enumerate(query_lens):

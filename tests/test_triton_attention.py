@@ -133,3 +133,13 @@ def test_mla_extend(dtype):
     q, starts = flat_queries(qlens, heads, lora + rope, dtype)
     got = extend_attention(q, k, v, tables, starts, qlens, lens, 0.2, block_n=16)
     close(got, extend_attention_reference(q, k, v, tables, starts, qlens, lens, 0.2), dtype)
+
+
+def test_mismatched_shapes_are_rejected():
+    k, v = gqa_cache(4, 16, 3, 16, torch.float32, seed=1)
+    tables, _ = paged([5], 16, seed=1)
+    ctx = torch.tensor([5], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="multiple of Hkv"):
+        decode_attention(torch.randn(1, 4, 16, device=DEVICE), k, v, tables, ctx, 1.0)
+    with pytest.raises(ValueError, match="key widths"):
+        extend_attention(torch.randn(5, 3, 8, device=DEVICE), k, v, tables, [0], [5], [5], 1.0)
