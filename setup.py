@@ -14,6 +14,7 @@ setup(
             sources=[
                 "cpu_kernels/csrc/binding.cpp",
                 "cpu_kernels/csrc/moe.cpp",
+                "cpu_kernels/csrc/slot_channel.cpp",
                 "cpu_kernels/csrc/thread_pool.cpp",
             ],
             include_dirs=["cpu_kernels/csrc"],

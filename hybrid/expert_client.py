@@ -22,19 +22,7 @@ import torch
 import zmq
 
 from cpu_kernels.thread_pool import unpin_child
-from hybrid.expert_server import CALL_BYTE
-from hybrid.expert_slots import (
-    DONE_SEQ,
-    DTYPE,
-    DTYPE_CODES,
-    LAYER,
-    REQUEST_SEQ,
-    STATUS,
-    TOKENS,
-    TOPK,
-    ExpertSlots,
-    SlotLayout,
-)
+from hybrid.expert_slots import DTYPE_CODES, SPIN_US, STATUS, ExpertSlots, SlotLayout
 from hybrid.models.experts import Experts
 
 POLL_S = 0.05
@@ -107,10 +95,12 @@ class ExpertClient:
                               "slots": num_slots})
         self.client_id = reply["client"]
         self.slots = ExpertSlots.attach(reply["shm"], SlotLayout(reply["hidden"], max_tokens, max_topk), num_slots)
-        self._req = [os.open(p, os.O_RDWR) for p in reply["requests"]]
-        self._resp = [os.open(p, os.O_RDWR) for p in reply["responses"]]
+        self._offsets = self.slots.offsets()
+        # Per-slot addresses and views made once: rebuilding them costs microseconds per call.
+        self._ptrs = [self.slots.slot_ptr(s) for s in range(num_slots)]
+        self._ctrls = [self.slots.ctrl(s) for s in range(num_slots)]
+        self._outs = {(s, dt): self.slots.out(s, max_tokens, dt) for s in range(num_slots) for dt in DTYPE_CODES}
         self._in_flight: dict[int, ExpertHandle] = {}
-        self._next = 0
 
     def request(self, msg: dict) -> dict:
         """One control round trip, bounded by the client's timeout."""
@@ -142,40 +132,37 @@ class ExpertClient:
 
     def submit(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
                topk_weights: torch.Tensor) -> ExpertHandle:
+        from cpu_kernels import _C
+
         tokens, topk = topk_ids.shape
-        layout = self.slots.layout
-        if tokens > layout.max_tokens or topk > layout.max_topk or hidden.shape != (tokens, layout.hidden):
-            raise ValueError(f"call of {tuple(hidden.shape)} x top-{topk} does not fit slots of "
-                             f"{layout.max_tokens} x {layout.hidden} x top-{layout.max_topk}")
+        if hidden.shape != (tokens, self.slots.layout.hidden):
+            raise ValueError(f"hidden states {tuple(hidden.shape)} do not match {tokens} tokens x "
+                             f"{self.slots.layout.hidden}")
         dtype = hidden.dtype if hidden.dtype in DTYPE_CODES else torch.float32
+        x = (hidden if hidden.device.type == "cpu" and hidden.dtype == dtype else hidden.to("cpu", dtype)).contiguous()
+        ids = topk_ids.to("cpu", torch.int32).contiguous()
+        weights = (topk_weights if topk_weights.dtype == torch.float32 and topk_weights.device.type == "cpu"
+                   else topk_weights.to("cpu", torch.float32)).contiguous()
         slot = self._free_slot()
-        self.slots.x(slot, tokens, dtype).copy_(hidden)
-        self.slots.ids(slot, tokens, topk).copy_(topk_ids)
-        self.slots.weights(slot, tokens, topk).copy_(topk_weights)
-        ctrl = self.slots.ctrl(slot)
-        ctrl[LAYER], ctrl[TOKENS], ctrl[TOPK], ctrl[DTYPE] = layer, tokens, topk, DTYPE_CODES[dtype]
-        seq = int(ctrl[REQUEST_SEQ]) + 1
-        ctrl[REQUEST_SEQ] = seq
-        os.write(self._req[slot], CALL_BYTE)
-        handle = ExpertHandle(self, slot, seq, (tokens, layout.hidden), dtype)
+        seq = _C.slot_submit(self._ptrs[slot], self._offsets, layer, tokens, topk, dtype == torch.float32,
+                             x.data_ptr(), ids.data_ptr(), weights.data_ptr())
+        handle = ExpertHandle(self, slot, seq, (tokens, self.slots.layout.hidden), dtype)
         self._in_flight[slot] = handle
         return handle
 
     def _free_slot(self) -> int:
-        for i in range(self.slots.num_slots):
-            slot = (self._next + i) % self.slots.num_slots
+        """The lowest free slot: with one call in flight it is always slot 0, whose server thread is still
+        spinning from the last call instead of asleep."""
+        for slot in range(self.slots.num_slots):
             if slot not in self._in_flight:
-                self._next = slot + 1
                 return slot
         raise ExpertServerError(f"all {self.slots.num_slots} expert slots have a call in flight; wait for one")
 
     def _wait(self, handle: ExpertHandle) -> torch.Tensor:
+        from cpu_kernels import _C
+
         deadline = time.monotonic() + self.timeout_s
-        fd = self._resp[handle.slot]
-        while True:
-            ready, _, _ = select.select([fd], [], [], POLL_S)
-            if ready:
-                break
+        while not _C.slot_wait(self._ptrs[handle.slot], handle.seq, SPIN_US, int(POLL_S * 1e6)):
             if not self.alive():
                 self._in_flight.pop(handle.slot, None)
                 raise ExpertServerError(f"the expert process (pid {self.server_pid}) died during a layer call")
@@ -183,15 +170,10 @@ class ExpertClient:
                 self._in_flight.pop(handle.slot, None)
                 raise ExpertServerError(f"the expert process (pid {self.server_pid}) did not finish a layer call "
                                         f"within {self.timeout_s:.1f}s")
-        os.read(fd, 1)
         self._in_flight.pop(handle.slot, None)
-        ctrl = self.slots.ctrl(handle.slot)
-        if int(ctrl[DONE_SEQ]) != handle.seq:
-            raise ExpertServerError(f"expert slot {handle.slot} answered call {int(ctrl[DONE_SEQ])}, "
-                                    f"expected {handle.seq}")
-        if int(ctrl[STATUS]) != 0:
+        if self._ctrls[handle.slot][STATUS] != 0:
             raise ExpertServerError(f"expert process: {self.slots.error_text(handle.slot)}")
-        return self.slots.out(handle.slot, handle.shape[0], handle.dtype).clone()
+        return self._outs[handle.slot, handle.dtype][:handle.shape[0]].clone()
 
     def close(self) -> None:
         if self.alive():
@@ -199,9 +181,7 @@ class ExpertClient:
                 self.request({"op": "unregister", "client": self.client_id})
             except ExpertServerError:
                 pass
-        for fd in self._req + self._resp:
-            os.close(fd)
-        self._req, self._resp = [], []
+        self._ctrls, self._outs = [], {}
         self.slots.close()
         if self._sock is not None:
             self._sock.close()

@@ -1,9 +1,9 @@
 """The expert process: maps a packed expert file, owns the kernel thread pool, serves per-layer MoE calls.
 
 Control (register a client, health, stats, shutdown) is JSON over a ZeroMQ REP socket. The data path
-of each call is a shared-memory slot (hidden states, top-k ids and weights in, output out) plus a
-one-byte doorbell each way over a pair of FIFOs; each slot has its own server thread, so a client can
-keep two calls in flight. The kernels release the GIL and serialize on their own pool.
+of each call is a shared-memory slot (hidden states, top-k ids and weights in, output out) signalled
+through its sequence words; each slot has its own server thread running the C++ serve loop (no GIL),
+so a client can keep two calls in flight. The kernels serialize on their own pool.
 
     python -m hybrid.expert_server --model DIR --pack DIR --control ipc:///tmp/x/control
 """
@@ -27,115 +27,61 @@ import zmq
 
 from hybrid.config import ModelConfig
 from hybrid.expert_pack import load_pack
-from hybrid.expert_slots import (
-    CODE_DTYPES,
-    DONE_SEQ,
-    DTYPE,
-    ECHO_LAYER,
-    LAYER,
-    REQUEST_SEQ,
-    STATUS,
-    TOKENS,
-    TOPK,
-    ExpertSlots,
-    SlotLayout,
-)
+from hybrid.expert_slots import SPIN_US, ExpertSlots, SlotLayout
 from hybrid.models.experts import KernelExperts
-
-STOP_BYTE = b"\x00"
-CALL_BYTE = b"\x01"
 
 
 @dataclass
 class ClientState:
     slots: ExpertSlots
-    requests: list[str]
-    responses: list[str]
+    servers: list = field(default_factory=list)
     threads: list[threading.Thread] = field(default_factory=list)
-    calls: int = 0
-    busy_s: float = 0.0
 
 
 class ExpertServer:
-    def __init__(self, experts: KernelExperts, hidden: int, run_dir: Path):
-        self.experts, self.hidden, self.run_dir = experts, hidden, run_dir
+    def __init__(self, experts: KernelExperts, hidden: int):
+        from cpu_kernels.moe import kernel_isa, runner
+
+        self.experts, self.hidden = experts, hidden
+        self.runner, self.isa = runner(experts.num_threads), kernel_isa()
+        self.layers = {layer: packed.layer for layer, packed in experts.layers.items()}
         self.clients: dict[int, ClientState] = {}
         self.lock = threading.Lock()
         self._ids = itertools.count()
 
     def register(self, max_tokens: int, max_topk: int, num_slots: int) -> dict:
+        from cpu_kernels import _C
+
         cid = next(self._ids)
         layout = SlotLayout(self.hidden, max_tokens, max_topk)
         slots = ExpertSlots.create(f"hybridd-{os.getpid()}-{cid}", layout, num_slots)
-        reqs, resps = [], []
+        state = ClientState(slots)
         for s in range(num_slots):
-            for kind, names in (("req", reqs), ("resp", resps)):
-                path = self.run_dir / f"{kind}-{cid}-{s}"
-                os.mkfifo(path)
-                names.append(str(path))
-        state = ClientState(slots, reqs, resps)
-        for s in range(num_slots):
-            t = threading.Thread(target=self._serve_slot, args=(state, s), daemon=True)
+            server = _C.SlotServer(slots.slot_ptr(s), slots.offsets(), self.runner, self.layers, self.isa, SPIN_US)
+            t = threading.Thread(target=server.serve, daemon=True)
             t.start()
+            state.servers.append(server)
             state.threads.append(t)
         with self.lock:
             self.clients[cid] = state
-        return {"client": cid, "shm": slots.shm.name, "requests": reqs, "responses": resps, "hidden": self.hidden,
-                "num_slots": num_slots}
+        return {"client": cid, "shm": slots.shm.name, "hidden": self.hidden, "num_slots": num_slots}
 
     def unregister(self, cid: int) -> None:
         with self.lock:
             state = self.clients.pop(cid, None)
         if state is None:
             return
-        for req in state.requests:
-            fd = os.open(req, os.O_RDWR)
-            os.write(fd, STOP_BYTE)
-            os.close(fd)
+        for server in state.servers:
+            server.stop()
         for t in state.threads:
             t.join(timeout=5)
-        for path in state.requests + state.responses:
-            Path(path).unlink(missing_ok=True)
         state.slots.close()
         state.slots.shm.unlink()
 
-    def _serve_slot(self, state: ClientState, slot: int) -> None:
-        req = os.open(state.requests[slot], os.O_RDWR)
-        resp = os.open(state.responses[slot], os.O_RDWR)
-        slots = state.slots
-        ctrl = slots.ctrl(slot)
-        try:
-            while os.read(req, 1) == CALL_BYTE:
-                start = time.perf_counter()
-                try:
-                    self._call(slots, slot, ctrl)
-                    ctrl[STATUS] = 0
-                except Exception as e:  # reported to the caller; the server keeps serving
-                    slots.set_error(slot, f"{type(e).__name__}: {e}")
-                    ctrl[STATUS] = 1
-                ctrl[DONE_SEQ] = ctrl[REQUEST_SEQ]
-                os.write(resp, CALL_BYTE)
-                state.calls += 1
-                state.busy_s += time.perf_counter() - start
-        finally:
-            os.close(req)
-            os.close(resp)
-
-    def _call(self, slots: ExpertSlots, slot: int, ctrl) -> None:
-        layer, tokens, topk = int(ctrl[LAYER]), int(ctrl[TOKENS]), int(ctrl[TOPK])
-        dtype = CODE_DTYPES[int(ctrl[DTYPE])]
-        x = slots.x(slot, tokens, dtype)
-        out = slots.out(slot, tokens, dtype)
-        if layer == ECHO_LAYER:
-            out.copy_(x)
-            return
-        if layer not in self.experts.layers:
-            raise ValueError(f"layer {layer} has no experts in this pack")
-        out.copy_(self.experts(layer, x, slots.ids(slot, tokens, topk), slots.weights(slot, tokens, topk)))
-
     def stats(self) -> dict:
         with self.lock:
-            return {str(cid): {"calls": c.calls, "busy_s": round(c.busy_s, 6)} for cid, c in self.clients.items()}
+            return {str(cid): {"calls": sum(v.calls for v in c.servers),
+                               "busy_s": round(sum(v.busy_s for v in c.servers), 6)} for cid, c in self.clients.items()}
 
     def close(self) -> None:
         for cid in list(self.clients):
@@ -192,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     experts = KernelExperts(load_pack(a.pack, config), a.threads)
     run_dir = Path(tempfile.mkdtemp(prefix="hybridd-experts-"))
     control = a.control or f"ipc://{run_dir}/control"
-    server = ExpertServer(experts, config.hidden_size, run_dir)
+    server = ExpertServer(experts, config.hidden_size)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     if a.parent_pid:
         threading.Thread(target=_exit_with_parent, args=(a.parent_pid,), daemon=True).start()

@@ -2,11 +2,14 @@
 
 One shared-memory block per client holds `num_slots` slots (two allow the dual-batch overlap to keep
 two calls in flight). A slot is a small int64 control header, an error-text area, and the hidden
-states, top-k ids, top-k weights and output of one per-layer MoE call, each 64-byte aligned.
+states, top-k ids, top-k weights and output of one per-layer MoE call, each 64-byte aligned. Calls are
+copied in, signalled and served by C++ (cpu_kernels/csrc/slot_channel.*): spin, then a shared futex on
+the sequence words.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
 
@@ -21,6 +24,8 @@ REQUEST_SEQ, DONE_SEQ, LAYER, TOKENS, TOPK, DTYPE, STATUS, ERROR_LEN = range(CTR
 DTYPE_CODES = {torch.bfloat16: 0, torch.float32: 1}
 CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
 ECHO_LAYER = -1  # the server copies x to out without computing: measures the dispatch round trip alone
+# Microseconds a waiter spins on a sequence word before sleeping on it (HYBRIDD_DOORBELL_SPIN_US).
+SPIN_US = int(os.environ.get("HYBRIDD_DOORBELL_SPIN_US", "20"))
 
 
 def _align(n: int) -> int:
@@ -91,6 +96,17 @@ class ExpertSlots:
             shm = shared_memory.SharedMemory(name=name)
             resource_tracker.unregister(shm._name, "shared_memory")
         return cls(shm, layout, num_slots)
+
+    def slot_ptr(self, slot: int) -> int:
+        """Address of a slot in this process's mapping, for the C++ data path (cpu_kernels slot_channel)."""
+        return self._base.data_ptr() + slot * self.layout.size
+
+    def offsets(self):
+        from cpu_kernels import _C
+
+        lay = self.layout
+        return _C.SlotOffsets(error=lay.error, error_bytes=ERROR_BYTES, x=lay.x, ids=lay.ids, weights=lay.weights,
+                              out=lay.out, hidden=lay.hidden, max_tokens=lay.max_tokens, max_topk=lay.max_topk)
 
     def _bytes(self, slot: int, offset: int, nbytes: int) -> torch.Tensor:
         start = slot * self.layout.size + offset

@@ -3,6 +3,7 @@
 #include <pybind11/stl.h>
 
 #include "moe.h"
+#include "slot_channel.h"
 
 namespace py = pybind11;
 using hybridd::ExpertLayer;
@@ -10,6 +11,8 @@ using hybridd::Format;
 using hybridd::Isa;
 using hybridd::MoeRunner;
 using hybridd::PackedMatrices;
+using hybridd::SlotOffsets;
+using hybridd::SlotServer;
 
 namespace {
 PackedMatrices matrices(uintptr_t data, int64_t data_stride, uintptr_t scales, int64_t scales_stride, uintptr_t comp,
@@ -57,6 +60,39 @@ PYBIND11_MODULE(_C, m) {
            py::arg("fmt"), py::arg("num_experts"), py::arg("hidden"), py::arg("inter"), py::arg("block_k"),
            py::arg("group"), py::arg("w13"), py::arg("w2"));
 
+  py::class_<SlotOffsets>(m, "SlotOffsets")
+      .def(py::init([](int64_t error, int64_t error_bytes, int64_t x, int64_t ids, int64_t weights, int64_t out,
+                       int hidden, int max_tokens, int max_topk) {
+             SlotOffsets o;
+             o.error = error;
+             o.error_bytes = error_bytes;
+             o.x = x;
+             o.ids = ids;
+             o.weights = weights;
+             o.out = out;
+             o.hidden = hidden;
+             o.max_tokens = max_tokens;
+             o.max_topk = max_topk;
+             return o;
+           }),
+           py::arg("error"), py::arg("error_bytes"), py::arg("x"), py::arg("ids"), py::arg("weights"), py::arg("out"),
+           py::arg("hidden"), py::arg("max_tokens"), py::arg("max_topk"));
+  m.def(
+      "slot_submit",
+      [](uintptr_t slot, const SlotOffsets& o, int layer, int tokens, int topk, bool f32, uintptr_t x, uintptr_t ids,
+         uintptr_t weights) {
+        return hybridd::slot_submit(reinterpret_cast<uint8_t*>(slot), o, layer, tokens, topk, f32,
+                                    reinterpret_cast<const void*>(x), reinterpret_cast<const int32_t*>(ids),
+                                    reinterpret_cast<const float*>(weights));
+      },
+      py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "slot_wait",
+      [](uintptr_t slot, int64_t seq, int spin_us, int64_t timeout_us) {
+        return hybridd::slot_wait(reinterpret_cast<uint8_t*>(slot), seq, spin_us, timeout_us);
+      },
+      py::call_guard<py::gil_scoped_release>());
+
   py::class_<MoeRunner>(m, "MoeRunner")
       .def(py::init<std::vector<int>>(), py::arg("cpus"))
       .def_property_readonly("num_threads", &MoeRunner::num_threads)
@@ -77,4 +113,17 @@ PYBIND11_MODULE(_C, m) {
                      tokens, reinterpret_cast<void*>(out), static_cast<Isa>(isa));
           },
           py::call_guard<py::gil_scoped_release>());
+
+  py::class_<SlotServer>(m, "SlotServer")
+      .def(py::init([](uintptr_t slot, const SlotOffsets& o, MoeRunner& runner, std::map<int, ExpertLayer> layers,
+                       int isa, int spin_us) {
+             return new SlotServer(reinterpret_cast<uint8_t*>(slot), o, &runner, std::move(layers),
+                                   static_cast<Isa>(isa), spin_us);
+           }),
+           py::arg("slot"), py::arg("offsets"), py::arg("runner"), py::arg("layers"), py::arg("isa"),
+           py::arg("spin_us"), py::keep_alive<1, 4>())
+      .def("serve", &SlotServer::serve, py::call_guard<py::gil_scoped_release>())
+      .def("stop", &SlotServer::stop)
+      .def_property_readonly("calls", &SlotServer::calls)
+      .def_property_readonly("busy_s", &SlotServer::busy_s);
 }
