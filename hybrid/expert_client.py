@@ -22,7 +22,7 @@ import torch
 import zmq
 
 from cpu_kernels.thread_pool import unpin_child
-from hybrid.expert_slots import DTYPE_CODES, SPIN_US, STATUS, ExpertSlots, SlotLayout
+from hybrid.expert_slots import CLIENT_SPIN_US, DTYPE_CODES, STATUS, ExpertSlots, SlotLayout
 from hybrid.models.experts import Experts
 
 POLL_S = 0.05
@@ -162,7 +162,7 @@ class ExpertClient:
         from cpu_kernels import _C
 
         deadline = time.monotonic() + self.timeout_s
-        while not _C.slot_wait(self._ptrs[handle.slot], handle.seq, SPIN_US, int(POLL_S * 1e6)):
+        while not _C.slot_wait(self._ptrs[handle.slot], handle.seq, CLIENT_SPIN_US, int(POLL_S * 1e6)):
             if not self.alive():
                 self._in_flight.pop(handle.slot, None)
                 raise ExpertServerError(f"the expert process (pid {self.server_pid}) died during a layer call")

@@ -24,8 +24,10 @@ REQUEST_SEQ, DONE_SEQ, LAYER, TOKENS, TOPK, DTYPE, STATUS, ERROR_LEN = range(CTR
 DTYPE_CODES = {torch.bfloat16: 0, torch.float32: 1}
 CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
 ECHO_LAYER = -1  # the server copies x to out without computing: measures the dispatch round trip alone
-# Microseconds a waiter spins on a sequence word before sleeping on it (HYBRIDD_DOORBELL_SPIN_US).
+# Microseconds a waiter spins on a sequence word before sleeping on it: the server's slot loop waiting
+# for the next call (HYBRIDD_DOORBELL_SPIN_US) and the engine waiting for a result (HYBRIDD_CLIENT_SPIN_US).
 SPIN_US = int(os.environ.get("HYBRIDD_DOORBELL_SPIN_US", "20"))
+CLIENT_SPIN_US = int(os.environ.get("HYBRIDD_CLIENT_SPIN_US", str(SPIN_US)))
 
 
 def _align(n: int) -> int:

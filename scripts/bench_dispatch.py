@@ -74,6 +74,7 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--skip-e2e", action="store_true")
+    ap.add_argument("--pairs", type=int, default=4, help="alternating inline/process decode runs")
     ap.add_argument("--json")
     a = ap.parse_args()
     console = Console()
@@ -100,13 +101,19 @@ def main() -> None:
             make_model(bench, "qwen3-30b-a3b", layers=4)
         pack = models / "qwen3-30b-a3b-L4-pack-bf16"
         write_pack(bench, pack, "bf16")
-        inline = decode_tok_s(bench, a.decode_tokens, expert_pack=str(pack))
-        process = decode_tok_s(bench, a.decode_tokens, experts="process", expert_pack=str(pack))
-        inline_again = decode_tok_s(bench, a.decode_tokens, expert_pack=str(pack))
-        inline = statistics.mean([inline, inline_again])
-        rows["e2e"] = {"inline_tok_s": inline, "process_tok_s": process, "process_over_inline": process / inline}
-        console.print(f"decode {bench.name}: inline {inline:.2f} tok/s, process {process:.2f} tok/s "
-                      f"-> process/inline = {process / inline:.3f}")
+        # Alternating inline/process pairs: the machine's bandwidth drifts between runs, so one pair says little.
+        pairs = []
+        for _ in range(a.pairs):
+            inline = decode_tok_s(bench, a.decode_tokens, expert_pack=str(pack))
+            process = decode_tok_s(bench, a.decode_tokens, experts="process", expert_pack=str(pack))
+            pairs.append((inline, process))
+        ratios = [p / i for i, p in pairs]
+        rows["e2e"] = {"pairs_tok_s": pairs, "process_over_inline": ratios,
+                       "median_process_over_inline": statistics.median(ratios)}
+        console.print(f"decode {bench.name}, inline/process tok/s pairs: "
+                      + ", ".join(f"{i:.1f}/{p:.1f}" for i, p in pairs)
+                      + f" -> process/inline median {statistics.median(ratios):.3f} "
+                        f"(each: {', '.join(f'{r:.2f}' for r in ratios)})")
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=2))
 
