@@ -19,10 +19,9 @@ import torch
 ALIGN = 64
 CTRL_WORDS = 8
 ERROR_BYTES = 1024
-# control words
+# control words, as cpu_kernels/csrc/slot_channel.h's CtrlWord
 REQUEST_SEQ, DONE_SEQ, LAYER, TOKENS, TOPK, DTYPE, STATUS, ERROR_LEN = range(CTRL_WORDS)
 DTYPE_CODES = {torch.bfloat16: 0, torch.float32: 1}
-CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
 ECHO_LAYER = -1  # the server copies x to out without computing: measures the dispatch round trip alone
 # Microseconds a waiter spins on a sequence word before sleeping on it: the server's slot loop waiting
 # for the next call (HYBRIDD_DOORBELL_SPIN_US) and the engine waiting for a result (HYBRIDD_CLIENT_SPIN_US).
@@ -118,24 +117,9 @@ class ExpertSlots:
         """The slot's int64 control words (a numpy view: scalar reads and writes cost ~100 ns, not ~2 us)."""
         return self._bytes(slot, self.layout.ctrl, 8 * CTRL_WORDS).numpy().view(np.int64)
 
-    def x(self, slot: int, tokens: int, dtype: torch.dtype) -> torch.Tensor:
-        n = tokens * self.layout.hidden
-        return self._bytes(slot, self.layout.x, n * dtype.itemsize).view(dtype).view(tokens, self.layout.hidden)
-
     def out(self, slot: int, tokens: int, dtype: torch.dtype) -> torch.Tensor:
         n = tokens * self.layout.hidden
         return self._bytes(slot, self.layout.out, n * dtype.itemsize).view(dtype).view(tokens, self.layout.hidden)
-
-    def ids(self, slot: int, tokens: int, topk: int) -> torch.Tensor:
-        return self._bytes(slot, self.layout.ids, 4 * tokens * topk).view(torch.int32).view(tokens, topk)
-
-    def weights(self, slot: int, tokens: int, topk: int) -> torch.Tensor:
-        return self._bytes(slot, self.layout.weights, 4 * tokens * topk).view(torch.float32).view(tokens, topk)
-
-    def set_error(self, slot: int, text: str) -> None:
-        raw = text.encode()[:ERROR_BYTES]
-        self._bytes(slot, self.layout.error, len(raw)).copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
-        self.ctrl(slot)[ERROR_LEN] = len(raw)
 
     def error_text(self, slot: int) -> str:
         n = int(self.ctrl(slot)[ERROR_LEN])
