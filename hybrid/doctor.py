@@ -89,6 +89,8 @@ def check_model(d: Diagnosis, model_dir: Path, kv_cache_bytes: int) -> None:
         config = ModelConfig.from_dir(model_dir)
     except (ConfigError, FileNotFoundError, ValueError) as e:
         d.add("model", str(e), False)
+        d.advice.append("point --model at a Hugging Face DeepSeek-V3/R1 or Qwen3-MoE directory (config.json, "
+                        "*.safetensors, tokenizer.json)")
         return
     fmt = default_expert_format(config)
     dense, experts = model_bytes(model_dir, fmt)

@@ -346,3 +346,32 @@ def test_api_key_and_bounded_queue(tmp_path):
         assert c.completions.create(model=MODEL, prompt="x", max_tokens=2).usage.completion_tokens >= 1
     finally:
         d.stop()
+
+
+def test_corrupt_checkpoint_is_a_clear_start_error(tmp_path):
+    import shutil
+
+    from hybrid.llm import DEFAULT_MODEL_DIR
+
+    model = tmp_path / "model"
+    shutil.copytree(DEFAULT_MODEL_DIR, model)
+    shard = sorted(model.glob("*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes()[:shard.stat().st_size // 2])
+    d = Daemon(tmp_path / "home", free_port())
+    r = d.cli("start", "--model", str(model), "--port", str(d.port), timeout=300)
+    assert r.returncode == 2 and "could not start" in r.stderr and shard.name in r.stderr
+    assert "Traceback" not in r.stderr
+    assert not (d.home / "hybridd.pid").exists()
+    r = d.cli("start", "--model", str(tmp_path / "nothing"), "--port", str(d.port))
+    assert r.returncode == 2 and "no config.json" in r.stderr
+
+
+def test_doctor_reports_machine_and_fit(tmp_path):
+    d = Daemon(tmp_path / "home", free_port())
+    r = d.cli("doctor")
+    assert r.returncode == 0, r.stderr
+    for needle in ("kernel path", "memory", "fits in RAM", "GPU"):
+        assert needle in r.stdout
+    r = d.cli("doctor", "--model", str(tmp_path / "nothing"))
+    assert r.returncode == 0 and "problem" in r.stdout and "point --model" in r.stdout
+
