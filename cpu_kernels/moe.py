@@ -13,14 +13,21 @@ from cpu_kernels import _C
 from cpu_kernels.pack import ROWS, Format, PackedMatrix, pack_matrix, unpack_matrix
 from cpu_kernels.thread_pool import default_cpus
 
-ISA_GENERIC = 0
+ISA_GENERIC, ISA_AVX512_BF16, ISA_AVX2 = 0, 1, 2
+ISA_NAMES = {"generic": ISA_GENERIC, "avx512_bf16": ISA_AVX512_BF16, "avx2": ISA_AVX2}
 
 
 @lru_cache(maxsize=1)
 def kernel_isa() -> int:
-    """The instruction set the kernels use: the best this CPU has, or HYBRIDD_KERNEL_ISA=generic (read once)."""
-    if os.environ.get("HYBRIDD_KERNEL_ISA", "").lower() == "generic":
-        return ISA_GENERIC
+    """The instruction set the kernels use: the best this CPU has, or HYBRIDD_KERNEL_ISA=generic|avx2|avx512_bf16
+    where the CPU has it (read once)."""
+    asked = os.environ.get("HYBRIDD_KERNEL_ISA", "").lower()
+    if asked:
+        if asked not in ISA_NAMES:
+            raise ValueError(f"HYBRIDD_KERNEL_ISA must be one of {sorted(ISA_NAMES)}, got {asked!r}")
+        if not _C.isa_supported(ISA_NAMES[asked]):
+            raise ValueError(f"HYBRIDD_KERNEL_ISA={asked}: this CPU lacks the instructions it needs")
+        return ISA_NAMES[asked]
     return _C.best_isa()
 
 

@@ -10,11 +10,21 @@ import torch
 
 from cpu_kernels import _C
 from cpu_kernels.linear import PackedLinear, linear, linear_reference
-from cpu_kernels.moe import ISA_GENERIC, fp8_lines_to_bf16, fused_moe, fused_moe_reference, pack_experts, unpack_experts
+from cpu_kernels.moe import (
+    ISA_AVX2,
+    ISA_AVX512_BF16,
+    ISA_GENERIC,
+    fp8_lines_to_bf16,
+    fused_moe,
+    fused_moe_reference,
+    pack_experts,
+    unpack_experts,
+)
 from cpu_kernels.pack import Format, pack_matrix, quantize_fp8_blocks, unpack_matrix
 
 FORMATS = ["bf16", "fp8", "int8", "int4"]
-ISAS = [ISA_GENERIC] + ([_C.best_isa()] if _C.best_isa() != ISA_GENERIC else [])
+# Every path this CPU can run: generic, hand-written AVX2 and AVX-512 BF16.
+ISAS = [isa for isa in (ISA_GENERIC, ISA_AVX2, ISA_AVX512_BF16) if _C.isa_supported(isa)]
 # Relative L2 error bounds. bf16/fp8 weights are exact in the kernels, so with fp32 activations (carried as
 # bf16 hi + lo) only summation order differs; bf16 activations round inputs and the SiLU product to bf16.
 # int8/int4 quantize activations per token to int8 (weights are compared after their own quantization).
@@ -102,6 +112,15 @@ def test_fp8_values_through_a_full_linear():
         out = linear(p, x, isa=isa)
         expected = (w8.float() * 0.5).t()
         assert torch.equal(out, expected)
+
+
+def test_fp8_nan_codes_give_nan_on_every_path():
+    w8 = torch.zeros(16, 128, dtype=torch.uint8)
+    w8[3, 5], w8[9, 70] = 0x7F, 0xFF
+    p = PackedLinear.pack(w8.view(torch.float8_e4m3fn), "fp8", scale_inv=torch.ones(1, 1))
+    for isa in ISAS:
+        out = linear(p, torch.ones(2, 128), isa=isa)
+        assert torch.equal(torch.isnan(out[0]), torch.tensor([r in (3, 9) for r in range(16)])), isa
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -33,6 +33,7 @@ PackedMatrices matrices(uintptr_t data, int64_t data_stride, uintptr_t scales, i
 PYBIND11_MODULE(_C, m) {
   m.doc() = "hybridd CPU MoE kernels";
   m.def("best_isa", [] { return static_cast<int>(hybridd::best_isa()); });
+  m.def("isa_supported", [](int isa) { return hybridd::isa_supported(static_cast<Isa>(isa)); });
   m.def("fp8_to_bf16_lines", [](uintptr_t src, int64_t lines, uintptr_t dst, int isa) {
     hybridd::fp8_to_bf16_lines(reinterpret_cast<const uint8_t*>(src), lines, reinterpret_cast<uint16_t*>(dst),
                                static_cast<Isa>(isa));

@@ -19,7 +19,7 @@
 namespace hybridd {
 
 enum class Format : int { kBF16 = 0, kFP8 = 1, kINT8 = 2, kINT4 = 3 };
-enum class Isa : int { kGeneric = 0, kAvx512Bf16 = 1 };
+enum class Isa : int { kGeneric = 0, kAvx512Bf16 = 1, kAvx2 = 2 };
 
 struct PackedMatrices {
   const uint8_t* data = nullptr;  // expert e at data + e * data_stride
@@ -55,6 +55,7 @@ struct Act {
 };
 
 Isa best_isa();
+bool isa_supported(Isa isa);
 // The fp8 -> bf16 line conversion the kernels use (64 e4m3 bytes -> two 64-byte bf16 lines), for tests.
 void fp8_to_bf16_lines(const uint8_t* src, int64_t lines, uint16_t* dst, Isa isa);
 const char* isa_name(Isa isa);
