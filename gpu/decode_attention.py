@@ -155,8 +155,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return out
 
 
+def table_list(block_tables: torch.Tensor, context_lens: list[int], page: int) -> list[torch.Tensor]:
+    """The padded [B, max_blocks] tables as the torch reference takes them: one trimmed row per sequence."""
+    return [block_tables[i, :triton.cdiv(c, page)].long() for i, c in enumerate(context_lens)]
+
+
 def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
     lens = [int(c) for c in context_lens]
-    tables = [block_tables[i, :triton.cdiv(c, k_cache.shape[1])].long() for i, c in enumerate(lens)]
+    tables = table_list(block_tables, lens, k_cache.shape[1])
     return paged_attention(q, k_cache, v_cache, list(range(len(lens))), [1] * len(lens), lens, tables, scale)

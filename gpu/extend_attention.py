@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gpu.decode_attention import attend_tile, dot_width, paged_shapes, upcast_dots
+from gpu.decode_attention import attend_tile, dot_width, paged_shapes, table_list, upcast_dots
 from hybrid.attention import paged_attention
 
 
@@ -84,5 +84,5 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 def extend_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, query_starts: list[int], query_lens: list[int],
                                context_lens: list[int], scale: float) -> torch.Tensor:
-    tables = [block_tables[i, :triton.cdiv(c, k_cache.shape[1])].long() for i, c in enumerate(context_lens)]
+    tables = table_list(block_tables, context_lens, k_cache.shape[1])
     return paged_attention(q, k_cache, v_cache, query_starts, query_lens, context_lens, tables, scale)

@@ -14,7 +14,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
@@ -40,14 +40,14 @@ class Child:
     role: str
     proc: subprocess.Popen | None = None
     start_after: float = 0.0
-    restarts: list[float] | None = None
+    restarts: list[float] = field(default_factory=list)
 
 
 class Supervisor:
     def __init__(self, config: DaemonConfig):
         self.config = config
         self.paths = config.paths
-        self.children = {role: Child(role, restarts=[]) for role in ROLE_MODULES}
+        self.children = {role: Child(role) for role in ROLE_MODULES}
         self.stopping = False
 
     def spawn(self, child: Child) -> None:

@@ -71,14 +71,12 @@ def check_memory(d: Diagnosis) -> None:
 def model_bytes(model_dir: Path, expert_format: str) -> tuple[int, int]:
     """(dense bytes as stored, routed-expert bytes in expert_format)."""
     from hybrid.config import ModelConfig
+    from hybrid.expert_pack import expert_bytes_to_read, expert_weight_count
 
     config = ModelConfig.from_dir(model_dir)
     on_disk = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
-    expert_weights = len(config.moe_layers) * config.num_experts * 3 * config.hidden_size * \
-        config.moe_intermediate_size
-    stored_bits = 8 if config.fp8_block else 16
-    dense = max(on_disk - expert_weights * stored_bits // 8, 0)
-    return dense, int(expert_weights * BITS_PER_WEIGHT[expert_format] / 8)
+    dense = max(on_disk - expert_bytes_to_read(config), 0)
+    return dense, int(expert_weight_count(config) * BITS_PER_WEIGHT[expert_format] / 8)
 
 
 def check_model(d: Diagnosis, model_dir: Path, kv_cache_bytes: int) -> None:

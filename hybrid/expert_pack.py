@@ -83,11 +83,14 @@ def is_current(pack_dir: str | Path, config: ModelConfig, fmt: str) -> bool:
     return True
 
 
+def expert_weight_count(config: ModelConfig) -> int:
+    """Weights of all routed experts: gate, up and down of every expert of every MoE layer."""
+    return len(config.moe_layers) * config.num_experts * 3 * config.hidden_size * config.moe_intermediate_size
+
+
 def expert_bytes_to_read(config: ModelConfig) -> int:
     """Checkpoint bytes of all routed experts (fp8 weights one byte each, else two), for progress."""
-    per_weight = 1 if config.fp8_block else 2
-    return len(config.moe_layers) * config.num_experts * 3 * config.hidden_size * config.moe_intermediate_size \
-        * per_weight
+    return expert_weight_count(config) * (1 if config.fp8_block else 2)
 
 
 def write_pack(model_dir: str | Path, pack_dir: str | Path, fmt: str | None = None,

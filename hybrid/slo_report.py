@@ -162,9 +162,9 @@ class SloReport:
             "goodput": sum(r.meets(c.ttft_slo_s, c.tpot_slo_s) for r in results) / len(results),
             "results": [asdict(r) for r in results],
         }
-        summary["ttft_pass"] = summary["ttft_s"]["p90"] is not None and summary["ttft_s"]["p90"] <= c.ttft_slo_s
-        summary["tpot_pass"] = summary["tpot_s"]["p90"] is None or summary["tpot_s"]["p90"] <= c.tpot_slo_s
-        summary["tpot_pass"] = summary["tpot_pass"] and bool(ok)
+        ttft90, tpot90 = summary["ttft_s"]["p90"], summary["tpot_s"]["p90"]
+        summary["ttft_pass"] = ttft90 is not None and ttft90 <= c.ttft_slo_s
+        summary["tpot_pass"] = bool(ok) and (tpot90 is None or tpot90 <= c.tpot_slo_s)
         return summary
 
     async def run(self, on_level=None) -> dict:

@@ -151,7 +151,7 @@ def build_app(config: DaemonConfig, client: EngineClient, tokenizer: Tokenizer |
             raise ApiError(400, "this model has no tokenizer: send token ids to /v1/completions")
         return tokenizer
 
-    async def run(request: Request, prompt_ids: list[int], params: dict, stats: RequestStats,
+    async def run(request: Request, stream: bool, prompt_ids: list[int], params: dict, stats: RequestStats,
                   chunk, include_usage: bool, opening: dict | None = None) -> Response:
         """Streams SSE chunks built by chunk(rid, created, text, finish_reason), after `opening` if given,
         or returns the whole completion."""
@@ -179,7 +179,7 @@ def build_app(config: DaemonConfig, client: EngineClient, tokenizer: Tokenizer |
             finally:
                 stats.end(outcome)
 
-        if request.state.stream:
+        if stream:
             return StreamingResponse(events(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
@@ -242,9 +242,8 @@ def build_app(config: DaemonConfig, client: EngineClient, tokenizer: Tokenizer |
         except Exception as e:  # a chat template raising on an odd conversation is the caller's error
             raise ApiError(400, f"messages: the chat template rejected them: {e}", param="messages") from None
         params, stats = admit(req, prompt_ids)
-        request.state.stream = req.stream
         opening = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-        return await run(request, prompt_ids, params, stats, chat_chunk, req.include_usage, opening)
+        return await run(request, req.stream, prompt_ids, params, stats, chat_chunk, req.include_usage, opening)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
@@ -257,8 +256,7 @@ def build_app(config: DaemonConfig, client: EngineClient, tokenizer: Tokenizer |
         else:
             prompt_ids = list(req.prompt)
         params, stats = admit(req, prompt_ids)
-        request.state.stream = req.stream
-        return await run(request, prompt_ids, params, stats, text_chunk, req.include_usage)
+        return await run(request, req.stream, prompt_ids, params, stats, text_chunk, req.include_usage)
 
     @app.get("/v1/models")
     async def models():
