@@ -12,6 +12,7 @@ setup(
         Pybind11Extension(
             "cpu_kernels._C",
             sources=[
+                "cpu_kernels/csrc/amx.cpp",
                 "cpu_kernels/csrc/binding.cpp",
                 "cpu_kernels/csrc/moe.cpp",
                 "cpu_kernels/csrc/slot_channel.cpp",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from cpu_kernels.cpu_features import PATHS, best_path, cpu_flags
 from cpu_kernels.moe import kernel_isa_name
-from cpu_kernels.thread_pool import default_cpus, numa_nodes
+from cpu_kernels.thread_pool import numa_nodes, pool_layout
 
 
 def main() -> None:
@@ -14,7 +14,9 @@ def main() -> None:
     print(f"best instruction set: {best_path()}")
     print(f"kernel path: {kernel_isa_name()}")
     print(f"numa nodes: {len(numa_nodes())} ({'; '.join(','.join(map(str, n)) for n in numa_nodes())})")
-    print(f"thread pool cores: {','.join(map(str, default_cpus()))} (thread 0 is the calling thread)")
+    cpus, nodes = pool_layout()
+    print(f"thread pool cores: {','.join(map(str, cpus))} (thread 0 is the calling thread), sub-pool per core: "
+          f"{','.join(map(str, nodes))}")
 
 
 if __name__ == "__main__":

@@ -11,16 +11,16 @@ import torch.nn.functional as F
 
 from cpu_kernels import _C
 from cpu_kernels.pack import ROWS, Format, PackedMatrix, pack_matrix, unpack_matrix
-from cpu_kernels.thread_pool import default_cpus
+from cpu_kernels.thread_pool import pool_layout
 
-ISA_GENERIC, ISA_AVX512_BF16, ISA_AVX2 = 0, 1, 2
-ISA_NAMES = {"generic": ISA_GENERIC, "avx512_bf16": ISA_AVX512_BF16, "avx2": ISA_AVX2}
+ISA_GENERIC, ISA_AVX512_BF16, ISA_AVX2, ISA_AMX = 0, 1, 2, 3
+ISA_NAMES = {"generic": ISA_GENERIC, "avx2": ISA_AVX2, "avx512_bf16": ISA_AVX512_BF16, "amx": ISA_AMX}
 
 
 @lru_cache(maxsize=1)
 def kernel_isa() -> int:
-    """The instruction set the kernels use: the best this CPU has, or HYBRIDD_KERNEL_ISA=generic|avx2|avx512_bf16
-    where the CPU has it (read once)."""
+    """The instruction set the kernels use: the best this CPU has, or HYBRIDD_KERNEL_ISA=generic|avx2|avx512_bf16|amx
+    where the CPU has it (read once). amx is the avx512_bf16 path with AMX tiles for many-token blocks."""
     asked = os.environ.get("HYBRIDD_KERNEL_ISA", "").lower()
     if asked:
         if asked not in ISA_NAMES:
@@ -141,8 +141,8 @@ def unpack_experts(p: PackedExperts) -> tuple[torch.Tensor, torch.Tensor]:
 
 @lru_cache(maxsize=None)
 def runner(num_threads: int | None = None) -> _C.MoeRunner:
-    """One persistent, pinned thread pool per thread count."""
-    return _C.MoeRunner(default_cpus(num_threads))
+    """One persistent, pinned thread pool per thread count, one sub-pool per NUMA node it spans."""
+    return _C.MoeRunner(*pool_layout(num_threads))
 
 
 def fused_moe(p: PackedExperts, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,

@@ -54,7 +54,8 @@ class PackedMatrix:
 
 
 def padded_k(fmt: Format, k: int, block_k: int = 128, group: int = 32) -> int:
-    step = {Format.BF16: 32, Format.FP8: block_k, Format.INT8: 32, Format.INT4: group}[fmt]
+    # bf16 32 and int8 64: one AMX k step (64 bytes of an activation row)
+    step = {Format.BF16: 32, Format.FP8: block_k, Format.INT8: 64, Format.INT4: group}[fmt]
     return math.ceil(k / step) * step
 
 

@@ -1,4 +1,4 @@
-"""Which cores the kernel thread pool runs on: the process's allowed CPUs, grouped by NUMA node."""
+"""Which cores the kernel thread pool runs on: the process's allowed CPUs, grouped by NUMA node into sub-pools."""
 
 from __future__ import annotations
 
@@ -27,21 +27,29 @@ def unpin_child() -> None:
 
 
 def numa_nodes() -> list[list[int]]:
-    """Allowed CPUs of each NUMA node (one node holding every allowed CPU where sysfs says nothing)."""
+    """Allowed CPUs of each NUMA node (one node holding every allowed CPU where sysfs says nothing).
+    HYBRIDD_NUMA_NODES="0-15;16-31" overrides the topology (cpulists separated by ';'): to keep the pool on
+    some nodes, or to run the multi-node task split on a one-node machine."""
     allowed = ALLOWED_CPUS
-    nodes = []
-    for node in sorted(Path("/sys/devices/system/node").glob("node[0-9]*"), key=lambda p: int(p.name[4:])):
-        cpus = [c for c in _cpulist((node / "cpulist").read_text()) if c in allowed]
-        if cpus:
-            nodes.append(cpus)
+    override = os.environ.get("HYBRIDD_NUMA_NODES", "").strip()
+    if override:
+        lists = [_cpulist(part) for part in override.split(";")]
+    else:
+        lists = [_cpulist((node / "cpulist").read_text())
+                 for node in sorted(Path("/sys/devices/system/node").glob("node[0-9]*"), key=lambda p: int(p.name[4:]))]
+    nodes = [cpus for cpus in ([c for c in lst if c in allowed] for lst in lists) if cpus]
+    if override and not nodes:
+        raise ValueError(f"HYBRIDD_NUMA_NODES={override!r} names none of this process's CPUs {allowed}")
     return nodes or [allowed]
 
 
-def default_cpus(num_threads: int | None = None) -> list[int]:
-    """Cores for `num_threads` pool threads (default: every allowed core), filling one NUMA node before the next.
-    Thread 0 is the calling thread, pinned to the first of them from its first kernel call on."""
-    cpus = [c for node in numa_nodes() for c in node]
-    n = len(cpus) if num_threads is None else num_threads
-    if n < 1:
-        raise ValueError(f"the kernel thread pool needs at least one thread, got {n}")
-    return [cpus[i % len(cpus)] for i in range(n)]
+def pool_layout(num_threads: int | None = None) -> tuple[list[int], list[int]]:
+    """(core, NUMA node) of each of `num_threads` pool threads (default: every allowed core), filling one node
+    before the next. Thread 0 is the calling thread, pinned to the first core from its first kernel call on."""
+    placed = [(cpu, n) for n, cpus in enumerate(numa_nodes()) for cpu in cpus]
+    count = len(placed) if num_threads is None else num_threads
+    if count < 1:
+        raise ValueError(f"the kernel thread pool needs at least one thread, got {count}")
+    chosen = [placed[i % len(placed)] for i in range(count)]
+    used = sorted({n for _, n in chosen})  # sub-pools are numbered 0.. over the nodes actually used
+    return [c for c, _ in chosen], [used.index(n) for _, n in chosen]

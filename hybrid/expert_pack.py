@@ -24,7 +24,7 @@ from hybrid.daemon_config import hybridd_home
 from hybrid.loader import CheckpointReader
 from hybrid.models.experts import default_expert_format, pack_layer
 
-PACK_VERSION = 1
+PACK_VERSION = 2  # 2: int8 K padded to 64 (one AMX k step)
 EXPERTS_FILE = "experts.bin"
 INDEX_FILE = "experts.json"
 PARTIAL_SUFFIX = ".partial"

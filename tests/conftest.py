@@ -41,6 +41,21 @@ def prompt_ids(n: int, seed: int, low: int = 5, high: int = 2000) -> list[int]:
     return torch.randint(low, high, (n,), generator=g).tolist()
 
 
+def pytest_collection_modifyitems(config, items):
+    """Hardware-marked tests are skipped, saying why, where the hardware is missing."""
+    from cpu_kernels import _C
+    from cpu_kernels.moe import ISA_AMX
+
+    missing = {
+        "amx": None if _C.isa_supported(ISA_AMX) else "needs AMX (AMX-TILE/BF16/INT8 granted by the kernel)",
+        "gpu": None if torch.cuda.is_available() else "needs a CUDA GPU",
+    }
+    for item in items:
+        for mark, why in missing.items():
+            if why and mark in item.keywords:
+                item.add_marker(pytest.mark.skip(reason=why))
+
+
 if not torch.cuda.is_available():
     # Triton kernels run on CPU tensors through Triton's interpreter where there is no GPU.
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -1,4 +1,4 @@
-"""The C++ kernels against pure-torch references: every format, odd shapes, both instruction-set paths."""
+"""The C++ kernels against pure-torch references: every format, odd shapes, every instruction-set path."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 from cpu_kernels import _C
 from cpu_kernels.linear import PackedLinear, linear, linear_reference
 from cpu_kernels.moe import (
+    ISA_AMX,
     ISA_AVX2,
     ISA_AVX512_BF16,
     ISA_GENERIC,
@@ -23,8 +24,8 @@ from cpu_kernels.moe import (
 from cpu_kernels.pack import Format, pack_matrix, quantize_fp8_blocks, unpack_matrix
 
 FORMATS = ["bf16", "fp8", "int8", "int4"]
-# Every path this CPU can run: generic, hand-written AVX2 and AVX-512 BF16.
-ISAS = [isa for isa in (ISA_GENERIC, ISA_AVX2, ISA_AVX512_BF16) if _C.isa_supported(isa)]
+# Every path this CPU can run: generic, hand-written AVX2, AVX-512 BF16 and AMX.
+ISAS = [isa for isa in (ISA_GENERIC, ISA_AVX2, ISA_AVX512_BF16, ISA_AMX) if _C.isa_supported(isa)]
 # Relative L2 error bounds. bf16/fp8 weights are exact in the kernels, so with fp32 activations (carried as
 # bf16 hi + lo) only summation order differs; bf16 activations round inputs and the SiLU product to bf16.
 # int8/int4 quantize activations per token to int8 (weights are compared after their own quantization).
@@ -194,3 +195,109 @@ def test_module_entry_point_reports_features():
                        env={"HYBRIDD_KERNEL_ISA": "generic", "PATH": ""})
     assert r.returncode == 0 and "kernel path: generic" in r.stdout
 
+
+
+def one_expert_per_token(t: int, e: int, rows: list[int]):
+    """Routing giving expert i exactly rows[i] tokens (k = 1), so the AMX row blocks are known."""
+    ids = torch.cat([torch.full((n,), i) for i, n in enumerate(rows)])[:t, None]
+    return ids.long(), torch.rand(t, 1, generator=torch.Generator().manual_seed(t))
+
+
+@pytest.mark.amx
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("h,i", [(130, 50), (256, 96), (64, 40)], ids=lambda v: str(v))
+def test_amx_blocks_match_reference_and_avx512(fmt, h, i):
+    # 15 rows stay on AVX-512; 16, 17, 31 and 33 are one or two AMX row blocks with a partial one; intermediate
+    # sizes give 1, 2 and 4 tiles per call (50 -> 4 tiles of 16, 40 -> 3, 96 -> 6).
+    rows = [15, 16, 17, 31, 33]
+    t = sum(rows)
+    p = pack_experts(*experts(len(rows), h, i, seed=h + i), fmt)
+    w13, w2 = unpack_experts(p)
+    ids, weights = one_expert_per_token(t, len(rows), rows)
+    x = torch.randn(t, h, generator=torch.Generator().manual_seed(i))
+    for dtype in (torch.float32, torch.bfloat16):
+        before = _C.amx_calls()
+        out = fused_moe(p, x.to(dtype), ids, weights, isa=ISA_AMX)
+        assert _C.amx_calls() > before, "the AMX kernels did not run"
+        ref = fused_moe_reference(w13, w2, x.to(dtype).float(), ids, weights)
+        assert rel_err(out, ref) < BOUND.get((fmt, dtype), INT_BOUND), dtype
+        avx = fused_moe(p, x.to(dtype), ids, weights, isa=ISA_AVX512_BF16)
+        if fmt == "int8":  # exact integer sums, the same dequantization arithmetic
+            assert torch.equal(out, avx)
+        elif fmt == "int4":  # exact group sums; the group and token scales are applied in another order
+            assert rel_err(out, avx) < 1e-4
+        else:
+            assert rel_err(out, avx) < (2e-6 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.amx
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("n,k,t", [(33, 64, 17), (64, 128, 16), (48, 2048, 40), (17, 300, 100)])
+def test_amx_linear_matches_reference(fmt, n, k, t):
+    # bf16 inputs with k a multiple of the padding are read in place (a partial last row block is copied).
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(k)) / k ** 0.5
+    p = PackedLinear.pack(w, fmt)
+    x = torch.randn(t, k)
+    for dtype in (torch.float32, torch.bfloat16):
+        before = _C.amx_calls()
+        out = linear(p, x.to(dtype), isa=ISA_AMX)
+        assert _C.amx_calls() > before
+        assert rel_err(out, linear_reference(p, x.to(dtype).float())) < BOUND.get((fmt, dtype), INT_BOUND)
+
+
+@pytest.mark.amx
+def test_amx_fp8_codes_and_nan_through_a_linear():
+    # Every finite code alone in its row times a one-hot input (32 tokens: two AMX row blocks), and NaN codes.
+    finite = [c for c in range(256) if c & 0x7F != 0x7F]
+    w8 = torch.zeros(len(finite), 128, dtype=torch.uint8)
+    for row, c in enumerate(finite):
+        w8[row, row % 128] = c
+    p = PackedLinear.pack(w8.view(torch.float8_e4m3fn), "fp8", scale_inv=torch.full((2, 1), 0.5))
+    x = torch.eye(128)[:32]
+    assert torch.equal(linear(p, x, isa=ISA_AMX), (w8.view(torch.float8_e4m3fn).float() * 0.5).t()[:32])
+    w8[3, 5], w8[9, 70] = 0x7F, 0xFF
+    p = PackedLinear.pack(w8.view(torch.float8_e4m3fn), "fp8", scale_inv=torch.ones(2, 1))
+    out = linear(p, torch.ones(20, 128), isa=ISA_AMX)
+    assert torch.isnan(out[:, 3]).all() and torch.isnan(out[:, 9]).all() and not torch.isnan(out[:, 4]).any()
+
+
+def test_numa_override_gives_one_sub_pool_per_node(monkeypatch):
+    from cpu_kernels.thread_pool import ALLOWED_CPUS, numa_nodes, pool_layout
+
+    if len(ALLOWED_CPUS) < 2:
+        pytest.skip("needs two usable cores")
+    first, last = ALLOWED_CPUS[0], ALLOWED_CPUS[-1]
+    monkeypatch.setenv("HYBRIDD_NUMA_NODES", f"{first};{last}")
+    assert numa_nodes() == [[first], [last]]
+    assert pool_layout(3) == ([first, last, first], [0, 1, 0])
+    assert pool_layout(1) == ([first], [0])
+    monkeypatch.setenv("HYBRIDD_NUMA_NODES", "4096")
+    with pytest.raises(ValueError, match="HYBRIDD_NUMA_NODES"):
+        numa_nodes()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_numa_sub_pools_compute_the_same_bits(fmt):
+    # Each node takes one slice of every expert's output rows; every tile is computed the same way whichever
+    # thread runs it, so one, two or three sub-pools give identical results (phases A and B, and a linear).
+    from cpu_kernels.thread_pool import ALLOWED_CPUS
+
+    cpus = [ALLOWED_CPUS[i % len(ALLOWED_CPUS)] for i in range(3)]
+    pools = [_C.MoeRunner(cpus[:2], [0, 0]), _C.MoeRunner(cpus[:2], [0, 1]), _C.MoeRunner(cpus, [0, 1, 2])]
+    assert [r.num_nodes for r in pools] == [1, 2, 3]
+    p = pack_experts(*experts(6, 200, 150, seed=9), fmt)
+    ids, weights = routing(70, 6, 3, seed=9)
+    x = torch.randn(70, 200).to(torch.bfloat16)
+    ids32, w32 = ids.to(torch.int32).contiguous(), weights.contiguous()
+    lin = PackedLinear.pack(torch.randn(90, 200), fmt)
+    outs = []
+    for r in pools:
+        out, y = torch.empty_like(x), torch.empty(70, 90, dtype=torch.bfloat16)
+        r.forward(p.layer, x.data_ptr(), False, 70, 3, ids32.data_ptr(), w32.data_ptr(), 1.0, out.data_ptr(),
+                  ISAS[-1])
+        m = lin.matrix
+        r.linear(int(m.fmt), lin.handle, m.n, m.k, m.block[1], m.group, x.data_ptr(), False, 70, y.data_ptr(),
+                 ISAS[-1])
+        outs.append((out, y))
+    for out, y in outs[1:]:
+        assert torch.equal(out, outs[0][0]) and torch.equal(y, outs[0][1])

@@ -2,6 +2,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "amx.h"
 #include "moe.h"
 #include "slot_channel.h"
 
@@ -38,6 +39,7 @@ PYBIND11_MODULE(_C, m) {
     hybridd::fp8_to_bf16_lines(reinterpret_cast<const uint8_t*>(src), lines, reinterpret_cast<uint16_t*>(dst),
                                static_cast<Isa>(isa));
   });
+  m.def("amx_calls", &hybridd::amx_calls);
   m.def("isa_name", [](int isa) { return std::string(hybridd::isa_name(static_cast<Isa>(isa))); });
 
   py::class_<PackedMatrices>(m, "PackedMatrices")
@@ -95,8 +97,9 @@ PYBIND11_MODULE(_C, m) {
       py::call_guard<py::gil_scoped_release>());
 
   py::class_<MoeRunner>(m, "MoeRunner")
-      .def(py::init<std::vector<int>>(), py::arg("cpus"))
+      .def(py::init<std::vector<int>, std::vector<int>>(), py::arg("cpus"), py::arg("nodes"))
       .def_property_readonly("num_threads", &MoeRunner::num_threads)
+      .def_property_readonly("num_nodes", &MoeRunner::num_nodes)
       .def(
           "forward",
           [](MoeRunner& r, const ExpertLayer& layer, uintptr_t x, bool f32_io, int tokens, int topk, uintptr_t ids,

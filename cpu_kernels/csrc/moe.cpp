@@ -1,5 +1,7 @@
 #include "moe.h"
 
+#include "amx.h"
+
 #include <immintrin.h>
 
 #include <algorithm>
@@ -16,8 +18,11 @@ void check_isa(Isa isa);
 
 namespace {
 
-constexpr int kRows = 16;  // rows per tile
 constexpr int kMaxTokenBlock = 8;
+constexpr int kAmxMinRows = 16;  // row blocks at least this tall go to the AMX kernels on the amx path
+
+// The amx path runs the AVX-512 BF16 kernels wherever it does not run AMX ones.
+inline bool avx512(Isa isa) { return isa == Isa::kAvx512Bf16 || isa == Isa::kAmx; }
 constexpr int kPrefetchBytes = 4096;  // software prefetch distance in the bandwidth-bound single-token loops
 
 inline float bf16_to_f32(uint16_t h) {
@@ -65,13 +70,6 @@ const Fp8Tables& fp8_tables() {
 }
 
 inline float silu_mul(float g, float u) { return g / (1.0f + std::exp(-g)) * u; }
-
-struct Tile {
-  const uint8_t* data;
-  const float* scales;
-  const int32_t* comp;
-  int kp;
-};
 
 inline Tile tile_of(const PackedMatrices& m, int expert, int tile, Format f, int block_k, int group) {
   int64_t tile_bytes;
@@ -523,6 +521,7 @@ AVX512_TARGET void tile_dot_avx512(Format f, const Tile& t, int block_k, int gro
 AVX512_TARGET void fp8_tile_to_lines(const Tile& t, uint16_t* lines) {
   const Fp8Regs regs = fp8_regs();
   for (int c = 0; c < t.kp / 4; ++c) {
+    _mm_prefetch(reinterpret_cast<const char*>(t.data + c * 64 + kPrefetchBytes), _MM_HINT_T0);
     __m512bh a, b;
     fp8_line(regs, t.data + c * 64, a, b);
     _mm512_storeu_si512(lines + (2 * c) * 32, reinterpret_cast<__m512i>(a));
@@ -539,6 +538,7 @@ AVX512_TARGET inline __m512 widen_bf16(__m256i h) {
 AVX512_TARGET void fp8_tile_to_scaled_lines(const Tile& t, const float* scales, int block_k, uint16_t* lines) {
   const Fp8Regs regs = fp8_regs();
   for (int c = 0; c < t.kp / 4; ++c) {
+    _mm_prefetch(reinterpret_cast<const char*>(t.data + c * 64 + kPrefetchBytes), _MM_HINT_T0);
     __m512bh pair[2];
     fp8_line(regs, t.data + c * 64, pair[0], pair[1]);
     const __m512 s = _mm512_set1_ps(scales[(4 * c) / block_k]);
@@ -678,23 +678,100 @@ AVX512_TARGET void silu_mul_avx512(const float* g, const float* u, float* out) {
 
 // out[0..16) = silu(g) * u for one tile row of 16 values.
 void silu_mul_row(Isa isa, const float* g, const float* u, float* out) {
-  if (isa == Isa::kAvx512Bf16) {
+  if (avx512(isa)) {
     silu_mul_avx512(g, u, out);
     return;
   }
   for (int c = 0; c < kRows; ++c) out[c] = silu_mul(g[c], u[c]);
 }
 
+// Row conversions around the dot kernels (n values each), vectorized on the AVX-512 paths: the rest of the
+// library is compiled for baseline x86-64, where these loops cost as much as the AMX dot products they follow.
+AVX512_TARGET inline __mmask16 first(int n) { return n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1); }
+
+AVX512_TARGET void to_f32_avx512(const void* src, bool f32, int n, float* dst) {
+  for (int i = 0; i < n; i += 16) {
+    const __mmask16 m = first(n - i);
+    const __m512 v = f32 ? _mm512_maskz_loadu_ps(m, static_cast<const float*>(src) + i)
+                         : widen_bf16(_mm256_maskz_loadu_epi16(m, static_cast<const uint16_t*>(src) + i));
+    _mm512_mask_storeu_ps(dst + i, m, v);
+  }
+}
+
+AVX512_TARGET void split_bf16_avx512(const float* v, int n, uint16_t* hi, uint16_t* lo) {
+  for (int i = 0; i < n; i += 16) {
+    const __mmask16 m = first(n - i);
+    const __m512 x = _mm512_maskz_loadu_ps(m, v + i);
+    const __m256i h = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x));
+    _mm256_mask_storeu_epi16(hi + i, m, h);
+    if (lo) _mm256_mask_storeu_epi16(lo + i, m, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_sub_ps(x, widen_bf16(h)))));
+  }
+}
+
+AVX512_TARGET void put_avx512(const float* hi, const float* lo, int n, float scale, bool f32, void* dst) {
+  for (int i = 0; i < n; i += 16) {
+    const __mmask16 m = first(n - i);
+    __m512 v = _mm512_maskz_loadu_ps(m, hi + i);
+    if (lo) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, lo + i));
+    if (scale != 1.0f) v = _mm512_mul_ps(v, _mm512_set1_ps(scale));
+    if (f32) _mm512_mask_storeu_ps(static_cast<float*>(dst) + i, m, v);
+    else _mm256_mask_storeu_epi16(static_cast<uint16_t*>(dst) + i, m, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+  }
+}
+
+AVX512_TARGET void axpy_avx512(float w, const float* y, int n, float* acc) {
+  const __m512 wv = _mm512_set1_ps(w);
+  for (int i = 0; i < n; i += 16) {
+    const __mmask16 m = first(n - i);
+    _mm512_mask_storeu_ps(acc + i, m, _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(m, y + i), _mm512_maskz_loadu_ps(m, acc + i)));
+  }
+}
+
+// dst[0..n) = fp32 values of src (bf16, or fp32 when f32).
+void to_f32(Isa isa, const void* src, bool f32, int n, float* dst) {
+  if (avx512(isa)) return to_f32_avx512(src, f32, n, dst);
+  for (int i = 0; i < n; ++i)
+    dst[i] = f32 ? static_cast<const float*>(src)[i] : bf16_to_f32(static_cast<const uint16_t*>(src)[i]);
+}
+
+// hi = bf16(v) and, when lo is given, lo = bf16(v - hi): the pair that carries fp32 accuracy.
+void split_bf16(Isa isa, const float* v, int n, uint16_t* hi, uint16_t* lo) {
+  if (avx512(isa)) return split_bf16_avx512(v, n, hi, lo);
+  for (int i = 0; i < n; ++i) {
+    hi[i] = f32_to_bf16(v[i]);
+    if (lo) lo[i] = f32_to_bf16(v[i] - bf16_to_f32(hi[i]));
+  }
+}
+
+// dst = (hi (+ lo when given)) * scale, as fp32 or rounded to bf16.
+void put(Isa isa, const float* hi, const float* lo, int n, float scale, bool f32, void* dst) {
+  if (avx512(isa)) return put_avx512(hi, lo, n, scale, f32, dst);
+  for (int i = 0; i < n; ++i) {
+    const float v = (lo ? hi[i] + lo[i] : hi[i]) * scale;
+    if (f32) static_cast<float*>(dst)[i] = v;
+    else static_cast<uint16_t*>(dst)[i] = f32_to_bf16(v);
+  }
+}
+
+void axpy(Isa isa, float w, const float* y, int n, float* acc) {
+  if (avx512(isa)) return axpy_avx512(w, y, n, acc);
+  for (int i = 0; i < n; ++i) acc[i] += w * y[i];
+}
+
 void tile_dot(Isa isa, Format f, const Tile& t, int block_k, int group, const Act& a, const int* rows, int n,
               float* out) {
-  if (isa == Isa::kAvx512Bf16) tile_dot_avx512(f, t, block_k, group, a, rows, n, out);
+  if (avx512(isa)) tile_dot_avx512(f, t, block_k, group, a, rows, n, out);
   else if (isa == Isa::kAvx2 && f != Format::kINT4) tile_dot_avx2(f, t, block_k, a, rows, n, out);
   else tile_dot_generic(f, t, block_k, group, a, rows, n, out);
 }
 
 void tile_dot_multi(Isa isa, Format f, const Tile* tiles, int nt, int block_k, int group, const Act& a,
                     const int* rows, int n, float* const* outs, uint16_t* scratch) {
-  if (isa == Isa::kAvx512Bf16 && (f == Format::kBF16 || f == Format::kFP8) && n > kMaxTokenBlock) {
+  if (isa == Isa::kAmx && n >= kAmxMinRows && amx_handles(f, block_k, group, tiles[0].kp)) {
+    tile_dotn_amx(f, tiles, nt, block_k, group, a, rows, n, outs, scratch);
+    return;
+  }
+  if (avx512(isa) && (f == Format::kBF16 || f == Format::kFP8) && n > kMaxTokenBlock) {
     if (nt == 4) tile_dotn_avx512<4>(f, tiles, block_k, a, rows, n, outs, scratch);
     else if (nt == 2) tile_dotn_avx512<2>(f, tiles, block_k, a, rows, n, outs, scratch);
     else tile_dotn_avx512<1>(f, tiles, block_k, a, rows, n, outs, scratch);
@@ -760,7 +837,7 @@ AVX512_TARGET void quantize_row_avx512(const float* v, int k, int kp, Format f, 
 
 void quantize_row(Isa isa, const float* v, int k, int kp, Format f, int group, int8_t* q, float* scale,
                   int32_t* gsum) {
-  if (isa == Isa::kAvx512Bf16 && kp % 16 == 0 && (f == Format::kINT8 || group % 16 == 0))
+  if (avx512(isa) && kp % 16 == 0 && (f == Format::kINT8 || group % 16 == 0))
     quantize_row_avx512(v, k, kp, f, group, q, scale, gsum);
   else
     quantize_row_generic(v, k, kp, f, group, q, scale, gsum);
@@ -768,9 +845,14 @@ void quantize_row(Isa isa, const float* v, int k, int kp, Format f, int group, i
 
 }  // namespace
 
+void convert_fp8_tile(const Tile& t, const float* scales, int block_k, uint16_t* lines) {
+  if (scales) fp8_tile_to_scaled_lines(t, scales, block_k, lines);
+  else fp8_tile_to_lines(t, lines);
+}
+
 void fp8_to_bf16_lines(const uint8_t* src, int64_t lines, uint16_t* dst, Isa isa) {
   check_isa(isa);
-  if (isa == Isa::kAvx512Bf16) {
+  if (avx512(isa)) {
     Tile t{src, nullptr, nullptr, static_cast<int>(lines * 4)};
     fp8_tile_to_lines(t, dst);
     return;
@@ -791,6 +873,7 @@ bool isa_supported(Isa isa) {
   switch (isa) {
     case Isa::kGeneric: return true;
     case Isa::kAvx2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    case Isa::kAmx: return isa_supported(Isa::kAvx512Bf16) && amx_usable();
     case Isa::kAvx512Bf16:
       return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
              __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
@@ -806,6 +889,7 @@ void check_isa(Isa isa) {
 }
 
 Isa best_isa() {
+  if (isa_supported(Isa::kAmx)) return Isa::kAmx;
   if (isa_supported(Isa::kAvx512Bf16)) return Isa::kAvx512Bf16;
   return isa_supported(Isa::kAvx2) ? Isa::kAvx2 : Isa::kGeneric;
 }
@@ -813,6 +897,7 @@ Isa best_isa() {
 const char* isa_name(Isa isa) {
   switch (isa) {
     case Isa::kAvx512Bf16: return "avx512_bf16";
+    case Isa::kAmx: return "amx";
     case Isa::kAvx2: return "avx2";
     default: return "generic";
   }
@@ -831,10 +916,9 @@ void MoeRunner::run(int ntasks, int64_t elements, const std::function<void(int, 
 
 Act MoeRunner::prepare_input(Format f, int group, const void* x, bool f32_io, int T, int K, int kp, int R,
                              Isa isa) {
-  const auto in_f32 = [&](int t, int h) {
-    return f32_io ? static_cast<const float*>(x)[size_t(t) * K + h]
-                  : bf16_to_f32(static_cast<const uint16_t*>(x)[size_t(t) * K + h]);
-  };
+  const size_t in_bytes = f32_io ? 4 : 2;
+  const auto row_in = [&](int t) { return static_cast<const uint8_t*>(x) + size_t(t) * K * in_bytes; };
+  thread_local std::vector<float> row;
   Act xa;
   xa.kp = kp;
   xa.exact = R == 2;
@@ -843,24 +927,29 @@ Act MoeRunner::prepare_input(Format f, int group, const void* x, bool f32_io, in
       xa.bf = static_cast<const uint16_t*>(x);
       return xa;
     }
-    xbf_.assign(size_t(T) * R * kp, 0);
-    for (int t = 0; t < T; ++t)
-      for (int h = 0; h < K; ++h) {
-        const float v = in_f32(t, h);
-        const uint16_t hi = f32_to_bf16(v);
-        xbf_[size_t(t) * R * kp + h] = hi;
-        if (R == 2) xbf_[(size_t(t) * R + 1) * kp + h] = f32_to_bf16(v - bf16_to_f32(hi));
+    xbf_.assign((size_t(T) * R + kRows) * kp, 0);
+    xa.padded = true;
+    run(T, int64_t(T) * K, [&](int t, int) {
+      uint16_t* dst = &xbf_[size_t(t) * R * kp];
+      if (!f32_io && R == 1) {
+        std::memcpy(dst, row_in(t), size_t(K) * 2);
+        return;
       }
+      row.resize(K);
+      to_f32(isa, row_in(t), f32_io, K, row.data());
+      split_bf16(isa, row.data(), K, dst, R == 2 ? dst + kp : nullptr);
+    });
     xa.bf = xbf_.data();
     return xa;
   }
   xa.ngroups = kp / group;
-  xq_.resize(size_t(T) * kp);
+  xq_.resize((size_t(T) + kRows) * kp);
+  xa.padded = true;
   xscale_.resize(T);
   xgsum_.resize(size_t(T) * xa.ngroups);
   run(T, int64_t(T) * K, [&](int t, int) {
-    std::vector<float> row(K);
-    for (int h = 0; h < K; ++h) row[h] = in_f32(t, h);
+    row.resize(K);
+    to_f32(isa, row_in(t), f32_io, K, row.data());
     quantize_row(isa, row.data(), K, kp, f, group, &xq_[size_t(t) * kp], &xscale_[t],
                  &xgsum_[size_t(t) * xa.ngroups]);
   });
@@ -869,6 +958,52 @@ Act MoeRunner::prepare_input(Format f, int group, const void* x, bool f32_io, in
   xa.gsum = xgsum_.data();
   return xa;
 }
+
+Act MoeRunner::sort_rows(const Act& a, const std::vector<int>& tok, int R) {
+  const int used = static_cast<int>(tok.size());
+  Act s = a;
+  s.padded = true;
+  const size_t kp = size_t(a.kp);
+  if (a.bf) {
+    sortbf_.resize((size_t(used) * R + kRows) * kp);
+    run(used, int64_t(used) * R * a.kp, [&](int r, int) {
+      std::memcpy(&sortbf_[size_t(r) * R * kp], a.bf + size_t(tok[r]) * R * kp, sizeof(uint16_t) * R * kp);
+    });
+    s.bf = sortbf_.data();
+    return s;
+  }
+  sortq_.resize((size_t(used) + kRows) * kp);
+  sortscale_.resize(used);
+  sortgsum_.resize(size_t(used) * a.ngroups);
+  run(used, int64_t(used) * a.kp, [&](int r, int) {
+    std::memcpy(&sortq_[size_t(r) * kp], a.q + size_t(tok[r]) * kp, kp);
+    sortscale_[r] = a.scale[tok[r]];
+    for (int g = 0; g < a.ngroups; ++g) sortgsum_[size_t(r) * a.ngroups + g] = a.gsum[size_t(tok[r]) * a.ngroups + g];
+  });
+  s.q = sortq_.data();
+  s.scale = sortscale_.data();
+  s.gsum = sortgsum_.data();
+  return s;
+}
+
+// The tasks of one phase: `chunks` tile chunks of every active expert. With several NUMA nodes, node n's share
+// of the task range (ThreadPool::run) holds chunk slice n of every expert, so a node always computes the
+// same rows of every expert and is the one to first-touch their pages; with one node tasks go expert by
+// expert, so consecutive tasks find the expert's activation rows in cache.
+struct TaskGrid {
+  int experts, chunks, nodes, per_node;
+
+  TaskGrid(int experts_, int chunks_, int nodes_)
+      : experts(experts_), chunks(chunks_), nodes(std::min(nodes_, chunks_)),
+        per_node((chunks_ + nodes - 1) / nodes) {}
+  int size() const { return nodes * experts * per_node; }
+  // (index into the active experts, chunk) of a task; chunk -1 for an empty slot of a node's slice.
+  std::pair<int, int> at(int task) const {
+    const int node = task / (experts * per_node), r = task % (experts * per_node);
+    const int chunk = node * per_node + r % per_node;
+    return {r / per_node, chunk < chunks ? chunk : -1};
+  }
+};
 
 // Per-thread scratch of one task: row ids, up to four tile results and fp8 conversion lines.
 struct TaskBuffers {
@@ -924,14 +1059,12 @@ void MoeRunner::linear(Format f, const PackedMatrices& w, int n, int k, int bloc
     TaskBuffers& buf = task_buffers();
     buf.prepare(m, w.kp);
     const auto store = [&](const float* y, int ti) {
-      for (int t = 0; t < T; ++t)
-        for (int c = 0; c < kRows && ti * kRows + c < n; ++c) {
-          const float* src = y + size_t(t) * R * kRows;
-          const float v = R == 2 ? src[c] + src[kRows + c] : src[c];
-          const size_t at = size_t(t) * n + size_t(ti) * kRows + c;
-          if (f32_io) static_cast<float*>(out)[at] = v;
-          else static_cast<uint16_t*>(out)[at] = f32_to_bf16(v);
-        }
+      const int cols = std::min(kRows, n - ti * kRows);
+      for (int t = 0; t < T; ++t) {
+        const float* src = y + size_t(t) * R * kRows;
+        void* dst = static_cast<uint8_t*>(out) + (size_t(t) * n + size_t(ti) * kRows) * (f32_io ? 4 : 2);
+        put(isa, src, R == 2 ? src + kRows : nullptr, cols, 1.0f, f32_io, dst);
+      }
     };
     tile_range(isa, f, w, 0, task * per_task, std::min(w.tiles, (task + 1) * per_task), block_k, group, xa,
                rows.data(), m, buf.ys, buf.scratch.data(), store);
@@ -979,20 +1112,27 @@ void MoeRunner::forward(const ExpertLayer& L, const void* x, bool f32_io, int T,
     if (count[e + 1] > count[e]) active.push_back(e);
 
   // Gate/up inputs: R bf16 rows per token padded to kp1, or quantized rows for the int formats.
-  const Act xa = prepare_input(f, L.group, x, f32_io, T, H, kp1, R, isa);
+  Act xa = prepare_input(f, L.group, x, f32_io, T, H, kp1, R, isa);
+  // AMX reads 16 activation rows per operand in place: give every expert its rows contiguously.
+  int most = 0;
+  for (int e : active) most = std::max(most, count[e + 1] - count[e]);
+  const bool sorted = isa == Isa::kAmx && most * R >= kAmxMinRows;
+  if (sorted) xa = sort_rows(xa, tok, R);
 
   // Phase A: act[r] = silu(gate) * up for every sorted slot r, tiles of 16 intermediate rows.
   if (int_fmt) actf_.assign(size_t(rows) * kp2, 0.0f);
-  else actbf_.assign(size_t(rows) * R * kp2, 0);
+  else actbf_.assign((size_t(rows) * R + kRows) * kp2, 0);
   const int tiles_per_task = std::max(1, std::min(itiles, 4));
-  const int tasks_per_expert = (itiles + tiles_per_task - 1) / tiles_per_task;
-  pool_.run(int(active.size()) * tasks_per_expert, [&](int task, int) {
-    const int e = active[task / tasks_per_expert];
-    const int t0 = (task % tasks_per_expert) * tiles_per_task, t1 = std::min(itiles, t0 + tiles_per_task);
+  const TaskGrid agrid(int(active.size()), (itiles + tiles_per_task - 1) / tiles_per_task, num_nodes());
+  pool_.run(agrid.size(), [&](int task, int) {
+    const auto [ei, chunk] = agrid.at(task);
+    if (chunk < 0) return;
+    const int e = active[ei];
+    const int t0 = chunk * tiles_per_task, t1 = std::min(itiles, t0 + tiles_per_task);
     const int begin = count[e], n = count[e + 1] - count[e], m = n * R;
     TaskBuffers& buf = task_buffers();
     buf.prepare(m, kp1);
-    for (int i = 0; i < m; ++i) buf.rows[i] = tok[begin + i / R] * R + i % R;
+    for (int i = 0; i < m; ++i) buf.rows[i] = (sorted ? begin + i / R : tok[begin + i / R]) * R + i % R;
     // Tiles 2ti (gate) and 2ti + 1 (up) arrive in order, and the even-length range is run four or two
     // tiles at a time, so a gate's result buffer is still intact when its up tile is stored.
     float* pending_gate = nullptr;
@@ -1007,21 +1147,16 @@ void MoeRunner::forward(const ExpertLayer& L, const void* x, bool f32_io, int T,
         float* g = pending_gate + size_t(i) * R * kRows;
         const float* u0 = y + size_t(i) * R * kRows;
         float u[kRows];
-        for (int c = 0; c < kRows; ++c) u[c] = R == 2 ? u0[c] + u0[kRows + c] : u0[c];
-        if (R == 2)
-          for (int c = 0; c < kRows; ++c) g[c] += g[kRows + c];
-        float act[kRows];
-        silu_mul_row(isa, g, u, act);
-        for (int c = 0; c < kRows; ++c) {
-          const float v = act[c];
-          const size_t col = size_t(ti) * kRows + c;
-          if (int_fmt) {
-            actf_[r * kp2 + col] = v;
-          } else {
-            const uint16_t hi = f32_to_bf16(v);
-            actbf_[r * R * kp2 + col] = hi;
-            if (R == 2) actbf_[(r * R + 1) * kp2 + col] = f32_to_bf16(v - bf16_to_f32(hi));
-          }
+        put(isa, u0, R == 2 ? u0 + kRows : nullptr, kRows, 1.0f, true, u);
+        if (R == 2) put(isa, g, g + kRows, kRows, 1.0f, true, g);
+        const size_t col = size_t(ti) * kRows;
+        if (int_fmt) {
+          silu_mul_row(isa, g, u, &actf_[r * kp2 + col]);
+        } else {
+          float act[kRows];
+          silu_mul_row(isa, g, u, act);
+          uint16_t* hi = &actbf_[r * R * kp2 + col];
+          split_bf16(isa, act, kRows, hi, R == 2 ? hi + kp2 : nullptr);
         }
       }
     };
@@ -1032,9 +1167,10 @@ void MoeRunner::forward(const ExpertLayer& L, const void* x, bool f32_io, int T,
   Act aa;
   aa.kp = kp2;
   aa.exact = R == 2;
+  aa.padded = true;
   if (int_fmt) {
     aa.ngroups = kp2 / L.group;
-    actq_.resize(size_t(rows) * kp2);
+    actq_.resize((size_t(rows) + kRows) * kp2);
     actscale_.resize(rows);
     actgsum_.resize(size_t(rows) * aa.ngroups);
     run(used, int64_t(used) * kp2, [&](int r, int) {
@@ -1052,19 +1188,20 @@ void MoeRunner::forward(const ExpertLayer& L, const void* x, bool f32_io, int T,
   const int hp = htiles * kRows;
   ybuf_.resize(size_t(rows) * hp);
   const int htiles_per_task = std::max(1, std::min(htiles, 8));
-  const int btasks = (htiles + htiles_per_task - 1) / htiles_per_task;
-  pool_.run(int(active.size()) * btasks, [&](int task, int) {
-    const int e = active[task / btasks];
-    const int t0 = (task % btasks) * htiles_per_task, t1 = std::min(htiles, t0 + htiles_per_task);
+  const TaskGrid bgrid(int(active.size()), (htiles + htiles_per_task - 1) / htiles_per_task, num_nodes());
+  pool_.run(bgrid.size(), [&](int task, int) {
+    const auto [ei, chunk] = bgrid.at(task);
+    if (chunk < 0) return;
+    const int e = active[ei];
+    const int t0 = chunk * htiles_per_task, t1 = std::min(htiles, t0 + htiles_per_task);
     const int begin = count[e], n = count[e + 1] - count[e], m = n * R;
     TaskBuffers& buf = task_buffers();
     buf.prepare(m, kp2);
     for (int i = 0; i < m; ++i) buf.rows[i] = (begin + i / R) * R + i % R;
     const auto store = [&](const float* y, int ti) {
       for (int i = 0; i < n; ++i) {
-        float* dst = &ybuf_[size_t(begin + i) * hp + size_t(ti) * kRows];
         const float* src = y + size_t(i) * R * kRows;
-        for (int c = 0; c < kRows; ++c) dst[c] = R == 2 ? src[c] + src[kRows + c] : src[c];
+        put(isa, src, R == 2 ? src + kRows : nullptr, kRows, 1.0f, true, &ybuf_[size_t(begin + i) * hp + size_t(ti) * kRows]);
       }
     };
     tile_range(isa, f, L.w2, e, t0, t1, L.block_k, L.group, aa, buf.rows.data(), m, buf.ys, buf.scratch.data(),
@@ -1084,15 +1221,10 @@ void MoeRunner::forward(const ExpertLayer& L, const void* x, bool f32_io, int T,
     for (int j : js) {
       const int s = t * topk + j;
       if (slot_row[s] < 0) continue;
-      const float w = weights[s];
-      const float* y = &ybuf_[size_t(slot_row[s]) * hp];
-      for (int h = h0; h < h1; ++h) acc[h - h0] += w * y[h];
+      axpy(isa, weights[s], &ybuf_[size_t(slot_row[s]) * hp + h0], h1 - h0, acc);
     }
-    for (int h = h0; h < h1; ++h) {
-      const float v = acc[h - h0] * scale;
-      if (f32_io) static_cast<float*>(out)[size_t(t) * H + h] = v;
-      else static_cast<uint16_t*>(out)[size_t(t) * H + h] = f32_to_bf16(v);
-    }
+    put(isa, acc, nullptr, h1 - h0, scale, f32_io,
+        static_cast<uint8_t*>(out) + (size_t(t) * H + h0) * (f32_io ? 4 : 2));
   });
 }
 

@@ -19,7 +19,10 @@
 namespace hybridd {
 
 enum class Format : int { kBF16 = 0, kFP8 = 1, kINT8 = 2, kINT4 = 3 };
-enum class Isa : int { kGeneric = 0, kAvx512Bf16 = 1, kAvx2 = 2 };
+// kAmx: the AVX-512 BF16 kernels, with AMX tile kernels for blocks of many tokens per expert.
+enum class Isa : int { kGeneric = 0, kAvx512Bf16 = 1, kAvx2 = 2, kAmx = 3 };
+
+constexpr int kRows = 16;  // output rows per packed tile
 
 struct PackedMatrices {
   const uint8_t* data = nullptr;  // expert e at data + e * data_stride
@@ -43,6 +46,14 @@ struct ExpertLayer {
   PackedMatrices w2;     // K = I (padded to w2.kp), ceil(H/16) tiles
 };
 
+// One packed tile (16 output rows x kp columns) of one expert's matrix.
+struct Tile {
+  const uint8_t* data;
+  const float* scales;  // fp8: one per block_k columns; int8: one per row
+  const int32_t* comp;  // int8: 128 * row sum
+  int kp;
+};
+
 // The input rows of one matrix product, in the representation the format's kernel reads.
 struct Act {
   const uint16_t* bf = nullptr;  // bf16 / fp8 formats: bf16 [rows][kp]
@@ -52,7 +63,12 @@ struct Act {
   int64_t kp = 0;
   int ngroups = 0;
   bool exact = false;            // rows are bf16 hi + lo pairs of fp32 values: weights must stay unrounded
+  bool padded = false;           // 16 more rows past any row are readable (AMX reads a partial block in place)
 };
+
+// An fp8 tile's columns as bf16 lines in the bf16 tile layout (AVX-512 VBMI); with `scales`, each block_k
+// columns multiplied by their block scale and rounded to bf16 once.
+void convert_fp8_tile(const Tile& t, const float* scales, int block_k, uint16_t* lines);
 
 Isa best_isa();
 bool isa_supported(Isa isa);
@@ -62,8 +78,10 @@ const char* isa_name(Isa isa);
 
 class MoeRunner {
  public:
-  explicit MoeRunner(std::vector<int> cpus) : pool_(std::move(cpus)) {}
+  // cpus[i], nodes[i]: core and NUMA node of pool thread i (see ThreadPool).
+  MoeRunner(std::vector<int> cpus, std::vector<int> nodes) : pool_(std::move(cpus), std::move(nodes)) {}
   int num_threads() const { return pool_.size(); }
+  int num_nodes() const { return pool_.num_nodes(); }
   // out[t] = scale * sum_j weights[t, j] * expert_{ids[t, j]}(x[t]); x, out: [T, H], bf16 or (f32_io) fp32.
   void forward(const ExpertLayer& layer, const void* x, bool f32_io, int num_tokens, int topk, const int32_t* ids,
                const float* weights, float scale, void* out, Isa isa);
@@ -75,6 +93,8 @@ class MoeRunner {
   void run(int ntasks, int64_t elements, const std::function<void(int, int)>& fn);
   Act prepare_input(Format f, int group, const void* x, bool f32_io, int num_tokens, int k, int kp, int rows_per_token,
                     Isa isa);
+  // The rows of the sorted slots (R per slot, slot r taking token tok[r]'s), contiguous per expert.
+  Act sort_rows(const Act& a, const std::vector<int>& tok, int rows_per_token);
 
   ThreadPool pool_;
   std::mutex mutex_;
@@ -83,6 +103,10 @@ class MoeRunner {
   std::vector<int8_t> xq_, actq_;
   std::vector<float> xscale_, actscale_;
   std::vector<int32_t> xgsum_, actgsum_;
+  std::vector<uint16_t> sortbf_;
+  std::vector<int8_t> sortq_;
+  std::vector<float> sortscale_;
+  std::vector<int32_t> sortgsum_;
 };
 
 }  // namespace hybridd

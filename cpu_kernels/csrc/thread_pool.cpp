@@ -3,7 +3,9 @@
 #include <pthread.h>
 #include <sched.h>
 
+#include <algorithm>
 #include <chrono>
+#include <stdexcept>
 #include <cstdlib>
 #include <immintrin.h>
 
@@ -19,9 +21,16 @@ void pin_current_thread(int cpu) {
 }
 }  // namespace
 
-ThreadPool::ThreadPool(std::vector<int> cpus, int spin_us) : cpus_(std::move(cpus)), spin_us_(spin_us) {
+ThreadPool::ThreadPool(std::vector<int> cpus, std::vector<int> nodes, int spin_us)
+    : cpus_(std::move(cpus)), nodes_(std::move(nodes)), spin_us_(spin_us) {
   if (const char* env = std::getenv("HYBRIDD_POOL_SPIN_US")) spin_us_ = std::atoi(env);
   if (cpus_.empty()) cpus_.push_back(-1);
+  nodes_.resize(cpus_.size(), 0);
+  for (int n : nodes_) {
+    if (n < 0) throw std::invalid_argument("NUMA node indices must be >= 0");
+    num_nodes_ = std::max(num_nodes_, n + 1);
+  }
+  shares_ = std::make_unique<Share[]>(num_nodes_);
   for (int t = 1; t < size(); ++t) threads_.emplace_back([this, t] { worker(t); });
 }
 
@@ -33,7 +42,10 @@ ThreadPool::~ThreadPool() {
 }
 
 void ThreadPool::drain(int tid) {
-  for (int task = next_.fetch_add(1); task < ntasks_; task = next_.fetch_add(1)) (*fn_)(task, tid);
+  for (int k = 0; k < num_nodes_; ++k) {
+    Share& share = shares_[(nodes_[tid] + k) % num_nodes_];
+    for (int task = share.next.fetch_add(1); task < share.end; task = share.next.fetch_add(1)) (*fn_)(task, tid);
+  }
 }
 
 void ThreadPool::worker(int tid) {
@@ -74,8 +86,10 @@ void ThreadPool::run(int ntasks, const std::function<void(int, int)>& fn) {
     return;
   }
   fn_ = &fn;
-  ntasks_ = ntasks;
-  next_.store(0);
+  for (int n = 0; n < num_nodes_; ++n) {
+    shares_[n].next.store(int(int64_t(ntasks) * n / num_nodes_));
+    shares_[n].end = int(int64_t(ntasks) * (n + 1) / num_nodes_);
+  }
   done_.store(0);
   generation_.fetch_add(1, std::memory_order_release);
   if (sleepers_.load() > 0) generation_.notify_all();

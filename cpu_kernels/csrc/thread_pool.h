@@ -1,5 +1,6 @@
-// A persistent pool of worker threads pinned to cores. run() hands out task indices dynamically; the
-// calling thread works too. Idle workers spin briefly (phases of one MoE call follow each other within
+// A persistent pool of worker threads pinned to cores, one sub-pool per NUMA node. run() splits the task
+// range into one contiguous share per node; a thread takes tasks of its own node's share first, then helps
+// the other nodes. The calling thread works too. Idle workers spin briefly (phases of one MoE call follow each other within
 // microseconds), yielding to other runnable threads, then sleep on a futex so they do not steal cores
 // from torch or other processes between calls.
 #pragma once
@@ -7,6 +8,7 @@
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <thread>
 #include <vector>
 
@@ -14,28 +16,36 @@ namespace hybridd {
 
 class ThreadPool {
  public:
-  // cpus[i] is the core of thread i (-1: not pinned); thread 0 is whichever thread calls run(), pinned to
-  // cpus[0] from its first call on (processes it starts inherit that: see cpu_kernels.thread_pool).
-  explicit ThreadPool(std::vector<int> cpus, int spin_us = 50);
+  // cpus[i] is the core of thread i (-1: not pinned), nodes[i] its NUMA node (0, 1, ...; empty: all node 0);
+  // thread 0 is whichever thread calls run(), pinned to cpus[0] from its first call on (processes it starts
+  // inherit that: see cpu_kernels.thread_pool).
+  explicit ThreadPool(std::vector<int> cpus, std::vector<int> nodes = {}, int spin_us = 50);
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
 
   int size() const { return static_cast<int>(cpus_.size()); }
+  int num_nodes() const { return num_nodes_; }
   const std::vector<int>& cpus() const { return cpus_; }
-  // Runs fn(task, thread) for task in [0, ntasks); returns when all are done.
+  // Runs fn(task, thread) for task in [0, ntasks); node n's share is [n * ntasks / N, (n + 1) * ntasks / N).
+  // Returns when all are done.
   void run(int ntasks, const std::function<void(int, int)>& fn);
 
  private:
   void worker(int tid);
   void drain(int tid);
 
-  std::vector<int> cpus_;
+  struct alignas(64) Share {
+    std::atomic<int> next{0};
+    int end = 0;
+  };
+
+  std::vector<int> cpus_, nodes_;
+  int num_nodes_ = 1;
+  std::unique_ptr<Share[]> shares_;
   int spin_us_;
   std::vector<std::thread> threads_;
   const std::function<void(int, int)>* fn_ = nullptr;
-  int ntasks_ = 0;
-  alignas(64) std::atomic<int> next_{0};
   alignas(64) std::atomic<int> done_{0};
   alignas(64) std::atomic<uint32_t> generation_{0};
   alignas(64) std::atomic<int> sleepers_{0};

@@ -1,0 +1,315 @@
+// AMX kernels. The packed layouts (moe.h) already are AMX operands: 16 consecutive lines of a bf16 tile
+// (32 k of its 16 rows, k pairs interleaved) are one B operand of tdpbf16ps, 16 lines of an int8 tile (64 k)
+// one B operand of tdpbusd, and the lines of an int4 group split into low and high nibbles (minus the
+// bias 8) are the B lines of tdpbssd. fp8 tiles are converted to bf16 lines first, a column chunk at a time, and reused by every
+// token block. A operands are 16 activation rows; an accumulator is 16 tokens x 16 output rows, the
+// [token][row] order of the callers' results.
+#include "amx.h"
+
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <stdexcept>
+#include <vector>
+
+namespace hybridd {
+
+namespace {
+
+#define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,amx-int8,avx512f,avx512bw,avx512vl,avx512dq")))
+
+constexpr int kArchReqXcompPerm = 0x1023;
+constexpr int kXfeatureXtiledata = 18;
+constexpr int kFp8ChunkColumns = 1024;  // fp8 columns converted per step, so the bf16 lines stay in L2
+constexpr int kPrefetchSteps = 4;       // k steps ahead that B lines streamed from memory are prefetched
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// tmm0-3: accumulators C[block][tile] = (row block 0, tile 0), (0, 1), (1, 0), (1, 1), 16 x 16 fp32 or int32.
+// tmm4-5: A, 16 activation rows of each row block, `kstep` bytes of each. tmm6-7: B, kstep / 4 lines of 64
+// bytes of each tile. Loaded on every call: torch's oneDNN AMX kernels may run on the same thread between
+// our calls and leave their own configuration, or none.
+AMX_TARGET void load_config(int kstep) {
+  TileConfig c;
+  for (int t = 0; t < 8; ++t) {
+    c.colsb[t] = 64;
+    c.rows[t] = 16;
+  }
+  c.colsb[4] = c.colsb[5] = static_cast<uint16_t>(kstep);
+  c.rows[6] = c.rows[7] = static_cast<uint8_t>(kstep / 4);
+  _tile_loadconfig(&c);
+}
+
+enum class Dot { kBf16, kU8S8, kS8S8 };
+
+#define TDP(D, c, a, b)                                 \
+  do {                                                  \
+    if constexpr (D == Dot::kBf16) _tile_dpbf16ps(c, a, b); \
+    else if constexpr (D == Dot::kU8S8) _tile_dpbusd(c, a, b); \
+    else _tile_dpbssd(c, a, b);                         \
+  } while (0)
+
+// C += A x B over `steps` k steps: A rows advance `astep` bytes per step (row stride `astride`), B lines
+// `bstep` bytes. kTwoN: a second tile (b1, C1/C3); kTwoM: a second row block (a1, C2/C3).
+template <Dot D, bool kTwoN, bool kTwoM>
+AMX_TARGET void run_steps(const uint8_t* a0, const uint8_t* a1, int64_t astride, int astep, const uint8_t* b0,
+                          const uint8_t* b1, int bstep, int steps, bool prefetch) {
+  for (int s = 0; s < steps; ++s) {
+    if (prefetch) {
+      for (int l = 0; l < bstep; l += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(b0 + (s + kPrefetchSteps) * bstep + l), _MM_HINT_T0);
+        if constexpr (kTwoN)
+          _mm_prefetch(reinterpret_cast<const char*>(b1 + (s + kPrefetchSteps) * bstep + l), _MM_HINT_T0);
+      }
+    }
+    _tile_loadd(4, a0 + s * astep, astride);
+    _tile_loadd(6, b0 + s * bstep, 64);
+    TDP(D, 0, 4, 6);
+    if constexpr (kTwoN) {
+      _tile_loadd(7, b1 + s * bstep, 64);
+      TDP(D, 1, 4, 7);
+    }
+    if constexpr (kTwoM) {
+      _tile_loadd(5, a1 + s * astep, astride);
+      TDP(D, 2, 5, 6);
+      if constexpr (kTwoN) TDP(D, 3, 5, 7);
+    }
+  }
+}
+
+// What becomes of an accumulator tile: stored, added (times a block scale), or an integer sum dequantized
+// (int4: without the activation row's scale, which multiplies the whole row once all groups are in).
+struct Epilogue {
+  enum Kind { kStore, kAdd, kInt8, kInt4 } kind = kStore;
+  float scale = 1.0f;              // kAdd: out += scale * C
+  const float* wscale = nullptr;   // int8 / int4: the 16 output rows' weight (group) scales
+  const int32_t* comp = nullptr;   // int8: 128 * row sums (activations are stored as q + 128)
+};
+
+AMX_TARGET void finish(const Epilogue& e, const Act& a, const int* rows, const void* c, float* out, int m) {
+  const float* cf = static_cast<const float*>(c);
+  const int32_t* ci = static_cast<const int32_t*>(c);
+  for (int i = 0; i < m; ++i) {
+    float* o = out + i * kRows;
+    switch (e.kind) {
+      case Epilogue::kStore: _mm512_storeu_ps(o, _mm512_load_ps(cf + i * kRows)); break;
+      case Epilogue::kAdd:
+        _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_load_ps(cf + i * kRows), _mm512_set1_ps(e.scale),
+                                            _mm512_loadu_ps(o)));
+        break;
+      case Epilogue::kInt8: {
+        const __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_load_si512(ci + i * kRows),
+                                                             _mm512_loadu_si512(e.comp)));
+        const __m512 s = _mm512_mul_ps(_mm512_loadu_ps(e.wscale), _mm512_set1_ps(a.scale[rows[i]]));
+        _mm512_storeu_ps(o, _mm512_mul_ps(v, s));
+        break;
+      }
+      case Epilogue::kInt4:
+        _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(ci + i * kRows)),
+                                            _mm512_loadu_ps(e.wscale), _mm512_loadu_ps(o)));
+        break;
+    }
+  }
+}
+
+// The n activation rows as 16-row blocks: rows [0, full) in place, a partial last block from `tail`
+// (a zero-padded copy) unless the rows past it are readable.
+struct RowBlocks {
+  const uint8_t* base;
+  const uint8_t* tail;
+  int64_t stride;
+  int full;
+  const uint8_t* block(int row0) const { return row0 < full ? base + row0 * stride : tail; }
+};
+
+// One operand pair: B lines of one or two tiles over `steps` k steps from column byte offset acol, and what
+// each tile's accumulators become.
+struct Panel {
+  const uint8_t* b[2];
+  int64_t acol;
+  int astep, bstep, steps;
+  bool prefetch;
+  Epilogue epi[2];
+  float* out[2];
+};
+
+template <Dot D>
+AMX_TARGET void run_panel(const Panel& p, const RowBlocks& blocks, const Act& a, const int* rows, int n) {
+  alignas(64) int32_t c[4][kRows * kRows];
+  const bool two_n = p.b[1] != nullptr;
+  bool prefetch = p.prefetch;
+  for (int m0 = 0; m0 < n; m0 += 2 * kRows) {
+    const bool two_m = n - m0 > kRows;
+    const uint8_t* a0 = blocks.block(m0) + p.acol;
+    const uint8_t* a1 = two_m ? blocks.block(m0 + kRows) + p.acol : nullptr;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    if (two_n && two_m) run_steps<D, true, true>(a0, a1, blocks.stride, p.astep, p.b[0], p.b[1], p.bstep, p.steps, prefetch);
+    else if (two_n) run_steps<D, true, false>(a0, a1, blocks.stride, p.astep, p.b[0], p.b[1], p.bstep, p.steps, prefetch);
+    else if (two_m) run_steps<D, false, true>(a0, a1, blocks.stride, p.astep, p.b[0], p.b[1], p.bstep, p.steps, prefetch);
+    else run_steps<D, false, false>(a0, a1, blocks.stride, p.astep, p.b[0], p.b[1], p.bstep, p.steps, prefetch);
+    prefetch = false;  // the next row blocks find these B lines in cache
+    _tile_stored(0, c[0], 64);
+    _tile_stored(1, c[1], 64);
+    _tile_stored(2, c[2], 64);
+    _tile_stored(3, c[3], 64);
+    const int ma = std::min(kRows, n - m0), mb = std::max(0, std::min(kRows, n - m0 - kRows));
+    for (int j = 0; j < (two_n ? 2 : 1); ++j) {
+      finish(p.epi[j], a, rows + m0, c[j], p.out[j] + m0 * kRows, ma);
+      if (mb) finish(p.epi[j], a, rows + m0 + kRows, c[2 + j], p.out[j] + (m0 + kRows) * kRows, mb);
+    }
+  }
+}
+
+// Low and high nibbles of an int4 tile's lines as s8 B lines q = nibble - 8 (k order restored: line c of a
+// group holds k = 8c..8c+3 in its low nibbles and 8c+4..8c+7 in its high ones); the scale lines are skipped.
+AMX_TARGET void unpack_int4_tile(const Tile& t, int group, uint8_t* lines) {
+  const int chunks = group / 8;
+  const __m512i nib = _mm512_set1_epi8(0x0f), bias = _mm512_set1_epi8(8);
+  for (int g = 0; g < t.kp / group; ++g) {
+    const uint8_t* src = t.data + int64_t(g) * (chunks + 1) * 64;
+    for (int c = 0; c < chunks; ++c) {
+      const __m512i v = _mm512_loadu_si512(src + c * 64);
+      uint8_t* dst = lines + (int64_t(g) * chunks + c) * 128;
+      _mm512_storeu_si512(dst, _mm512_sub_epi8(_mm512_and_si512(v, nib), bias));
+      _mm512_storeu_si512(dst + 64, _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(v, 4), nib), bias));
+    }
+  }
+}
+
+AMX_TARGET void tile_dotn(Format f, const Tile* t, int nt, int block_k, int group, const Act& a, const int* rows,
+                          int n, float* const* out, uint16_t* scratch) {
+  const bool bf = f == Format::kBF16 || f == Format::kFP8;
+  const int64_t stride = a.kp * (bf ? 2 : 1);
+  const uint8_t* src = bf ? reinterpret_cast<const uint8_t*>(a.bf) : reinterpret_cast<const uint8_t*>(a.q);
+  for (int i = 1; i < n; ++i)
+    if (rows[i] != rows[0] + i) throw std::logic_error("the AMX kernels read contiguous activation rows");
+  thread_local std::vector<uint8_t> tail;
+  RowBlocks blocks{src + rows[0] * stride, nullptr, stride, n};
+  if (n % kRows && !a.padded) {
+    blocks.full = n / kRows * kRows;
+    tail.assign(size_t(kRows) * stride, 0);
+    std::memcpy(tail.data(), blocks.base + blocks.full * stride, size_t(n - blocks.full) * stride);
+    blocks.tail = tail.data();
+  }
+  const int kp = t[0].kp;
+  load_config(f == Format::kINT4 ? 32 : 64);
+
+  if (f == Format::kBF16 || f == Format::kINT8) {
+    for (int j = 0; j < nt; j += 2) {
+      Panel p{{t[j].data, j + 1 < nt ? t[j + 1].data : nullptr}, 0, 64, 1024, kp / (f == Format::kBF16 ? 32 : 64),
+              true, {}, {out[j], j + 1 < nt ? out[j + 1] : nullptr}};
+      for (int h = 0; h < 2 && j + h < nt; ++h) {
+        if (f == Format::kINT8) p.epi[h] = {Epilogue::kInt8, 1.0f, t[j + h].scales, t[j + h].comp};
+      }
+      if (f == Format::kBF16) run_panel<Dot::kBf16>(p, blocks, a, rows, n);
+      else run_panel<Dot::kU8S8>(p, blocks, a, rows, n);
+    }
+  } else if (f == Format::kFP8) {
+    // bf16 activations meet lines with the block scales already in them (one partial sum per chunk); fp32
+    // ones (hi + lo rows) meet unrounded lines, one partial sum per fp8 block, scaled as it is added.
+    const int chunk = std::min(kp, std::max(block_k, kFp8ChunkColumns / block_k * block_k));
+    const bool accumulate = a.exact || kp > chunk;
+    if (accumulate)
+      for (int j = 0; j < nt; ++j) std::memset(out[j], 0, sizeof(float) * n * kRows);
+    for (int k0 = 0; k0 < kp; k0 += chunk) {
+      const int klen = std::min(chunk, kp - k0);
+      uint16_t* lines[4];
+      for (int j = 0; j < nt; ++j) {
+        lines[j] = scratch + size_t(j) * chunk * kRows;
+        const Tile part{t[j].data + int64_t(k0) * kRows, nullptr, nullptr, klen};
+        convert_fp8_tile(part, a.exact ? nullptr : t[j].scales + k0 / block_k, block_k, lines[j]);
+      }
+      const int seg = a.exact ? block_k : klen;
+      for (int j = 0; j < nt; j += 2) {
+        const bool two = j + 1 < nt;
+        for (int s0 = 0; s0 < klen; s0 += seg) {
+          Panel p{{reinterpret_cast<const uint8_t*>(lines[j] + s0 * kRows),
+                   two ? reinterpret_cast<const uint8_t*>(lines[j + 1] + s0 * kRows) : nullptr},
+                  int64_t(k0 + s0) * 2, 64, 1024, seg / 32, false, {}, {out[j], two ? out[j + 1] : nullptr}};
+          for (int h = 0; h < (two ? 2 : 1); ++h) {
+            const float s = a.exact ? t[j + h].scales[(k0 + s0) / block_k] : 1.0f;
+            p.epi[h] = accumulate ? Epilogue{Epilogue::kAdd, s, nullptr, nullptr} : Epilogue{};
+          }
+          run_panel<Dot::kBf16>(p, blocks, a, rows, n);
+        }
+      }
+    }
+  } else {
+    uint8_t* lines = reinterpret_cast<uint8_t*>(scratch);
+    const int64_t tile_lines = int64_t(kp) * kRows;  // bytes of one tile's unpacked u8 lines
+    for (int j = 0; j < nt; ++j) {
+      unpack_int4_tile(t[j], group, lines + j * tile_lines);
+      std::memset(out[j], 0, sizeof(float) * n * kRows);
+    }
+    const int chunks = group / 8;
+    for (int j = 0; j < nt; j += 2) {
+      const bool two = j + 1 < nt;
+      for (int g = 0; g < kp / group; ++g) {
+        Panel p{{lines + j * tile_lines + int64_t(g) * group * kRows,
+                 two ? lines + (j + 1) * tile_lines + int64_t(g) * group * kRows : nullptr},
+                int64_t(g) * group, 32, 512, group / 32, false, {}, {out[j], two ? out[j + 1] : nullptr}};
+        for (int h = 0; h < (two ? 2 : 1); ++h) {
+          const uint8_t* scale_line = t[j + h].data + (int64_t(g) * (chunks + 1) + chunks) * 64;
+          p.epi[h] = {Epilogue::kInt4, 1.0f, reinterpret_cast<const float*>(scale_line), nullptr};
+        }
+        run_panel<Dot::kS8S8>(p, blocks, a, rows, n);
+      }
+    }
+    for (int j = 0; j < nt; ++j)
+      for (int i = 0; i < n; ++i) {
+        float* o = out[j] + i * kRows;
+        _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_loadu_ps(o), _mm512_set1_ps(a.scale[rows[i]])));
+      }
+  }
+  _tile_release();
+}
+
+std::atomic<int64_t> calls{0};
+
+bool request_tile_state() {
+  __builtin_cpu_init();
+  if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16") ||
+      !__builtin_cpu_supports("amx-int8"))
+    return false;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+}
+
+}  // namespace
+
+bool amx_usable() {
+  static const bool usable = request_tile_state();
+  return usable;
+}
+
+bool amx_handles(Format f, int block_k, int group, int kp) {
+  switch (f) {
+    case Format::kBF16: return kp % 32 == 0;
+    case Format::kINT8: return kp % 64 == 0;
+    case Format::kFP8: return block_k % 32 == 0;
+    case Format::kINT4: return group % 32 == 0;
+  }
+  return false;
+}
+
+void tile_dotn_amx(Format f, const Tile* tiles, int nt, int block_k, int group, const Act& a, const int* rows, int n,
+                   float* const* out, uint16_t* scratch) {
+  calls.fetch_add(1, std::memory_order_relaxed);
+  tile_dotn(f, tiles, nt, block_k, group, a, rows, n, out, scratch);
+}
+
+int64_t amx_calls() { return calls.load(std::memory_order_relaxed); }
+
+}  // namespace hybridd
