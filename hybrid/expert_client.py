@@ -49,9 +49,16 @@ class ExpertServerProcess:
         ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
         line = proc.stdout.readline() if ready else ""
         if not line:
-            proc.kill()
-            raise ExpertServerError(f"the expert process did not start within {timeout_s:.0f}s "
-                                    f"(exit code {proc.poll()})")
+            if not ready:
+                proc.kill()
+                raise ExpertServerError(f"the expert process did not start within {timeout_s:.0f}s")
+            try:  # its stdout closed: it is exiting
+                code = proc.wait(5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                code = proc.wait()
+            raise ExpertServerError(f"the expert process exited with code {code} before it was ready "
+                                    "(its own error is on stderr, in the engine log under the daemon)")
         server = cls(proc, json.loads(line)["control"])
         atexit.register(server.stop)
         return server

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -71,6 +72,23 @@ def test_two_calls_in_flight_and_errors_are_reported(served):
         client.close()
 
 
+def wait_until_stopped(pid: int, timeout_s: float = 5.0) -> None:
+    """kill(SIGSTOP) returns before every thread has stopped: a slot thread spinning on its doorbell could
+    still serve a call. Waits until /proc shows each thread stopped."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        states = []
+        for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+            try:
+                states.append(stat.read_text().rsplit(")", 1)[1].split()[0])
+            except (OSError, IndexError):
+                continue
+        if states and all(s in "tT" for s in states):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"process {pid} did not stop within {timeout_s}s")
+
+
 def test_a_stalled_expert_process_times_out(served):
     model, pack, proc = served
     config = ModelConfig.from_dir(model)
@@ -81,6 +99,7 @@ def test_a_stalled_expert_process_times_out(served):
     w = torch.ones(1, config.num_experts_per_tok)
     os.kill(proc.pid, signal.SIGSTOP)
     try:
+        wait_until_stopped(proc.pid)
         start = time.monotonic()
         with pytest.raises(ExpertServerError, match="did not finish a layer call within 1.0s"):
             client.submit(config.moe_layers[0], x, ids, w).wait()
