@@ -34,6 +34,13 @@ BOUND = {("bf16", torch.float32): 1e-4, ("fp8", torch.float32): 1e-4,
 INT_BOUND = 3e-2
 
 
+def amx_rows(fmt: str, dtype: torch.dtype, tokens: int) -> bool:
+    """Whether a block of `tokens` rows goes to the AMX kernels (csrc/moe.cpp amx_min_rows); fp32 inputs to
+    bf16/fp8 weights travel as two rows each."""
+    rows = tokens * (2 if dtype == torch.float32 and fmt in ("bf16", "fp8") else 1)
+    return rows >= (32 if fmt == "int4" else 8)
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm().clamp(min=1e-30)).item()
 
@@ -120,19 +127,24 @@ def test_fp8_nan_codes_give_nan_on_every_path():
     w8[3, 5], w8[9, 70] = 0x7F, 0xFF
     p = PackedLinear.pack(w8.view(torch.float8_e4m3fn), "fp8", scale_inv=torch.ones(1, 1))
     for isa in ISAS:
-        out = linear(p, torch.ones(2, 128), isa=isa)
-        assert torch.equal(torch.isnan(out[0]), torch.tensor([r in (3, 9) for r in range(16)])), isa
+        out = linear(p, torch.ones(20, 128), isa=isa)  # 20 tokens: an AMX block and a half on the amx path
+        assert torch.equal(torch.isnan(out), torch.tensor([r in (3, 9) for r in range(16)]).expand(20, 16)), isa
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("n,k,t", [(33, 70, 1), (256, 512, 5), (100, 130, 40), (17, 300, 9)])
+@pytest.mark.parametrize("n,k,t", [(33, 70, 1), (256, 512, 5), (100, 130, 40), (17, 300, 9), (33, 64, 33),
+                                   (64, 128, 47), (48, 2048, 40)])
 def test_linear_matches_reference(fmt, n, k, t):
+    # From 8 rows (int4: 32) the amx path runs AMX tiles, most cases with a partial row block; bf16 inputs
+    # with k a multiple of the padding are read in place there.
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(n)) / k ** 0.5
     p = PackedLinear.pack(w, fmt)
     x = torch.randn(t, k)
     for isa in ISAS:
         for dtype in (torch.float32, torch.bfloat16):
+            before = _C.amx_calls()
             out = linear(p, x.to(dtype), isa=isa)
+            assert (_C.amx_calls() > before) == (isa == ISA_AMX and amx_rows(fmt, dtype, t))
             assert out.shape == (t, n) and out.dtype == dtype
             assert rel_err(out, linear_reference(p, x.to(dtype).float())) < BOUND.get((fmt, dtype), INT_BOUND)
 
@@ -207,9 +219,10 @@ def one_expert_per_token(t: int, e: int, rows: list[int]):
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("h,i", [(130, 50), (256, 96), (64, 40)], ids=lambda v: str(v))
 def test_amx_blocks_match_reference_and_avx512(fmt, h, i):
-    # 15 rows stay on AVX-512; 16, 17, 31 and 33 are one or two AMX row blocks with a partial one; intermediate
-    # sizes give 1, 2 and 4 tiles per call (50 -> 4 tiles of 16, 40 -> 3, 96 -> 6).
-    rows = [15, 16, 17, 31, 33]
+    # 7 rows stay on AVX-512 (31 too for int4); 8, 16, 17, 31, 33 and 40 are one to three AMX row blocks, most
+    # with a partial one; intermediate sizes give 1, 2 and 4 tiles per call (50 -> 4 tiles of 16, 40 -> 3,
+    # 96 -> 6).
+    rows = [7, 8, 16, 17, 31, 33, 40]
     t = sum(rows)
     p = pack_experts(*experts(len(rows), h, i, seed=h + i), fmt)
     w13, w2 = unpack_experts(p)
@@ -228,37 +241,6 @@ def test_amx_blocks_match_reference_and_avx512(fmt, h, i):
             assert rel_err(out, avx) < 1e-4
         else:
             assert rel_err(out, avx) < (2e-6 if dtype == torch.float32 else 1e-2)
-
-
-@pytest.mark.amx
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("n,k,t", [(33, 64, 17), (64, 128, 16), (48, 2048, 40), (17, 300, 100)])
-def test_amx_linear_matches_reference(fmt, n, k, t):
-    # bf16 inputs with k a multiple of the padding are read in place (a partial last row block is copied).
-    w = torch.randn(n, k, generator=torch.Generator().manual_seed(k)) / k ** 0.5
-    p = PackedLinear.pack(w, fmt)
-    x = torch.randn(t, k)
-    for dtype in (torch.float32, torch.bfloat16):
-        before = _C.amx_calls()
-        out = linear(p, x.to(dtype), isa=ISA_AMX)
-        assert _C.amx_calls() > before
-        assert rel_err(out, linear_reference(p, x.to(dtype).float())) < BOUND.get((fmt, dtype), INT_BOUND)
-
-
-@pytest.mark.amx
-def test_amx_fp8_codes_and_nan_through_a_linear():
-    # Every finite code alone in its row times a one-hot input (32 tokens: two AMX row blocks), and NaN codes.
-    finite = [c for c in range(256) if c & 0x7F != 0x7F]
-    w8 = torch.zeros(len(finite), 128, dtype=torch.uint8)
-    for row, c in enumerate(finite):
-        w8[row, row % 128] = c
-    p = PackedLinear.pack(w8.view(torch.float8_e4m3fn), "fp8", scale_inv=torch.full((2, 1), 0.5))
-    x = torch.eye(128)[:32]
-    assert torch.equal(linear(p, x, isa=ISA_AMX), (w8.view(torch.float8_e4m3fn).float() * 0.5).t()[:32])
-    w8[3, 5], w8[9, 70] = 0x7F, 0xFF
-    p = PackedLinear.pack(w8.view(torch.float8_e4m3fn), "fp8", scale_inv=torch.ones(2, 1))
-    out = linear(p, torch.ones(20, 128), isa=ISA_AMX)
-    assert torch.isnan(out[:, 3]).all() and torch.isnan(out[:, 9]).all() and not torch.isnan(out[:, 4]).any()
 
 
 def test_numa_override_gives_one_sub_pool_per_node(monkeypatch):
