@@ -1008,6 +1008,13 @@ struct TaskGrid {
   }
 };
 
+// Tiles per task when `tiles` of each of `experts` experts are split among `threads`: long runs stream
+// better (measured: 16 intermediate / 32 hidden tiles per task read 7 % more of the bandwidth than 4 / 8 at
+// batch 1), as long as every thread still gets about eight tasks.
+int tiles_per_task(int tiles, int experts, int threads, int longest) {
+  return std::max(1, std::min({tiles, longest, tiles * experts / (8 * threads)}));
+}
+
 // Per-thread scratch of one task: row ids, up to four tile results and fp8 conversion lines.
 struct TaskBuffers {
   std::vector<int> rows;
@@ -1125,13 +1132,13 @@ void MoeRunner::forward(const ExpertLayer& L, const void* x, bool f32_io, int T,
   // Phase A: act[r] = silu(gate) * up for every sorted slot r, tiles of 16 intermediate rows.
   if (int_fmt) actf_.assign(size_t(rows) * kp2, 0.0f);
   else actbf_.assign((size_t(rows) * R + kRows) * kp2, 0);
-  const int tiles_per_task = std::max(1, std::min(itiles, 4));
-  const TaskGrid agrid(int(active.size()), (itiles + tiles_per_task - 1) / tiles_per_task, num_nodes());
+  const int atiles = tiles_per_task(itiles, int(active.size()), num_threads(), 16);
+  const TaskGrid agrid(int(active.size()), (itiles + atiles - 1) / atiles, num_nodes());
   pool_.run(agrid.size(), [&](int task, int) {
     const auto [ei, chunk] = agrid.at(task);
     if (chunk < 0) return;
     const int e = active[ei];
-    const int t0 = chunk * tiles_per_task, t1 = std::min(itiles, t0 + tiles_per_task);
+    const int t0 = chunk * atiles, t1 = std::min(itiles, t0 + atiles);
     const int begin = count[e], n = count[e + 1] - count[e], m = n * R;
     TaskBuffers& buf = task_buffers();
     buf.prepare(m, kp1);
@@ -1190,13 +1197,13 @@ void MoeRunner::forward(const ExpertLayer& L, const void* x, bool f32_io, int T,
   // Phase B: y[r] = act[r] @ W2^T for each expert, tiles of 16 hidden rows.
   const int hp = htiles * kRows;
   ybuf_.resize(size_t(rows) * hp);
-  const int htiles_per_task = std::max(1, std::min(htiles, 8));
-  const TaskGrid bgrid(int(active.size()), (htiles + htiles_per_task - 1) / htiles_per_task, num_nodes());
+  const int btiles = tiles_per_task(htiles, int(active.size()), num_threads(), 32);
+  const TaskGrid bgrid(int(active.size()), (htiles + btiles - 1) / btiles, num_nodes());
   pool_.run(bgrid.size(), [&](int task, int) {
     const auto [ei, chunk] = bgrid.at(task);
     if (chunk < 0) return;
     const int e = active[ei];
-    const int t0 = chunk * htiles_per_task, t1 = std::min(htiles, t0 + htiles_per_task);
+    const int t0 = chunk * btiles, t1 = std::min(htiles, t0 + btiles);
     const int begin = count[e], n = count[e + 1] - count[e], m = n * R;
     TaskBuffers& buf = task_buffers();
     buf.prepare(m, kp2);
