@@ -28,6 +28,13 @@ from hybrid.models.experts import Experts
 POLL_S = 0.05
 
 
+def _as_cpu(t: torch.Tensor, dtypes: tuple[torch.dtype, ...], dtype: torch.dtype) -> torch.Tensor:
+    """t itself when it is a contiguous CPU tensor of one of `dtypes`, else a converted copy."""
+    if t.device.type == "cpu" and t.dtype in dtypes and t.is_contiguous():
+        return t
+    return t.to("cpu", dtype).contiguous()
+
+
 class ExpertServerError(RuntimeError):
     """The expert process died, stalled past its timeout, or refused a call."""
 
@@ -106,7 +113,6 @@ class ExpertClient:
         # Per-slot addresses and views made once: rebuilding them costs microseconds per call.
         self._ptrs = [self.slots.slot_ptr(s) for s in range(num_slots)]
         self._ctrls = [self.slots.ctrl(s) for s in range(num_slots)]
-        self._outs = {(s, dt): self.slots.out(s, max_tokens, dt) for s in range(num_slots) for dt in DTYPE_CODES}
         self._in_flight: dict[int, ExpertHandle] = {}
 
     def request(self, msg: dict) -> dict:
@@ -145,14 +151,15 @@ class ExpertClient:
         if hidden.shape != (tokens, self.slots.layout.hidden):
             raise ValueError(f"hidden states {tuple(hidden.shape)} do not match {tokens} tokens x "
                              f"{self.slots.layout.hidden}")
+        # Each eager torch conversion costs microseconds, as much as the whole C++ round trip: only convert
+        # what is not already a contiguous CPU tensor the slot takes as it is (int64 ids are narrowed in C++).
         dtype = hidden.dtype if hidden.dtype in DTYPE_CODES else torch.float32
-        x = (hidden if hidden.device.type == "cpu" and hidden.dtype == dtype else hidden.to("cpu", dtype)).contiguous()
-        ids = topk_ids.to("cpu", torch.int32).contiguous()
-        weights = (topk_weights if topk_weights.dtype == torch.float32 and topk_weights.device.type == "cpu"
-                   else topk_weights.to("cpu", torch.float32)).contiguous()
+        x = _as_cpu(hidden, (dtype,), dtype)
+        ids = _as_cpu(topk_ids, (torch.int64, torch.int32), torch.int64)
+        weights = _as_cpu(topk_weights, (torch.float32,), torch.float32)
         slot = self._free_slot()
         seq = _C.slot_submit(self._ptrs[slot], self._offsets, layer, tokens, topk, dtype == torch.float32,
-                             x.data_ptr(), ids.data_ptr(), weights.data_ptr())
+                             x.data_ptr(), ids.data_ptr(), ids.dtype == torch.int64, weights.data_ptr())
         handle = ExpertHandle(self, slot, seq, (tokens, self.slots.layout.hidden), dtype)
         self._in_flight[slot] = handle
         return handle
@@ -169,7 +176,10 @@ class ExpertClient:
         from cpu_kernels import _C
 
         deadline = time.monotonic() + self.timeout_s
-        while not _C.slot_wait(self._ptrs[handle.slot], handle.seq, CLIENT_SPIN_US, int(POLL_S * 1e6)):
+        out = torch.empty(handle.shape, dtype=handle.dtype)
+        nbytes = out.numel() * out.element_size()
+        while not _C.slot_wait(self._ptrs[handle.slot], self._offsets, handle.seq, CLIENT_SPIN_US, int(POLL_S * 1e6),
+                               out.data_ptr(), nbytes):
             if not self.alive():
                 self._in_flight.pop(handle.slot, None)
                 raise ExpertServerError(f"the expert process (pid {self.server_pid}) died during a layer call")
@@ -180,7 +190,7 @@ class ExpertClient:
         self._in_flight.pop(handle.slot, None)
         if self._ctrls[handle.slot][STATUS] != 0:
             raise ExpertServerError(f"expert process: {self.slots.error_text(handle.slot)}")
-        return self._outs[handle.slot, handle.dtype][:handle.shape[0]].clone()
+        return out
 
     def close(self) -> None:
         if self.alive():
@@ -188,7 +198,7 @@ class ExpertClient:
                 self.request({"op": "unregister", "client": self.client_id})
             except ExpertServerError:
                 pass
-        self._ctrls, self._outs = [], {}
+        self._ctrls = []
         self.slots.close()
         if self._sock is not None:
             self._sock.close()

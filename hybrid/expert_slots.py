@@ -17,10 +17,11 @@ import numpy as np
 import torch
 
 ALIGN = 64
-CTRL_WORDS = 8
+CTRL_WORDS = 10
 ERROR_BYTES = 1024
 # control words, as cpu_kernels/csrc/slot_channel.h's CtrlWord
-REQUEST_SEQ, DONE_SEQ, LAYER, TOKENS, TOPK, DTYPE, STATUS, ERROR_LEN = range(CTRL_WORDS)
+(REQUEST_SEQ, DONE_SEQ, LAYER, TOKENS, TOPK, DTYPE, STATUS, ERROR_LEN, REQUEST_SLEEPERS,
+ DONE_SLEEPERS) = range(CTRL_WORDS)
 DTYPE_CODES = {torch.bfloat16: 0, torch.float32: 1}
 ECHO_LAYER = -1  # the server copies x to out without computing: measures the dispatch round trip alone
 # Microseconds a waiter spins on a sequence word before sleeping on it: the server's slot loop waiting
@@ -116,10 +117,6 @@ class ExpertSlots:
     def ctrl(self, slot: int) -> np.ndarray:
         """The slot's int64 control words (a numpy view: scalar reads and writes cost ~100 ns, not ~2 us)."""
         return self._bytes(slot, self.layout.ctrl, 8 * CTRL_WORDS).numpy().view(np.int64)
-
-    def out(self, slot: int, tokens: int, dtype: torch.dtype) -> torch.Tensor:
-        n = tokens * self.layout.hidden
-        return self._bytes(slot, self.layout.out, n * dtype.itemsize).view(dtype).view(tokens, self.layout.hidden)
 
     def error_text(self, slot: int) -> str:
         n = int(self.ctrl(slot)[ERROR_LEN])

@@ -63,6 +63,16 @@ def test_two_calls_in_flight_and_errors_are_reported(served):
             calls.append(((x, ids, w), client.submit(layer, x, ids, w)))
         for (x, ids, w), handle in reversed(calls):
             assert torch.equal(handle.wait(), local(layer, x, ids, w))
+        # int32 ids, a strided view and float64 weights take the conversion paths; an int64 id outside
+        # int32 must not wrap around into a valid expert
+        x, ids, w = calls[0][0]
+        ref = local(layer, x, ids, w)
+        assert torch.equal(client.submit(layer, x, ids.to(torch.int32), w.double()).wait(), ref)
+        assert torch.equal(client.submit(layer, x.t().contiguous().t(), ids.t().contiguous().t(), w).wait(), ref)
+        bad = ids.clone()
+        bad[0, 0] = 2 ** 32 + int(ids[0, 1])
+        with pytest.raises(ExpertServerError, match="expert ids must be in"):
+            client.submit(layer, x, bad, w).wait()
         with pytest.raises(ExpertServerError, match="layer 999 has no experts"):
             client.submit(999, x, ids, w).wait()
         echo = torch.randn(2, config.hidden_size)

@@ -83,16 +83,18 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "slot_submit",
       [](uintptr_t slot, const SlotOffsets& o, int layer, int tokens, int topk, bool f32, uintptr_t x, uintptr_t ids,
-         uintptr_t weights) {
+         bool ids64, uintptr_t weights) {
         return hybridd::slot_submit(reinterpret_cast<uint8_t*>(slot), o, layer, tokens, topk, f32,
-                                    reinterpret_cast<const void*>(x), reinterpret_cast<const int32_t*>(ids),
+                                    reinterpret_cast<const void*>(x), reinterpret_cast<const void*>(ids), ids64,
                                     reinterpret_cast<const float*>(weights));
       },
       py::call_guard<py::gil_scoped_release>());
   m.def(
       "slot_wait",
-      [](uintptr_t slot, int64_t seq, int spin_us, int64_t timeout_us) {
-        return hybridd::slot_wait(reinterpret_cast<uint8_t*>(slot), seq, spin_us, timeout_us);
+      [](uintptr_t slot, const SlotOffsets& o, int64_t seq, int spin_us, int64_t timeout_us, uintptr_t out,
+         int64_t out_bytes) {
+        return hybridd::slot_wait(reinterpret_cast<uint8_t*>(slot), o, seq, spin_us, timeout_us,
+                                  reinterpret_cast<void*>(out), out_bytes);
       },
       py::call_guard<py::gil_scoped_release>());
 

@@ -4,7 +4,8 @@
 // (hybrid/expert_slots.py lays them out). The client copies a call in, publishes REQUEST_SEQ and wakes the
 // server; the server runs the call and publishes DONE_SEQ. Each side spins on the word it waits for for a
 // few microseconds before sleeping on it with a futex (a shared one: the word lives in a shared mapping),
-// so back-to-back calls never pay a sleep/wake-up pair.
+// so back-to-back calls never pay a sleep/wake-up pair; a side counts itself in the word's sleeper count
+// while it sleeps, and the other side makes the wake-up system call only when that count is not zero.
 #pragma once
 
 #include <atomic>
@@ -16,7 +17,9 @@
 
 namespace hybridd {
 
-enum CtrlWord : int { kRequestSeq = 0, kDoneSeq, kLayer, kTokens, kTopk, kDtype, kStatus, kErrorLen };
+enum CtrlWord : int {
+  kRequestSeq = 0, kDoneSeq, kLayer, kTokens, kTopk, kDtype, kStatus, kErrorLen, kRequestSleepers, kDoneSleepers
+};
 constexpr int kEchoLayer = -1;
 
 struct SlotOffsets {
@@ -25,11 +28,14 @@ struct SlotOffsets {
   int hidden = 0, max_tokens = 0, max_topk = 0;
 };
 
-// Client side. Copies one call into the slot at `slot` and rings; returns the call's sequence number.
+// Client side. Copies one call into the slot at `slot` and rings; returns the call's sequence number. ids are
+// int64 (as torch's top-k gives them) when ids64, else int32.
 int64_t slot_submit(uint8_t* slot, const SlotOffsets& o, int layer, int tokens, int topk, bool f32, const void* x,
-                    const int32_t* ids, const float* weights);
-// Waits until DONE_SEQ reaches seq: spins spin_us, then sleeps, for at most timeout_us in all. True when done.
-bool slot_wait(uint8_t* slot, int64_t seq, int spin_us, int64_t timeout_us);
+                    const void* ids, bool ids64, const float* weights);
+// Waits until DONE_SEQ reaches seq: spins spin_us, then sleeps, for at most timeout_us in all. True when done,
+// after copying out_bytes of the result to `out` when given.
+bool slot_wait(uint8_t* slot, const SlotOffsets& o, int64_t seq, int spin_us, int64_t timeout_us, void* out,
+               int64_t out_bytes);
 
 // Server side: serves one slot on the calling thread until stop().
 class SlotServer {
