@@ -17,6 +17,7 @@ setup(
                 "cpu_kernels/csrc/moe.cpp",
                 "cpu_kernels/csrc/slot_channel.cpp",
                 "cpu_kernels/csrc/thread_pool.cpp",
+                "cpu_kernels/csrc/tile_layout.cpp",
             ],
             include_dirs=["cpu_kernels/csrc"],
             extra_compile_args=["-O3", "-std=c++20", "-Wall", "-Wextra", "-Wno-unused-parameter"],

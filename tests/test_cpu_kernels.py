@@ -21,7 +21,15 @@ from cpu_kernels.moe import (
     pack_experts,
     unpack_experts,
 )
-from cpu_kernels.pack import Format, pack_matrix, quantize_fp8_blocks, unpack_matrix
+from cpu_kernels.pack import (
+    Format,
+    pack_matrix,
+    padded_k,
+    quantize_fp8_blocks,
+    tile_lines,
+    tile_lines_reference,
+    unpack_matrix,
+)
 
 FORMATS = ["bf16", "fp8", "int8", "int4"]
 # Every path this CPU can run: generic, hand-written AVX2, AVX-512 BF16 and AMX.
@@ -156,6 +164,17 @@ def test_pack_round_trip(fmt):
     tol = {"bf16": 1e-2, "fp8": 7e-2, "int8": 1e-2, "int4": 0.15}[fmt]
     assert back.shape == w.shape
     assert rel_err(back, w) < tol
+
+
+@pytest.mark.parametrize("fmt,dtype", [(Format.FP8, torch.float8_e4m3fn), (Format.BF16, torch.bfloat16),
+                                       (Format.INT8, torch.int8)], ids=["fp8", "bf16", "int8"])
+@pytest.mark.parametrize("n,k", [(1, 1), (15, 7), (16, 128), (33, 130), (100, 257), (7, 1001)])
+@pytest.mark.parametrize("transposed", [False, True], ids=["rows", "strided"])
+def test_tile_lines_match_torch_permutation(fmt, dtype, n, k, transposed):
+    src = torch.randn(k, n).t() if transposed else torch.randn(n, k)
+    w = (src * 40).to(torch.int8) if dtype == torch.int8 else src.to(dtype)
+    kp = padded_k(fmt, k)
+    assert torch.equal(tile_lines(w, kp, fmt), tile_lines_reference(w, kp, fmt))
 
 
 def test_native_fp8_pack_is_lossless():

@@ -5,6 +5,7 @@
 #include "amx.h"
 #include "moe.h"
 #include "slot_channel.h"
+#include "tile_layout.h"
 
 namespace py = pybind11;
 using hybridd::ExpertLayer;
@@ -38,6 +39,12 @@ PYBIND11_MODULE(_C, m) {
   m.def("fp8_to_bf16_lines", [](uintptr_t src, int64_t lines, uintptr_t dst, int isa) {
     hybridd::fp8_to_bf16_lines(reinterpret_cast<const uint8_t*>(src), lines, reinterpret_cast<uint16_t*>(dst),
                                static_cast<Isa>(isa));
+  });
+  m.def("pack_tile_lines", [](int layout, uintptr_t src, int64_t src_stride, int64_t n, int64_t row_bytes,
+                              int64_t padded_bytes, uintptr_t dst) {
+    py::gil_scoped_release release;
+    hybridd::pack_tile_lines(static_cast<hybridd::TileLayout>(layout), reinterpret_cast<const uint8_t*>(src),
+                             src_stride, n, row_bytes, padded_bytes, reinterpret_cast<uint8_t*>(dst));
   });
   m.def("amx_calls", &hybridd::amx_calls);
   m.def("isa_name", [](int isa) { return std::string(hybridd::isa_name(static_cast<Isa>(isa))); });
