@@ -1015,6 +1015,17 @@ int tiles_per_task(int tiles, int experts, int threads, int longest) {
   return std::max(1, std::min({tiles, longest, tiles * experts / (8 * threads)}));
 }
 
+void MoeRunner::run_expert_tiles(const std::vector<int>& active, int tiles, int longest,
+                                 const std::function<void(int, int, int)>& fn) {
+  const int experts = static_cast<int>(active.size());
+  const int per_task = tiles_per_task(tiles, experts, num_threads(), longest);
+  const TaskGrid grid(experts, (tiles + per_task - 1) / per_task, num_nodes());
+  pool_.run(grid.size(), [&](int task, int) {
+    const auto [ei, chunk] = grid.at(task);
+    if (chunk >= 0) fn(active[ei], chunk * per_task, std::min(tiles, (chunk + 1) * per_task));
+  });
+}
+
 // Per-thread scratch of one task: row ids, up to four tile results and fp8 conversion lines.
 struct TaskBuffers {
   std::vector<int> rows;
@@ -1132,13 +1143,7 @@ void MoeRunner::forward(const ExpertLayer& L, const void* x, bool f32_io, int T,
   // Phase A: act[r] = silu(gate) * up for every sorted slot r, tiles of 16 intermediate rows.
   if (int_fmt) actf_.assign(size_t(rows) * kp2, 0.0f);
   else actbf_.assign((size_t(rows) * R + kRows) * kp2, 0);
-  const int atiles = tiles_per_task(itiles, int(active.size()), num_threads(), 16);
-  const TaskGrid agrid(int(active.size()), (itiles + atiles - 1) / atiles, num_nodes());
-  pool_.run(agrid.size(), [&](int task, int) {
-    const auto [ei, chunk] = agrid.at(task);
-    if (chunk < 0) return;
-    const int e = active[ei];
-    const int t0 = chunk * atiles, t1 = std::min(itiles, t0 + atiles);
+  run_expert_tiles(active, itiles, 16, [&](int e, int t0, int t1) {
     const int begin = count[e], n = count[e + 1] - count[e], m = n * R;
     TaskBuffers& buf = task_buffers();
     buf.prepare(m, kp1);
@@ -1197,13 +1202,7 @@ void MoeRunner::forward(const ExpertLayer& L, const void* x, bool f32_io, int T,
   // Phase B: y[r] = act[r] @ W2^T for each expert, tiles of 16 hidden rows.
   const int hp = htiles * kRows;
   ybuf_.resize(size_t(rows) * hp);
-  const int btiles = tiles_per_task(htiles, int(active.size()), num_threads(), 32);
-  const TaskGrid bgrid(int(active.size()), (htiles + btiles - 1) / btiles, num_nodes());
-  pool_.run(bgrid.size(), [&](int task, int) {
-    const auto [ei, chunk] = bgrid.at(task);
-    if (chunk < 0) return;
-    const int e = active[ei];
-    const int t0 = chunk * btiles, t1 = std::min(htiles, t0 + btiles);
+  run_expert_tiles(active, htiles, 32, [&](int e, int t0, int t1) {
     const int begin = count[e], n = count[e + 1] - count[e], m = n * R;
     TaskBuffers& buf = task_buffers();
     buf.prepare(m, kp2);

@@ -93,6 +93,10 @@ class MoeRunner {
   void run(int ntasks, int64_t elements, const std::function<void(int, int)>& fn);
   Act prepare_input(Format f, int group, const void* x, bool f32_io, int num_tokens, int k, int kp, int rows_per_token,
                     Isa isa);
+  // fn(expert, t0, t1) for every active expert's tiles [0, tiles) in chunks of up to `longest` tiles, split so
+  // every thread gets several tasks; with several NUMA nodes a node always gets the same chunks of every expert.
+  void run_expert_tiles(const std::vector<int>& active, int tiles, int longest,
+                        const std::function<void(int, int, int)>& fn);
   // The rows of the sorted slots (R per slot, slot r taking token tok[r]'s), contiguous per expert.
   Act sort_rows(const Act& a, const std::vector<int>& tok, int rows_per_token);
 

@@ -23,13 +23,16 @@ std::atomic<int64_t>* word(uint8_t* slot, CtrlWord w) {
 // The futex is the low half of a little-endian int64 sequence word: it changes whenever the word does.
 uint32_t* futex_of(std::atomic<int64_t>* w) { return reinterpret_cast<uint32_t*>(w); }
 
+void futex_wake(std::atomic<int64_t>* w) {
+  syscall(SYS_futex, futex_of(w), FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
+}
+
 // Publishes a new value of *w and wakes whoever sleeps on it. The fence orders the store before the read of the
 // sleeper count: a waiter that is not counted yet will find the new value when its futex call checks the word.
 void publish(std::atomic<int64_t>* w, std::atomic<int64_t>* sleepers, int64_t value) {
   w->store(value, std::memory_order_release);
   std::atomic_thread_fence(std::memory_order_seq_cst);
-  if (sleepers->load(std::memory_order_relaxed) > 0)
-    syscall(SYS_futex, futex_of(w), FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
+  if (sleepers->load(std::memory_order_relaxed) > 0) futex_wake(w);
 }
 
 // Sleeps while *w still holds `seen` (low 32 bits), at most `us` microseconds, counted in *sleepers.
@@ -126,7 +129,7 @@ void SlotServer::serve() {
 
 void SlotServer::stop() {
   stop_.store(true, std::memory_order_release);
-  syscall(SYS_futex, futex_of(word(slot_, kRequestSeq)), FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
+  futex_wake(word(slot_, kRequestSeq));
 }
 
 void SlotServer::call() {
