@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from cpu_kernels import _C
 from cpu_kernels.moe import kernel_isa, runner
-from cpu_kernels.pack import Format, PackedMatrix, pack_matrix, unpack_matrix
+from cpu_kernels.pack import INT4_GROUP, Format, PackedMatrix, pack_matrix, unpack_matrix
 
 
 class PackedLinear:
@@ -21,7 +21,7 @@ class PackedLinear:
 
     @classmethod
     def pack(cls, w: torch.Tensor, fmt: Format | str, scale_inv: torch.Tensor | None = None,
-             block: tuple[int, int] = (128, 128), group: int = 32) -> "PackedLinear":
+             block: tuple[int, int] = (128, 128), group: int = INT4_GROUP) -> "PackedLinear":
         return cls(pack_matrix(w, fmt, scale_inv=scale_inv, block=block, group=group))
 
     @property

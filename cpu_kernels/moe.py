@@ -10,7 +10,17 @@ import torch
 import torch.nn.functional as F
 
 from cpu_kernels import _C
-from cpu_kernels.pack import ROWS, Format, PackedMatrix, pack_matrix, unpack_matrix
+from cpu_kernels.pack import (
+    INT4_GROUP,
+    ROWS,
+    Format,
+    PackedMatrix,
+    check_int4_group,
+    pack_matrix,
+    padded_k,
+    tile_bytes,
+    unpack_matrix,
+)
 from cpu_kernels.thread_pool import pool_layout
 
 ISA_GENERIC, ISA_AVX512_BF16, ISA_AVX2, ISA_AMX = 0, 1, 2, 3
@@ -52,7 +62,7 @@ class PackedExperts:
     w13_comp: torch.Tensor | None = None
     w2_comp: torch.Tensor | None = None
     block_k: int = 128
-    group: int = 32
+    group: int = INT4_GROUP
 
     def __post_init__(self) -> None:
         tiles13, tiles2 = -(-self.inter // ROWS) * 2, -(-self.hidden // ROWS)
@@ -64,6 +74,16 @@ class PackedExperts:
         for t in self._tensors():
             if not t.is_contiguous():
                 raise ValueError("packed expert tensors must be contiguous")
+        if self.fmt == Format.INT4:
+            check_int4_group(self.group)
+        elif self.fmt == Format.FP8 and (self.block_k <= 0 or self.block_k % ROWS):
+            raise ValueError(f"fp8 block size along K must be a positive multiple of 16, got {self.block_k}")
+        for name, k, kp, data in (("w13", self.hidden, self.kp13, self.w13_data), ("w2", self.inter, self.kp2,
+                                                                                  self.w2_data)):
+            want = padded_k(self.fmt, k, self.block_k, self.group)
+            if kp != want or data.shape[2:] != (tile_bytes(self.fmt, kp, self.group),):
+                raise ValueError(f"packed {name} has K {kp} and tiles of {tuple(data.shape[2:])} bytes, expected "
+                                 f"K {want} and {tile_bytes(self.fmt, want, self.group)} for {self.fmt.name}")
         self.layer = _C.ExpertLayer(
             int(self.fmt), self.num_experts, self.hidden, self.inter, self.block_k, self.group,
             _matrices(self.w13_data, self.w13_scales, self.w13_comp, self.kp13),
@@ -101,7 +121,7 @@ def _stack(mats: list[PackedMatrix], attr: str) -> torch.Tensor | None:
 def pack_experts(gate: list[torch.Tensor], up: list[torch.Tensor], down: list[torch.Tensor], fmt: Format | str,
                  *, gate_scale: list[torch.Tensor] | None = None, up_scale: list[torch.Tensor] | None = None,
                  down_scale: list[torch.Tensor] | None = None, block: tuple[int, int] = (128, 128),
-                 group: int = 32) -> PackedExperts:
+                 group: int = INT4_GROUP) -> PackedExperts:
     """gate/up [I, H] and down [H, I] per expert (fp8 ones with their scale_inv grids) -> one packed layer."""
     fmt = Format.parse(fmt)
     hidden, inter = down[0].shape

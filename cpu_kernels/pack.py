@@ -18,6 +18,9 @@ from cpu_kernels import _C
 
 ROWS = 16
 FP8_MAX = 448.0
+# int4 scale group along K: 128 columns (as GPTQ/AWQ checkpoints) keeps scales at 0.25 bit per weight and lets
+# the AMX kernel run two full 64-column k steps per dequantizing epilogue; any multiple of 8 still packs.
+INT4_GROUP = 128
 
 
 class Format(IntEnum):
@@ -48,17 +51,30 @@ class PackedMatrix:
     scales: torch.Tensor | None = None
     comp: torch.Tensor | None = None
     block: tuple[int, int] = (128, 128)
-    group: int = 32
+    group: int = INT4_GROUP
 
     @property
     def tiles(self) -> int:
         return self.data.shape[0]
 
 
-def padded_k(fmt: Format, k: int, block_k: int = 128, group: int = 32) -> int:
+def check_int4_group(group: int) -> None:
+    # A multiple of 16 keeps a padded K a whole number of the 16-column activation lines the kernels write.
+    if group < 16 or group % 16:
+        raise ValueError(f"int4 group must be a positive multiple of 16, got {group}")
+
+
+def padded_k(fmt: Format, k: int, block_k: int = 128, group: int = INT4_GROUP) -> int:
     # bf16 32 and int8 64: one AMX k step (64 bytes of an activation row)
     step = {Format.BF16: 32, Format.FP8: block_k, Format.INT8: 64, Format.INT4: group}[fmt]
     return math.ceil(k / step) * step
+
+
+def tile_bytes(fmt: Format, kp: int, group: int = INT4_GROUP) -> int:
+    """Bytes of one packed tile (16 rows x kp columns); int4 adds one 64-byte scale line per group."""
+    if fmt == Format.INT4:
+        return kp * ROWS // 2 + kp // group * 64
+    return kp * ROWS * (2 if fmt == Format.BF16 else 1)
 
 
 def _pad(w: torch.Tensor, n: int, k: int) -> torch.Tensor:
@@ -109,7 +125,7 @@ def tile_lines_reference(w: torch.Tensor, kp: int, fmt: Format) -> torch.Tensor:
 
 
 def pack_matrix(w: torch.Tensor, fmt: Format | str, *, scale_inv: torch.Tensor | None = None,
-                block: tuple[int, int] = (128, 128), group: int = 32) -> PackedMatrix:
+                block: tuple[int, int] = (128, 128), group: int = INT4_GROUP) -> PackedMatrix:
     """Packs W [n, k]. For fp8, `w` may already be float8_e4m3fn with its `scale_inv` block grid (used as is);
     otherwise it is quantized. int8 uses per-row scales, int4 symmetric scales per `group` columns."""
     fmt = Format.parse(fmt)
@@ -117,8 +133,8 @@ def pack_matrix(w: torch.Tensor, fmt: Format | str, *, scale_inv: torch.Tensor |
     tiles = math.ceil(n / ROWS)
     np_ = tiles * ROWS
     if fmt == Format.FP8:
-        if block[0] % ROWS or block[1] % 4:
-            raise ValueError(f"fp8 block {block} must be a multiple of 16 rows and 4 columns")
+        if block[0] % ROWS or block[1] % ROWS or min(block) <= 0:
+            raise ValueError(f"fp8 block {block} must be a positive multiple of 16 rows and 16 columns")
         if w.dtype != torch.float8_e4m3fn:
             w, scale_inv = quantize_fp8_blocks(w, block)
         elif scale_inv is None:
@@ -127,6 +143,8 @@ def pack_matrix(w: torch.Tensor, fmt: Format | str, *, scale_inv: torch.Tensor |
         row_block = (torch.arange(tiles) * ROWS) // block[0]
         scales = scale_inv.float()[row_block].contiguous()
         return PackedMatrix(fmt, n, k, kp, tile_lines(w, kp, fmt), scales, block=block)
+    if fmt == Format.INT4:
+        check_int4_group(group)
     kp = padded_k(fmt, k, group=group)
     if fmt == Format.BF16:
         return PackedMatrix(fmt, n, k, kp, tile_lines(w.to(torch.bfloat16), kp, fmt))
@@ -138,8 +156,6 @@ def pack_matrix(w: torch.Tensor, fmt: Format | str, *, scale_inv: torch.Tensor |
         comp = (128 * q.to(torch.int32).sum(dim=1)).to(torch.int32).view(tiles, ROWS)
         return PackedMatrix(fmt, n, k, kp, tile_lines(q, kp, fmt), scale.view(tiles, ROWS).contiguous(),
                             comp.contiguous())
-    if group % 8 or group < 8:
-        raise ValueError(f"int4 group must be a positive multiple of 8, got {group}")
     groups = kp // group
     g = wf.view(np_, groups, group)
     scale = g.abs().amax(dim=2) / 7.0

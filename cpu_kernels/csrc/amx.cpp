@@ -205,7 +205,9 @@ AMX_TARGET void tile_dotn(Format f, const Tile* t, int nt, int block_k, int grou
     blocks.tail = tail.data();
   }
   const int kp = t[0].kp;
-  load_config(f == Format::kINT4 ? 32 : 64);
+  // int4 groups of a multiple of 64 columns run full 64-byte k steps; other groups (multiples of 32) half ones.
+  const int int4_kstep = group % 64 ? 32 : 64;
+  load_config(f == Format::kINT4 ? int4_kstep : 64);
 
   if (f == Format::kBF16 || f == Format::kINT8) {
     for (int j = 0; j < nt; j += 2) {
@@ -260,7 +262,8 @@ AMX_TARGET void tile_dotn(Format f, const Tile* t, int nt, int block_k, int grou
       for (int g = 0; g < kp / group; ++g) {
         Panel p{{lines + j * tile_lines + int64_t(g) * group * kRows,
                  two ? lines + (j + 1) * tile_lines + int64_t(g) * group * kRows : nullptr},
-                int64_t(g) * group, 32, 512, group / 32, false, {}, {out[j], two ? out[j + 1] : nullptr}};
+                int64_t(g) * group, int4_kstep, int4_kstep * kRows, group / int4_kstep, false, {},
+                {out[j], two ? out[j + 1] : nullptr}};
         for (int h = 0; h < (two ? 2 : 1); ++h) {
           const uint8_t* scale_line = t[j + h].data + (int64_t(g) * (chunks + 1) + chunks) * 64;
           p.epi[h] = {Epilogue::kInt4, 1.0f, reinterpret_cast<const float*>(scale_line), nullptr};

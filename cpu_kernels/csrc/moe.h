@@ -41,7 +41,7 @@ struct ExpertLayer {
   int hidden = 0;        // H
   int inter = 0;         // I
   int block_k = 128;     // fp8 scale block along K
-  int group = 32;        // int4 group along K
+  int group = 128;       // int4 group along K
   PackedMatrices w13;    // K = H (padded to w13.kp), 2 * ceil(I/16) tiles
   PackedMatrices w2;     // K = I (padded to w2.kp), ceil(H/16) tiles
 };
