@@ -46,7 +46,7 @@ def amx_rows(fmt: str, dtype: torch.dtype, tokens: int) -> bool:
     """Whether a block of `tokens` rows goes to the AMX kernels (csrc/moe.cpp amx_min_rows); fp32 inputs to
     bf16/fp8 weights travel as two rows each."""
     rows = tokens * (2 if dtype == torch.float32 and fmt in ("bf16", "fp8") else 1)
-    return rows >= (32 if fmt == "int4" else 8)
+    return rows >= (12 if fmt == "int4" else 8)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -143,7 +143,7 @@ def test_fp8_nan_codes_give_nan_on_every_path():
 @pytest.mark.parametrize("n,k,t", [(33, 70, 1), (256, 512, 5), (100, 130, 40), (17, 300, 9), (33, 64, 33),
                                    (64, 128, 47), (48, 2048, 40)])
 def test_linear_matches_reference(fmt, n, k, t):
-    # From 8 rows (int4: 32) the amx path runs AMX tiles, most cases with a partial row block; bf16 inputs
+    # From 8 rows (int4: 12) the amx path runs AMX tiles, most cases with a partial row block; bf16 inputs
     # with k a multiple of the padding are read in place there.
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(n)) / k ** 0.5
     p = PackedLinear.pack(w, fmt)
@@ -258,7 +258,7 @@ def one_expert_per_token(t: int, e: int, rows: list[int]):
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("h,i", [(130, 50), (256, 96), (64, 40)], ids=lambda v: str(v))
 def test_amx_blocks_match_reference_and_avx512(fmt, h, i):
-    # 7 rows stay on AVX-512 (31 too for int4); 8, 16, 17, 31, 33 and 40 are one to three AMX row blocks, most
+    # 7 rows stay on AVX-512 (8 too for int4); 8, 16, 17, 31, 33 and 40 are one to three AMX row blocks, most
     # with a partial one; intermediate sizes give 1, 2 and 4 tiles per call (50 -> 4 tiles of 16, 40 -> 3,
     # 96 -> 6).
     rows = [7, 8, 16, 17, 31, 33, 40]

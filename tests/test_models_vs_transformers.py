@@ -96,7 +96,7 @@ def test_mla_absorbed_decode_equals_expanded(model_dirs):
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_quantized_experts_stay_within_their_accuracy_bound(model_dirs, fmt):
-    """int8 (per-channel) and int4 (groups of 32) experts with int8 activations: documented bound on the
+    """int8 (per-channel) and int4 (groups of 128, the default) experts with int8 activations: documented bound on the
     logits' relative L2 error against transformers' full-precision model, and top-1 agreement."""
     model = model_dirs["tiny-qwen3-moe"]
     ref = reference(model)

@@ -87,12 +87,11 @@ AMX_TARGET void run_steps(const uint8_t* a0, const uint8_t* a1, int64_t astride,
   }
 }
 
-// What becomes of an accumulator tile: stored, added (times a block scale), or an integer sum dequantized
-// (int4: without the activation row's scale, which multiplies the whole row once all groups are in).
+// What becomes of an accumulator tile: stored, added (times a block scale), or an int8 sum dequantized.
 struct Epilogue {
-  enum Kind { kStore, kAdd, kInt8, kInt4 } kind = kStore;
+  enum Kind { kStore, kAdd, kInt8 } kind = kStore;
   float scale = 1.0f;              // kAdd: out += scale * C
-  const float* wscale = nullptr;   // int8 / int4: the 16 output rows' weight (group) scales
+  const float* wscale = nullptr;   // int8: the 16 output rows' weight scales
   const int32_t* comp = nullptr;   // int8: 128 * row sums (activations are stored as q + 128)
 };
 
@@ -114,10 +113,6 @@ AMX_TARGET void finish(const Epilogue& e, const Act& a, const int* rows, const v
         _mm512_storeu_ps(o, _mm512_mul_ps(v, s));
         break;
       }
-      case Epilogue::kInt4:
-        _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(ci + i * kRows)),
-                                            _mm512_loadu_ps(e.wscale), _mm512_loadu_ps(o)));
-        break;
     }
   }
 }
@@ -169,6 +164,60 @@ AMX_TARGET void run_panel(const Panel& p, const RowBlocks& blocks, const Act& a,
     for (int j = 0; j < (two_n ? 2 : 1); ++j) {
       finish(p.epi[j], a, rows + m0, c[j], p.out[j] + m0 * kRows, ma);
       if (mb) finish(p.epi[j], a, rows + m0 + kRows, c[2 + j], p.out[j] + (m0 + kRows) * kRows, mb);
+    }
+  }
+}
+
+// int4 on one or two tiles' unpacked lines: per block of up to 32 activation rows, every group in turn, each
+// group's integer sums scaled by its row scales into fp32 sums that stay in L1 until the rows' token scales
+// finish them. (Group by group over all rows instead kept every row's fp32 sums in flight, an L2 round trip
+// per group.)
+AMX_TARGET void run_int4(const uint8_t* const b[2], const Tile* t, int group, int kstep, const RowBlocks& blocks,
+                         const Act& a, const int* rows, int n, float* const out[2]) {
+  alignas(64) int32_t c[4][kRows * kRows];
+  alignas(64) float acc[4][kRows * kRows];
+  const bool two_n = b[1] != nullptr;
+  const int chunks = group / 8, steps = group / kstep, groups = t[0].kp / group;
+  const int bstep = kstep * kRows;
+  for (int m0 = 0; m0 < n; m0 += 2 * kRows) {
+    const bool two_m = n - m0 > kRows;
+    const uint8_t* a0 = blocks.block(m0);
+    const uint8_t* a1 = two_m ? blocks.block(m0 + kRows) : nullptr;
+    std::memset(acc, 0, sizeof(acc));
+    for (int g = 0; g < groups; ++g) {
+      const int64_t col = int64_t(g) * group;
+      const uint8_t* g0 = b[0] + col * kRows;
+      const uint8_t* g1 = two_n ? b[1] + col * kRows : nullptr;
+      const uint8_t* ga1 = two_m ? a1 + col : nullptr;
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      if (two_n && two_m) run_steps<Dot::kS8S8, true, true>(a0 + col, ga1, blocks.stride, kstep, g0, g1, bstep, steps, false);
+      else if (two_n) run_steps<Dot::kS8S8, true, false>(a0 + col, ga1, blocks.stride, kstep, g0, g1, bstep, steps, false);
+      else if (two_m) run_steps<Dot::kS8S8, false, true>(a0 + col, ga1, blocks.stride, kstep, g0, g1, bstep, steps, false);
+      else run_steps<Dot::kS8S8, false, false>(a0 + col, ga1, blocks.stride, kstep, g0, g1, bstep, steps, false);
+      _tile_stored(0, c[0], 64);
+      _tile_stored(1, c[1], 64);
+      _tile_stored(2, c[2], 64);
+      _tile_stored(3, c[3], 64);
+      for (int j = 0; j < (two_n ? 2 : 1); ++j) {
+        const __m512 s = _mm512_loadu_ps(reinterpret_cast<const float*>(t[j].data + (int64_t(g) * (chunks + 1) + chunks) * 64));
+        for (int h = 0; h < (two_m ? 2 : 1); ++h) {
+          float* o = acc[2 * h + j];
+          const int32_t* ci = c[2 * h + j];
+          for (int i = 0; i < kRows; ++i)
+            _mm512_store_ps(o + i * kRows, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(ci + i * kRows)), s,
+                                                           _mm512_load_ps(o + i * kRows)));
+        }
+      }
+    }
+    for (int h = 0; h < (two_m ? 2 : 1); ++h) {
+      const int r0 = m0 + h * kRows, m = std::min(kRows, n - r0);
+      for (int j = 0; j < (two_n ? 2 : 1); ++j)
+        for (int i = 0; i < m; ++i)
+          _mm512_storeu_ps(out[j] + (r0 + i) * kRows,
+                           _mm512_mul_ps(_mm512_load_ps(acc[2 * h + j] + i * kRows), _mm512_set1_ps(a.scale[rows[r0 + i]])));
     }
   }
 }
@@ -251,31 +300,14 @@ AMX_TARGET void tile_dotn(Format f, const Tile* t, int nt, int block_k, int grou
     }
   } else {
     uint8_t* lines = reinterpret_cast<uint8_t*>(scratch);
-    const int64_t tile_lines = int64_t(kp) * kRows;  // bytes of one tile's unpacked u8 lines
-    for (int j = 0; j < nt; ++j) {
-      unpack_int4_tile(t[j], group, lines + j * tile_lines);
-      std::memset(out[j], 0, sizeof(float) * n * kRows);
-    }
-    const int chunks = group / 8;
+    const int64_t tile_lines = int64_t(kp) * kRows;  // bytes of one tile's unpacked s8 lines
+    for (int j = 0; j < nt; ++j) unpack_int4_tile(t[j], group, lines + j * tile_lines);
     for (int j = 0; j < nt; j += 2) {
       const bool two = j + 1 < nt;
-      for (int g = 0; g < kp / group; ++g) {
-        Panel p{{lines + j * tile_lines + int64_t(g) * group * kRows,
-                 two ? lines + (j + 1) * tile_lines + int64_t(g) * group * kRows : nullptr},
-                int64_t(g) * group, int4_kstep, int4_kstep * kRows, group / int4_kstep, false, {},
-                {out[j], two ? out[j + 1] : nullptr}};
-        for (int h = 0; h < (two ? 2 : 1); ++h) {
-          const uint8_t* scale_line = t[j + h].data + (int64_t(g) * (chunks + 1) + chunks) * 64;
-          p.epi[h] = {Epilogue::kInt4, 1.0f, reinterpret_cast<const float*>(scale_line), nullptr};
-        }
-        run_panel<Dot::kS8S8>(p, blocks, a, rows, n);
-      }
+      const uint8_t* b[2] = {lines + j * tile_lines, two ? lines + (j + 1) * tile_lines : nullptr};
+      float* const o[2] = {out[j], two ? out[j + 1] : nullptr};
+      run_int4(b, t + j, group, int4_kstep, blocks, a, rows, n, o);
     }
-    for (int j = 0; j < nt; ++j)
-      for (int i = 0; i < n; ++i) {
-        float* o = out[j] + i * kRows;
-        _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_loadu_ps(o), _mm512_set1_ps(a.scale[rows[i]])));
-      }
   }
   _tile_release();
 }

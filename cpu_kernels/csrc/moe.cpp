@@ -20,9 +20,9 @@ namespace {
 
 constexpr int kMaxTokenBlock = 8;
 // Row blocks at least this tall go to the AMX kernels on the amx path (measured on Emerald Rapids: AVX-512
-// BF16 runs one vdpbf16ps per cycle there, so AMX wins from 8 rows; int4's AMX kernel pays a dequantizing
-// epilogue per 32-column group and only wins on taller blocks).
-inline int amx_min_rows(Format f) { return f == Format::kINT4 ? 32 : 8; }
+// BF16 runs one vdpbf16ps per cycle there, so AMX wins from 8 rows; int4's AMX kernel also unpacks the
+// nibbles and pays a dequantizing epilogue per group, and wins from 12).
+inline int amx_min_rows(Format f) { return f == Format::kINT4 ? 12 : 8; }
 
 // The amx path runs the AVX-512 BF16 kernels wherever it does not run AMX ones.
 inline bool avx512(Isa isa) { return isa == Isa::kAvx512Bf16 || isa == Isa::kAmx; }
