@@ -13,6 +13,7 @@ setup(
             "cpu_kernels._C",
             sources=[
                 "cpu_kernels/csrc/amx.cpp",
+                "cpu_kernels/csrc/attention.cpp",
                 "cpu_kernels/csrc/binding.cpp",
                 "cpu_kernels/csrc/moe.cpp",
                 "cpu_kernels/csrc/slot_channel.cpp",

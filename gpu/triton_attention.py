@@ -15,26 +15,14 @@ from hybrid.forward_batch import ForwardBatch
 
 
 class TritonAttention:
+    latent_prefill = True  # MLA prefill attends in latent space too (DeepseekV3Attention)
+
     def store(self, cache: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Tensor) -> None:
         store_kv(cache, slot_mapping, values)
 
-    @staticmethod
-    def _tables(batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Block tables padded to [B, max blocks] int32 and context lengths, built once per step."""
-        cached = getattr(batch, "_triton_tables", None)
-        if cached is None:
-            dev = batch.positions.device
-            width = max(len(t) for t in batch.block_tables)
-            tables = torch.zeros(batch.num_seqs, width, dtype=torch.int32, device=dev)
-            for i, t in enumerate(batch.block_tables):
-                tables[i, :len(t)] = t
-            cached = tables, torch.tensor(batch.context_lens, dtype=torch.int32, device=dev)
-            batch._triton_tables = cached
-        return cached
-
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
                 scale: float) -> torch.Tensor:
-        tables, ctx = self._tables(batch)
+        tables, ctx = batch.padded_tables()
         if all(n == 1 for n in batch.query_lens) and batch.query_starts == list(range(batch.num_seqs)):
             return decode_attention(q, k, v, tables, ctx, scale)
         return extend_attention(q, k, v, tables, batch.query_starts, batch.query_lens, batch.context_lens, scale)

@@ -220,10 +220,12 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.gpus is not None:
             self._hybrid()
-        if self.attention not in ("auto", "torch", "triton"):
-            raise ConfigError(f"attention must be auto, torch or triton, got {self.attention!r}")
+        if self.attention not in ("auto", "torch", "cpu", "triton"):
+            raise ConfigError(f"attention must be auto, torch, cpu or triton, got {self.attention!r}")
         if self.attention == "auto":
-            self.attention = "torch"
+            self.attention = "cpu" if self.backend == "cpu" else "torch"
+        if self.attention == "cpu" and (self.backend != "cpu" or self.gpus is not None):
+            raise ConfigError("attention=cpu is the cpu backend's C++ decode attention; use backend=cpu without --gpus")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be auto or one of {sorted(DTYPES)}, got {self.dtype!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):

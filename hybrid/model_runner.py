@@ -8,6 +8,7 @@ import os
 import torch
 
 from hybrid.config import EngineConfig, ModelConfig
+from hybrid.cpu_attention import CpuAttention
 from hybrid.forward_batch import ForwardBatch
 from hybrid.loader import CheckpointReader, load_weights
 from hybrid.models import build_model
@@ -77,6 +78,8 @@ class ModelRunner:
             from gpu.triton_attention import TritonAttention
 
             self.attention = TritonAttention()
+        elif engine_config.attention == "cpu":
+            self.attention = CpuAttention(engine_config.num_threads)
         self.model = build_model(model_config, self.experts, self.dtype)
         if engine_config.backend == "cpu":
             pack_dense_linears(self.model, reader, engine_config.dense_format, model_config.tie_word_embeddings)

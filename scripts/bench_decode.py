@@ -7,6 +7,7 @@ and after, since the machine's bandwidth drifts).
     python scripts/bench_decode.py                          # Qwen3-30B-A3B shapes, 4 layers, bf16
     python scripts/bench_decode.py --preset moonlight --layers 3
     python scripts/bench_decode.py --model /path/to/checkpoint
+    python scripts/bench_decode.py --prompt-len 4096 --attention torch   # long context, torch attention
 """
 
 from __future__ import annotations
@@ -37,9 +38,9 @@ from hybrid.models.layers import Linear  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def bytes_per_decode_token(llm: LLM) -> dict[str, int]:
-    """Weights one batch-1 decode step reads: dense weights (packed where the kernels hold them), one
-    embedding row, and top-k experts per MoE layer in their stored format."""
+def bytes_per_decode_token(llm: LLM, context: int) -> dict[str, int]:
+    """Bytes one batch-1 decode step reads: dense weights (packed where the kernels hold them), one
+    embedding row, top-k experts per MoE layer in their stored format, and the KV cache of `context` tokens."""
     cfg: ModelConfig = llm.engine.model_config
     runner = llm.engine.runner
     embed = runner.model.model.embed_tokens.weight
@@ -50,7 +51,9 @@ def bytes_per_decode_token(llm: LLM) -> dict[str, int]:
     else:
         expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size * runner.dtype.itemsize
     routed = len(cfg.moe_layers) * cfg.num_experts_per_tok * expert
-    return {"dense": dense + cfg.hidden_size * embed.element_size(), "routed": routed}
+    kv = context * sum(c[0].numel() // c[0].shape[0] // c[0].shape[1] * c[0].element_size() * len(c)
+                       for c in runner.kv_caches)
+    return {"dense": dense + cfg.hidden_size * embed.element_size(), "routed": routed, "kv": kv}
 
 
 def main() -> None:
@@ -62,6 +65,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--backend", default="cpu", choices=["cpu", "torch"], help="C++ kernels or torch reference")
     ap.add_argument("--expert-format", default="auto", help="auto (checkpoint's), bf16, fp8, int8, int4")
+    ap.add_argument("--attention", default="auto", choices=["auto", "cpu", "torch"],
+                    help="decode attention: C++ kernel (cpu, the cpu backend's default) or torch")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--decode-tokens", type=int, default=32)
@@ -82,7 +87,7 @@ def main() -> None:
     t0 = time.perf_counter()
     llm = LLM(model_dir, dtype=a.dtype, max_num_batched_tokens=max(512, a.prompt_len),
               max_model_len=a.prompt_len + a.decode_tokens + 8, max_num_seqs=1, backend=a.backend,
-              expert_format=a.expert_format, num_threads=a.threads)
+              expert_format=a.expert_format, num_threads=a.threads, attention=a.attention)
     load_s = time.perf_counter() - t0
     vocab = llm.engine.model_config.vocab_size
     gen = torch.Generator().manual_seed(0)
@@ -95,7 +100,7 @@ def main() -> None:
         decode.append(1.0 / out.tpot_s)
     bw_after = probe()
 
-    touched = bytes_per_decode_token(llm)
+    touched = bytes_per_decode_token(llm, a.prompt_len + a.decode_tokens // 2)
     total = sum(touched.values())
     bw = statistics.median([bw_before, bw_after])
     roofline = bw * 1e9 / total
@@ -103,6 +108,7 @@ def main() -> None:
         "model": str(model_dir), "dtype": a.dtype, "threads": a.threads, "backend": a.backend,
         "kernel_path": kernel_isa_name() if a.backend == "cpu" else "torch",
         "experts": type(llm.engine.runner.experts).__name__, "load_s": load_s,
+        "attention": llm.engine.config.attention,
         "prefill_tok_s": statistics.median(prefill), "decode_tok_s": statistics.median(decode),
         "bytes_per_token": total, "routed_bytes_per_token": touched["routed"],
         "read_gbps_before": bw_before, "read_gbps_after": bw_after, "roofline_tok_s": roofline,
@@ -110,12 +116,13 @@ def main() -> None:
         "effective_gbps": statistics.median(decode) * total / 1e9,
     }
     t = Table(title=f"bench_decode: {model_dir.name}, {a.dtype}, {a.threads} threads, {res['kernel_path']}, "
-                    f"experts={res['experts']}")
+                    f"experts={res['experts']}, attention={res['attention']}")
     t.add_column("metric")
     t.add_column("value", justify="right")
     t.add_row(f"prefill pp{a.prompt_len} tok/s (median of {a.runs})", f"{res['prefill_tok_s']:.1f}")
     t.add_row(f"decode tok/s (batch 1, {a.decode_tokens} tokens)", f"{res['decode_tok_s']:.2f}")
-    t.add_row("bytes touched per decode token", f"{total / 1e6:.1f} MB (routed {touched['routed'] / 1e6:.1f} MB)")
+    t.add_row("bytes touched per decode token", f"{total / 1e6:.1f} MB (routed {touched['routed'] / 1e6:.1f} MB, "
+                                                f"KV {touched['kv'] / 1e6:.1f} MB)")
     t.add_row("read bandwidth before / after", f"{bw_before:.1f} / {bw_after:.1f} GB/s")
     t.add_row("roofline decode tok/s", f"{roofline:.1f}")
     t.add_row("effective GB/s in decode", f"{res['effective_gbps']:.1f}")

@@ -108,3 +108,16 @@ def test_quantized_experts_stay_within_their_accuracy_bound(model_dirs, fmt):
     agree = (ours.argmax(-1) == ref_logits.argmax(-1)).float().mean().item()
     assert rel < {"int8": 0.03, "int4": 0.10}[fmt]
     assert agree > {"int8": 0.9, "int4": 0.8}[fmt]
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-deepseek-v3"])
+def test_cpu_decode_attention_gives_the_torch_path_tokens(model_dirs, preset):
+    # Several prompts of different lengths in flight: steps mix prefill chunks (torch) with decode rows (C++).
+    prompts = [prompt_ids(n, seed=n) for n in (5, 40, 17)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    torch_llm = LLM(model_dirs[preset], dtype="float32", attention="torch", max_num_batched_tokens=32)
+    cpu_llm = LLM(model_dirs[preset], dtype="float32", max_num_batched_tokens=32)
+    assert type(cpu_llm.engine.runner.attention).__name__ == "CpuAttention"
+    assert torch_llm.engine.runner.attention is None
+    assert [o.token_ids for o in cpu_llm.generate(prompts, params)] == \
+        [o.token_ids for o in torch_llm.generate(prompts, params)]

@@ -3,6 +3,7 @@
 #include <pybind11/stl.h>
 
 #include "amx.h"
+#include "attention.h"
 #include "moe.h"
 #include "slot_channel.h"
 #include "tile_layout.h"
@@ -124,6 +125,35 @@ PYBIND11_MODULE(_C, m) {
              bool f32_io, int tokens, uintptr_t out, int isa) {
             r.linear(static_cast<Format>(fmt), w, n, k, block_k, group, reinterpret_cast<const void*>(x), f32_io,
                      tokens, reinterpret_cast<void*>(out), static_cast<Isa>(isa));
+          },
+          py::call_guard<py::gil_scoped_release>())
+      .def(
+          "decode_attention",
+          [](MoeRunner& r, uintptr_t q, uintptr_t out, bool f32, int num_seqs, int num_heads, int num_kv_heads,
+             int head_dim, int v_head_dim, uintptr_t k, uintptr_t v, int64_t k_token_stride, int64_t k_head_stride,
+             int64_t v_token_stride, int64_t v_head_stride, int block_size, uintptr_t block_tables, int table_width,
+             uintptr_t context_lens, float scale, int isa) {
+            hybridd::DecodeAttention a;
+            a.q = reinterpret_cast<const void*>(q);
+            a.out = reinterpret_cast<void*>(out);
+            a.f32 = f32;
+            a.num_seqs = num_seqs;
+            a.num_heads = num_heads;
+            a.num_kv_heads = num_kv_heads;
+            a.head_dim = head_dim;
+            a.v_head_dim = v_head_dim;
+            a.k = reinterpret_cast<const void*>(k);
+            a.v = reinterpret_cast<const void*>(v);
+            a.k_token_stride = k_token_stride;
+            a.k_head_stride = k_head_stride;
+            a.v_token_stride = v_token_stride;
+            a.v_head_stride = v_head_stride;
+            a.block_size = block_size;
+            a.block_tables = reinterpret_cast<const int32_t*>(block_tables);
+            a.table_width = table_width;
+            a.context_lens = reinterpret_cast<const int32_t*>(context_lens);
+            a.scale = scale;
+            r.attention(a, static_cast<Isa>(isa));
           },
           py::call_guard<py::gil_scoped_release>());
 

@@ -14,8 +14,6 @@
 
 namespace hybridd {
 
-void check_isa(Isa isa);
-
 namespace {
 
 constexpr int kMaxTokenBlock = 8;

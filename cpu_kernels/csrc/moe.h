@@ -72,9 +72,13 @@ void convert_fp8_tile(const Tile& t, const float* scales, int block_k, uint16_t*
 
 Isa best_isa();
 bool isa_supported(Isa isa);
+// Throws std::invalid_argument when this CPU cannot run `isa`.
+void check_isa(Isa isa);
 // The fp8 -> bf16 line conversion the kernels use (64 e4m3 bytes -> two 64-byte bf16 lines), for tests.
 void fp8_to_bf16_lines(const uint8_t* src, int64_t lines, uint16_t* dst, Isa isa);
 const char* isa_name(Isa isa);
+
+struct DecodeAttention;  // attention.h
 
 class MoeRunner {
  public:
@@ -88,6 +92,8 @@ class MoeRunner {
   // out[t] = W x[t] for one packed matrix W [n, k] (expert 0 of `w`); x [T, k], out [T, n].
   void linear(Format format, const PackedMatrices& w, int n, int k, int block_k, int group, const void* x,
               bool f32_io, int num_tokens, void* out, Isa isa);
+  // Decode attention on this runner's threads (attention.cpp).
+  void attention(const DecodeAttention& a, Isa isa);
 
  private:
   void run(int ntasks, int64_t elements, const std::function<void(int, int)>& fn);

@@ -53,7 +53,7 @@ class DeepseekV3Attention(nn.Module):
         latent = self.kv_a_layernorm(latent)
         q_rope, k_rope = self.rope(batch.positions, q_rope, k_rope.view(n, 1, self.rope_dim))
         (cache,) = batch.kv_caches[self.layer]
-        if batch.attention is not None:
+        if batch.attention is not None and (batch.attention.latent_prefill or max(batch.query_lens) == 1):
             return self._latent_paged(q_nope, q_rope, latent, k_rope, cache, batch)
         write_cache(cache, batch.slot_mapping, torch.cat([latent, k_rope.view(n, self.rope_dim)], dim=-1))
         out = x.new_empty(n, self.num_heads * self.v_dim)

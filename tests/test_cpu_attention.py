@@ -1,0 +1,103 @@
+"""Decode attention kernel against its torch reference: GQA and MLA shapes, odd sizes, scattered paged blocks,
+contexts split over many slices, every instruction-set path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cpu_kernels import _C
+from cpu_kernels.attention import decode_attention, decode_attention_reference
+from cpu_kernels.moe import ISA_AMX, ISA_AVX2, ISA_AVX512_BF16, ISA_GENERIC
+
+ISAS = [isa for isa in (ISA_GENERIC, ISA_AVX2, ISA_AVX512_BF16, ISA_AMX) if _C.isa_supported(isa)]
+BOUND = {torch.float32: 2e-5, torch.bfloat16: 1e-2}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def paged(lens: list[int], block_size: int, seed: int) -> tuple[torch.Tensor, int]:
+    """Block tables over a shuffled pool, so no sequence's blocks are contiguous or in order."""
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-n // block_size) for n in lens]
+    pool = torch.randperm(sum(need) + 3, generator=g)
+    width = max(need)
+    tables = torch.zeros(len(lens), width, dtype=torch.int32)
+    used = 0
+    for i, k in enumerate(need):
+        tables[i, :k] = pool[used:used + k]
+        used += k
+    return tables, sum(need) + 3
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(8, 2, 16), (32, 4, 128), (6, 6, 48), (4, 1, 8), (5, 5, 40), (12, 3, 24)],
+                         ids=lambda v: str(v))
+@pytest.mark.parametrize("block_size", [16, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_gqa_matches_reference(hq, hkv, d, block_size, dtype):
+    lens = [1, 15, 16, 17, 300, 700]
+    tables, blocks = paged(lens, block_size, seed=hq * d + block_size)
+    g = torch.Generator().manual_seed(d)
+    k = torch.randn(blocks, block_size, hkv, d, generator=g).to(dtype)
+    v = torch.randn(blocks, block_size, hkv, d, generator=g).to(dtype)
+    q = (torch.randn(len(lens), hq, d, generator=g) * 2).to(dtype)
+    ctx = torch.tensor(lens)
+    ref = decode_attention_reference(q, k, v, tables, ctx, d ** -0.5)
+    for isa in ISAS:
+        out = decode_attention(q, k, v, tables, ctx, d ** -0.5, isa=isa)
+        assert out.dtype == dtype and out.shape == (len(lens), hq, d)
+        for i in range(len(lens)):
+            assert rel_err(out[i], ref[i]) < BOUND[dtype], (isa, lens[i])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_mla_latent_reads_v_as_a_slice_of_the_cache(dtype):
+    # DeepSeek-V3 latent attention: one KV head of lora + rope = 512 + 64 columns, V its first 512.
+    lens = [3, 64, 257]
+    tables, blocks = paged(lens, 16, seed=1)
+    g = torch.Generator().manual_seed(2)
+    cache = torch.randn(blocks, 16, 576, generator=g).to(dtype)
+    q = torch.randn(len(lens), 16, 576, generator=g).to(dtype)
+    k, v = cache.unsqueeze(2), cache[..., :512].unsqueeze(2)
+    ref = decode_attention_reference(q, k, v, tables, torch.tensor(lens), 0.07)
+    for isa in ISAS:
+        out = decode_attention(q, k, v, tables, torch.tensor(lens), 0.07, isa=isa)
+        assert out.shape == (3, 16, 512)
+        assert rel_err(out, ref) < BOUND[dtype], isa
+
+
+def test_long_context_over_many_slices_and_extreme_scores():
+    # 20000 tokens: 64 slices of 313; scores spanning hundreds of units so most weights underflow to zero.
+    lens = [20000, 2]
+    tables, blocks = paged(lens, 16, seed=3)
+    g = torch.Generator().manual_seed(4)
+    k = torch.randn(blocks, 16, 2, 16, generator=g)
+    v = torch.randn(blocks, 16, 2, 16, generator=g)
+    q = torch.randn(2, 4, 16, generator=g) * 30
+    ref = decode_attention_reference(q, k, v, tables, torch.tensor(lens), 1.0)
+    for isa in ISAS:
+        out = decode_attention(q, k, v, tables, torch.tensor(lens), 1.0, isa=isa)
+        assert torch.isfinite(out).all()
+        assert rel_err(out, ref) < 1e-4, isa
+
+
+def test_bad_inputs_are_rejected():
+    tables, blocks = paged([20], 16, seed=0)
+    k = torch.randn(blocks, 16, 2, 16)
+    q = torch.randn(1, 4, 16)
+    ctx = torch.tensor([20])
+    with pytest.raises(ValueError, match="context lengths"):
+        decode_attention(q, k, k, tables, torch.tensor([33]), 1.0)
+    with pytest.raises(ValueError, match="context lengths"):
+        decode_attention(q, k, k, tables, torch.tensor([0]), 1.0)
+    with pytest.raises(ValueError, match="block tables"):
+        decode_attention(q, k, k, tables + blocks, ctx, 1.0)
+    with pytest.raises(ValueError, match="do not fit"):
+        decode_attention(torch.randn(1, 3, 16), k, k, tables, ctx, 1.0)
+    with pytest.raises(ValueError, match="cache must be"):
+        decode_attention(q, k.bfloat16(), k, tables, ctx, 1.0)
+    with pytest.raises(ValueError, match="contiguous"):
+        decode_attention(q, k.transpose(2, 3).contiguous().transpose(2, 3), k, tables, ctx, 1.0)
+    assert decode_attention(q[:0], k, k, tables[:0], ctx[:0], 1.0).shape == (0, 4, 16)
