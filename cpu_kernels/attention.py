@@ -1,7 +1,8 @@
-"""Decode attention over a paged KV cache on the kernels' thread pool (csrc/attention.cpp), and its reference.
+"""Causal attention over a paged KV cache on the kernels' thread pool (csrc/attention.cpp), and its reference.
 
-One query token per sequence. GQA: caches [blocks, block_size, Hkv, D]. MLA in latent space: one KV head
-whose V is a column slice of the K cache (`cache[..., :lora]`), read in place through its strides.
+Each sequence brings a span of query tokens, the last of its context (decode: one). GQA: caches
+[blocks, block_size, Hkv, D]. MLA in latent space: one KV head whose V is a column slice of the K cache
+(`cache[..., :lora]`), read in place through its strides.
 """
 
 from __future__ import annotations
@@ -19,12 +20,13 @@ def _check_cache(name: str, cache: torch.Tensor, dtype: torch.dtype) -> None:
         raise ValueError(f"{name} cache rows must be contiguous and its blocks evenly strided")
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                     context_lens: torch.Tensor, scale: float, num_threads: int | None = None,
-                     isa: int | None = None) -> torch.Tensor:
-    """q [N, Hq, D] bf16 or fp32; k_cache [blocks, block_size, Hkv, D]; v_cache [blocks, block_size, Hkv, Dv]
-    (may be a view into k_cache); block_tables [N, W] and context_lens [N] integers -> [N, Hq, Dv] in q's dtype.
-    Softmax and sums in fp32."""
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    context_lens: torch.Tensor, scale: float, query_lens: torch.Tensor | None = None,
+                    num_threads: int | None = None, isa: int | None = None) -> torch.Tensor:
+    """q [N, Hq, D] bf16 or fp32, sequence i's query_lens[i] rows after those of i - 1 (default: one each);
+    k_cache [blocks, block_size, Hkv, D]; v_cache [blocks, block_size, Hkv, Dv] (may be a view into k_cache);
+    block_tables [S, W] and context_lens [S] integers -> [N, Hq, Dv] in q's dtype. Query j of sequence i sits
+    at position context_lens[i] - query_lens[i] + j and sees the keys up to it. Softmax and sums in fp32."""
     if q.dim() != 3 or q.dtype not in (torch.bfloat16, torch.float32) or q.device.type != "cpu":
         raise ValueError(f"queries must be [N, heads, dim] bfloat16 or float32 on the CPU, got {tuple(q.shape)} "
                          f"{q.dtype} on {q.device}")
@@ -37,32 +39,44 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                          f"{tuple(v_cache.shape)}")
     tables = block_tables.to(torch.int32).contiguous()
     lens = context_lens.to(torch.int32).contiguous()
-    if tables.dim() != 2 or tables.shape[0] != n or lens.shape != (n,):
-        raise ValueError(f"{n} sequences need block tables [{n}, W] and context lengths [{n}]")
-    if n and (int(lens.min()) < 1 or int(lens.max()) > tables.shape[1] * block_size):
+    seqs = lens.shape[0] if lens.dim() == 1 else -1
+    qlens = torch.ones(max(seqs, 0)) if query_lens is None else query_lens
+    qlens = qlens.to(torch.int32).contiguous()
+    if tables.dim() != 2 or tables.shape[0] != seqs or qlens.shape != (seqs,):
+        raise ValueError("block tables [S, W], context lengths [S] and query lengths [S] must agree")
+    if int(qlens.sum()) != n:
+        raise ValueError(f"query lengths add up to {int(qlens.sum())}, but there are {n} query rows")
+    if seqs and (int(lens.min()) < 1 or int(lens.max()) > tables.shape[1] * block_size):
         raise ValueError(f"context lengths must be in [1, {tables.shape[1] * block_size}]")
-    if n and tables.numel() and (int(tables.min()) < 0 or int(tables.max()) >= blocks):
+    if seqs and (int(qlens.min()) < 1 or bool((qlens > lens).any())):
+        raise ValueError("every sequence needs 1 to context-length query tokens")
+    if seqs and tables.numel() and (int(tables.min()) < 0 or int(tables.max()) >= blocks):
         raise ValueError(f"block tables must index the cache's {blocks} blocks")
     q = q.contiguous()
     out = torch.empty(n, hq, v_cache.shape[3], dtype=q.dtype)
     if n:
-        runner(num_threads).decode_attention(
-            q.data_ptr(), out.data_ptr(), q.dtype == torch.float32, n, hq, hkv, d, v_cache.shape[3],
+        runner(num_threads).paged_attention(
+            q.data_ptr(), out.data_ptr(), q.dtype == torch.float32, seqs, hq, hkv, d, v_cache.shape[3],
             k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(1), k_cache.stride(2), v_cache.stride(1),
-            v_cache.stride(2), block_size, tables.data_ptr(), tables.shape[1], lens.data_ptr(), scale,
-            kernel_isa() if isa is None else isa)
+            v_cache.stride(2), block_size, tables.data_ptr(), tables.shape[1], lens.data_ptr(), qlens.data_ptr(),
+            scale, kernel_isa() if isa is None else isa)
     return out
 
 
-def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                               block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                              query_lens: torch.Tensor | None = None) -> torch.Tensor:
     """The same in fp32 torch, one sequence at a time."""
     hq, hkv = q.shape[1], k_cache.shape[2]
-    out = []
-    for i in range(q.shape[0]):
+    qlens = [1] * len(context_lens) if query_lens is None else [int(x) for x in query_lens]
+    out, row = [], 0
+    for i, nq in enumerate(qlens):
         ctx = int(context_lens[i])
         k = k_cache[block_tables[i].long()].flatten(0, 1)[:ctx].float().repeat_interleave(hq // hkv, dim=1)
         v = v_cache[block_tables[i].long()].flatten(0, 1)[:ctx].float().repeat_interleave(hq // hkv, dim=1)
-        probs = torch.softmax(torch.einsum("hd,thd->ht", q[i].float(), k) * scale, dim=-1)
-        out.append(torch.einsum("ht,thd->hd", probs, v))
-    return torch.stack(out).to(q.dtype) if out else q.new_empty(0, hq, v_cache.shape[3])
+        scores = torch.einsum("qhd,thd->qht", q[row:row + nq].float(), k) * scale
+        hidden = torch.arange(ctx)[None, :] > torch.arange(ctx - nq, ctx)[:, None]
+        probs = torch.softmax(scores.masked_fill(hidden[:, None, :], float("-inf")), dim=-1)
+        out.append(torch.einsum("qht,thd->qhd", probs, v))
+        row += nq
+    return torch.cat(out).to(q.dtype) if out else q.new_empty(0, hq, v_cache.shape[3])

@@ -1,16 +1,16 @@
-"""The CPU runner's attention backend: decode rows through the C++ paged decode kernel, the rest in torch.
+"""The CPU runner's attention backend: every row (decode, prefill and extend spans) through the C++ paged
+attention kernel (cpu_kernels.attention), straight from the block tables, one call per layer.
 
-Sequences with one query token this step (decode) go to cpu_kernels.attention in one call; prefill and
-extend chunks keep the torch path (hybrid.attention), which batches their rows as matrix products.
-DeepSeek's MLA prefill stays in the expanded form, cheaper than latent space on the CPU.
+DeepSeek's MLA attends in latent space only for decode steps here; its prefill keeps the expanded form
+(DeepseekV3Attention), which costs fewer FLOPs than latent space for long spans.
 """
 
 from __future__ import annotations
 
 import torch
 
-from cpu_kernels.attention import decode_attention
-from hybrid.attention import paged_attention, write_cache
+from cpu_kernels.attention import paged_attention
+from hybrid.attention import write_cache
 from hybrid.forward_batch import ForwardBatch
 
 
@@ -26,20 +26,9 @@ class CpuAttention:
     def gqa(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
             scale: float) -> torch.Tensor:
         """q [N, Hq, D] over caches [blocks, page, Hkv, D|Dv] -> [N, Hq, Dv]."""
-        decode = [i for i, n in enumerate(batch.query_lens) if n == 1]
-        rest = [i for i, n in enumerate(batch.query_lens) if n != 1]
-        pick = lambda xs, idx: [xs[i] for i in idx]  # noqa: E731
-        if rest:
-            out = paged_attention(q, k_cache, v_cache, pick(batch.query_starts, rest), pick(batch.query_lens, rest),
-                                  pick(batch.context_lens, rest), pick(batch.block_tables, rest), scale)
-        else:
-            out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
-        if decode:
-            tables, lens = batch.padded_tables()
-            rows = torch.tensor(pick(batch.query_starts, decode))
-            sel = torch.tensor(decode)
-            out[rows] = decode_attention(q[rows], k_cache, v_cache, tables[sel], lens[sel], scale, self.num_threads)
-        return out
+        tables, lens = batch.padded_tables()
+        return paged_attention(q, k_cache, v_cache, tables, lens, scale, batch.query_lens_tensor(),
+                               self.num_threads)
 
     def mla(self, q: torch.Tensor, cache: torch.Tensor, lora: int, batch: ForwardBatch, scale: float) -> torch.Tensor:
         """q [N, H, lora + rope] (nope part already absorbed) over the [latent | rope] cache -> [N, H, lora]."""

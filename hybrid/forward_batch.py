@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -32,6 +33,8 @@ class ForwardBatch:
             raise ValueError("per-sequence lists of a ForwardBatch must have the same length")
         if any(q > c for q, c in zip(self.query_lens, self.context_lens)):
             raise ValueError("a sequence cannot have more query tokens than context tokens")
+        if self.query_starts != list(accumulate(self.query_lens[:-1], initial=0))[:n]:
+            raise ValueError("each sequence's query rows must follow the previous sequence's")
 
     @property
     def num_seqs(self) -> int:
@@ -47,3 +50,6 @@ class ForwardBatch:
                 tables[i, :len(t)] = t
             self._padded_tables = tables, torch.tensor(self.context_lens, dtype=torch.int32, device=dev)
         return self._padded_tables
+
+    def query_lens_tensor(self) -> torch.Tensor:
+        return torch.tensor(self.query_lens, dtype=torch.int32)

@@ -1,5 +1,5 @@
-"""Decode attention kernel against its torch reference: GQA and MLA shapes, odd sizes, scattered paged blocks,
-contexts split over many slices, every instruction-set path."""
+"""Paged attention kernel against its torch reference: decode and prefill / extend spans, GQA and MLA shapes,
+odd sizes, scattered paged blocks, contexts split over many slices, every instruction-set path."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from cpu_kernels import _C
-from cpu_kernels.attention import decode_attention, decode_attention_reference
+from cpu_kernels.attention import paged_attention, paged_attention_reference
 from cpu_kernels.moe import ISA_AMX, ISA_AVX2, ISA_AVX512_BF16, ISA_GENERIC
 
 ISAS = [isa for isa in (ISA_GENERIC, ISA_AVX2, ISA_AVX512_BF16, ISA_AMX) if _C.isa_supported(isa)]
@@ -44,12 +44,35 @@ def test_gqa_matches_reference(hq, hkv, d, block_size, dtype):
     v = torch.randn(blocks, block_size, hkv, d, generator=g).to(dtype)
     q = (torch.randn(len(lens), hq, d, generator=g) * 2).to(dtype)
     ctx = torch.tensor(lens)
-    ref = decode_attention_reference(q, k, v, tables, ctx, d ** -0.5)
+    ref = paged_attention_reference(q, k, v, tables, ctx, d ** -0.5)
     for isa in ISAS:
-        out = decode_attention(q, k, v, tables, ctx, d ** -0.5, isa=isa)
+        out = paged_attention(q, k, v, tables, ctx, d ** -0.5, isa=isa)
         assert out.dtype == dtype and out.shape == (len(lens), hq, d)
         for i in range(len(lens)):
             assert rel_err(out[i], ref[i]) < BOUND[dtype], (isa, lens[i])
+
+
+@pytest.mark.parametrize("hq,hkv,d", [(8, 2, 16), (32, 4, 128), (6, 3, 24), (40, 2, 32)], ids=lambda v: str(v))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_prefill_and_extend_spans_are_causal(hq, hkv, d, dtype):
+    # Whole prompts (query span = context), extends after a cached prefix, and decode rows in one call;
+    # spans longer than a task's query tile (128 rows / group) and not multiples of the 16-key chunk.
+    lens = [1, 37, 300, 64, 129, 9]
+    qlens = [1, 37, 45, 1, 100, 9]
+    tables, blocks = paged(lens, 16, seed=hq + d)
+    g = torch.Generator().manual_seed(hq)
+    k = torch.randn(blocks, 16, hkv, d, generator=g).to(dtype)
+    v = torch.randn(blocks, 16, hkv, d, generator=g).to(dtype)
+    q = torch.randn(sum(qlens), hq, d, generator=g).to(dtype)
+    ctx, ql = torch.tensor(lens), torch.tensor(qlens)
+    ref = paged_attention_reference(q, k, v, tables, ctx, d ** -0.5, ql)
+    for isa in ISAS:
+        out = paged_attention(q, k, v, tables, ctx, d ** -0.5, ql, isa=isa)
+        assert out.shape == ref.shape
+        row = 0
+        for i, n in enumerate(qlens):
+            assert rel_err(out[row:row + n], ref[row:row + n]) < BOUND[dtype], (isa, i)
+            row += n
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
@@ -61,9 +84,9 @@ def test_mla_latent_reads_v_as_a_slice_of_the_cache(dtype):
     cache = torch.randn(blocks, 16, 576, generator=g).to(dtype)
     q = torch.randn(len(lens), 16, 576, generator=g).to(dtype)
     k, v = cache.unsqueeze(2), cache[..., :512].unsqueeze(2)
-    ref = decode_attention_reference(q, k, v, tables, torch.tensor(lens), 0.07)
+    ref = paged_attention_reference(q, k, v, tables, torch.tensor(lens), 0.07)
     for isa in ISAS:
-        out = decode_attention(q, k, v, tables, torch.tensor(lens), 0.07, isa=isa)
+        out = paged_attention(q, k, v, tables, torch.tensor(lens), 0.07, isa=isa)
         assert out.shape == (3, 16, 512)
         assert rel_err(out, ref) < BOUND[dtype], isa
 
@@ -76,9 +99,9 @@ def test_long_context_over_many_slices_and_extreme_scores():
     k = torch.randn(blocks, 16, 2, 16, generator=g)
     v = torch.randn(blocks, 16, 2, 16, generator=g)
     q = torch.randn(2, 4, 16, generator=g) * 30
-    ref = decode_attention_reference(q, k, v, tables, torch.tensor(lens), 1.0)
+    ref = paged_attention_reference(q, k, v, tables, torch.tensor(lens), 1.0)
     for isa in ISAS:
-        out = decode_attention(q, k, v, tables, torch.tensor(lens), 1.0, isa=isa)
+        out = paged_attention(q, k, v, tables, torch.tensor(lens), 1.0, isa=isa)
         assert torch.isfinite(out).all()
         assert rel_err(out, ref) < 1e-4, isa
 
@@ -89,15 +112,19 @@ def test_bad_inputs_are_rejected():
     q = torch.randn(1, 4, 16)
     ctx = torch.tensor([20])
     with pytest.raises(ValueError, match="context lengths"):
-        decode_attention(q, k, k, tables, torch.tensor([33]), 1.0)
+        paged_attention(q, k, k, tables, torch.tensor([33]), 1.0)
     with pytest.raises(ValueError, match="context lengths"):
-        decode_attention(q, k, k, tables, torch.tensor([0]), 1.0)
+        paged_attention(q, k, k, tables, torch.tensor([0]), 1.0)
     with pytest.raises(ValueError, match="block tables"):
-        decode_attention(q, k, k, tables + blocks, ctx, 1.0)
+        paged_attention(q, k, k, tables + blocks, ctx, 1.0)
     with pytest.raises(ValueError, match="do not fit"):
-        decode_attention(torch.randn(1, 3, 16), k, k, tables, ctx, 1.0)
+        paged_attention(torch.randn(1, 3, 16), k, k, tables, ctx, 1.0)
     with pytest.raises(ValueError, match="cache must be"):
-        decode_attention(q, k.bfloat16(), k, tables, ctx, 1.0)
+        paged_attention(q, k.bfloat16(), k, tables, ctx, 1.0)
     with pytest.raises(ValueError, match="contiguous"):
-        decode_attention(q, k.transpose(2, 3).contiguous().transpose(2, 3), k, tables, ctx, 1.0)
-    assert decode_attention(q[:0], k, k, tables[:0], ctx[:0], 1.0).shape == (0, 4, 16)
+        paged_attention(q, k.transpose(2, 3).contiguous().transpose(2, 3), k, tables, ctx, 1.0)
+    with pytest.raises(ValueError, match="add up"):
+        paged_attention(q, k, k, tables, ctx, 1.0, torch.tensor([2]))
+    with pytest.raises(ValueError, match="query tokens"):
+        paged_attention(torch.randn(21, 4, 16), k, k, tables, ctx, 1.0, torch.tensor([21]))
+    assert paged_attention(q[:0], k, k, tables[:0], ctx[:0], 1.0).shape == (0, 4, 16)

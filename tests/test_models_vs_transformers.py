@@ -111,8 +111,8 @@ def test_quantized_experts_stay_within_their_accuracy_bound(model_dirs, fmt):
 
 
 @pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-deepseek-v3"])
-def test_cpu_decode_attention_gives_the_torch_path_tokens(model_dirs, preset):
-    # Several prompts of different lengths in flight: steps mix prefill chunks (torch) with decode rows (C++).
+def test_cpu_attention_gives_the_torch_path_tokens(model_dirs, preset):
+    # Several prompts of different lengths in flight: steps mix prefill chunks, extends and decode rows.
     prompts = [prompt_ids(n, seed=n) for n in (5, 40, 17)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     torch_llm = LLM(model_dirs[preset], dtype="float32", attention="torch", max_num_batched_tokens=32)

@@ -1,7 +1,8 @@
-// Decode attention over a paged KV cache (see attention.h). A task attends one context slice of one KV head
-// for the query heads that share it, 16 tokens at a time: their K and V rows are gathered from the cache
-// blocks (bf16 widened to fp32 once, shared by every query head), scored, and folded into a running
-// max / sum / weighted V sum per head. Probabilities stay fp32 throughout.
+// Paged causal attention (see attention.h). A task attends one context slice of one KV head for a tile of
+// queries and every query head sharing that KV head: rows r = (query, head). Keys come 16 at a time: their
+// K rows are gathered from the cache blocks, widened to fp32 and transposed so that one FMA scores a row
+// against all 16, then each row folds them into its running max / sum / weighted V sum. Probabilities stay
+// fp32 throughout.
 #include "attention.h"
 
 #include <immintrin.h>
@@ -18,8 +19,12 @@ namespace {
 
 #define ATTN_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
 
-constexpr int kSliceTokens = 256;  // context tokens per task: long contexts spread over every thread
-constexpr int kChunk = 16;         // tokens gathered and scored together
+constexpr int kSliceTokens = 256;  // decode: context tokens per task, so long contexts use every thread
+constexpr int kMaxSlices = 64;
+constexpr int kChunk = 16;         // keys gathered and scored together
+constexpr int kTileRows = 128;     // (query, head) rows per task
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 inline float bf16_to_f32(uint16_t h) {
   const uint32_t u = uint32_t(h) << 16;
@@ -39,39 +44,53 @@ inline float load(const void* base, int64_t i, bool f32) {
   return f32 ? static_cast<const float*>(base)[i] : bf16_to_f32(static_cast<const uint16_t*>(base)[i]);
 }
 
-struct Slice {
-  int seq, kv_head, t0, t1;
+// Queries [q0, q0 + nq) of sequence seq (rows `row0`.. of q), KV head kv_head, keys [t0, t1).
+struct Task {
+  int seq, kv_head, q0, nq, t0, t1;
+  int64_t row0;
 };
 
-// Per task and query head: running max, running sum, then the v_head_dim weighted V sum.
-inline int64_t partial_floats(const DecodeAttention& a) { return 2 + a.v_head_dim; }
+inline int group_of(const PagedAttention& a) { return a.num_heads / a.num_kv_heads; }
+// Per row: running max, running sum, then the v_head_dim weighted V sum.
+inline int64_t row_floats(const PagedAttention& a) { return 2 + a.v_head_dim; }
 
-inline int64_t token_index(const DecodeAttention& a, int seq, int t) {
+inline int64_t token_index(const PagedAttention& a, int seq, int t) {
   const int32_t block = a.block_tables[int64_t(seq) * a.table_width + t / a.block_size];
   return int64_t(block) * a.block_size + t % a.block_size;
 }
 
-void attend_slice_generic(const DecodeAttention& a, const Slice& s, float* part) {
-  const int group = a.num_heads / a.num_kv_heads, d = a.head_dim, dv = a.v_head_dim;
-  thread_local std::vector<float> q;
-  q.resize(size_t(group) * d);
-  for (int g = 0; g < group; ++g)
-    for (int i = 0; i < d; ++i)
-      q[size_t(g) * d + i] = load(a.q, (int64_t(s.seq) * a.num_heads + s.kv_head * group + g) * d + i, a.f32) * a.scale;
-  for (int g = 0; g < group; ++g) {
-    float* p = part + g * partial_floats(a);
-    p[0] = -std::numeric_limits<float>::infinity();
+// Keys [0, limit) are visible to query q of the task's sequence.
+inline int key_limit(const PagedAttention& a, const Task& t, int q) {
+  return a.context_lens[t.seq] - a.query_lens[t.seq] + t.q0 + q + 1;
+}
+
+void init_rows(const PagedAttention& a, int rows, float* part) {
+  for (int r = 0; r < rows; ++r) {
+    float* p = part + r * row_floats(a);
+    p[0] = kNegInf;
     p[1] = 0.0f;
-    std::fill(p + 2, p + 2 + dv, 0.0f);
+    std::fill(p + 2, p + 2 + a.v_head_dim, 0.0f);
   }
-  for (int t = s.t0; t < s.t1; ++t) {
-    const int64_t idx = token_index(a, s.seq, t);
-    const int64_t k0 = idx * a.k_token_stride + s.kv_head * a.k_head_stride;
-    const int64_t v0 = idx * a.v_token_stride + s.kv_head * a.v_head_stride;
-    for (int g = 0; g < group; ++g) {
-      float* p = part + g * partial_floats(a);
+}
+
+void attend_generic(const PagedAttention& a, const Task& t, float* part) {
+  const int group = group_of(a), d = a.head_dim, dv = a.v_head_dim, rows = t.nq * group;
+  thread_local std::vector<float> q;
+  q.resize(size_t(rows) * d);
+  for (int r = 0; r < rows; ++r)
+    for (int i = 0; i < d; ++i)
+      q[size_t(r) * d + i] =
+          load(a.q, ((t.row0 + r / group) * a.num_heads + t.kv_head * group + r % group) * d + i, a.f32) * a.scale;
+  init_rows(a, rows, part);
+  for (int r = 0; r < rows; ++r) {
+    float* p = part + r * row_floats(a);
+    const int end = std::min(t.t1, key_limit(a, t, r / group));
+    for (int k = t.t0; k < end; ++k) {
+      const int64_t idx = token_index(a, t.seq, k);
+      const int64_t k0 = idx * a.k_token_stride + t.kv_head * a.k_head_stride;
+      const int64_t v0 = idx * a.v_token_stride + t.kv_head * a.v_head_stride;
       float score = 0.0f;
-      for (int i = 0; i < d; ++i) score += q[size_t(g) * d + i] * load(a.k, k0 + i, a.f32);
+      for (int i = 0; i < d; ++i) score += q[size_t(r) * d + i] * load(a.k, k0 + i, a.f32);
       if (score > p[0]) {
         const float corr = std::exp(p[0] - score);
         p[1] *= corr;
@@ -110,17 +129,30 @@ ATTN_AVX512 inline __m512 load16(const void* base, int64_t i, bool f32) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-// Rows of `n` tokens as fp32 pointers: fp32 caches are read in place, bf16 rows widened into `buf`.
-ATTN_AVX512 void gather_rows(const void* cache, const int64_t* start, int n, int width, bool f32, float* buf,
-                             const float** rows) {
-  for (int i = 0; i < n; ++i) {
-    if (f32) {
-      rows[i] = static_cast<const float*>(cache) + start[i];
-      continue;
-    }
-    float* dst = buf + size_t(i) * width;
-    for (int c = 0; c < width; c += 16) _mm512_storeu_ps(dst + c, load16(cache, start[i] + c, false));
-    rows[i] = dst;
+ATTN_AVX512 inline __m512d pd(__m512 v) { return _mm512_castps_pd(v); }
+
+// r[i][j] -> r[j][i] for 16 x 16 floats: pairs, then quads within 128-bit lanes, then lanes.
+ATTN_AVX512 inline void transpose16(__m512* r) {
+  __m512 t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    // u[4i + j], 128-bit lane L: column 4L + j of rows 4i..4i+3
+    u[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(pd(t[4 * i]), pd(t[4 * i + 2])));
+    u[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(pd(t[4 * i]), pd(t[4 * i + 2])));
+    u[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(pd(t[4 * i + 1]), pd(t[4 * i + 3])));
+    u[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(pd(t[4 * i + 1]), pd(t[4 * i + 3])));
+  }
+  for (int j = 0; j < 4; ++j) {
+    const __m512 v1 = _mm512_shuffle_f32x4(u[j], u[4 + j], 0x44), v2 = _mm512_shuffle_f32x4(u[j], u[4 + j], 0xee);
+    const __m512 w1 = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0x44);
+    const __m512 w2 = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0xee);
+    r[j] = _mm512_shuffle_f32x4(v1, w1, 0x88);
+    r[4 + j] = _mm512_shuffle_f32x4(v1, w1, 0xdd);
+    r[8 + j] = _mm512_shuffle_f32x4(v2, w2, 0x88);
+    r[12 + j] = _mm512_shuffle_f32x4(v2, w2, 0xdd);
   }
 }
 
@@ -136,122 +168,151 @@ ATTN_AVX512 inline void weighted_sum(float* acc, __m512 corr, const float* p, co
   for (int j = 0; j < W; ++j) _mm512_storeu_ps(acc + 16 * j, r[j]);
 }
 
-// head_dim and v_head_dim multiples of 16.
-ATTN_AVX512 void attend_slice_avx512(const DecodeAttention& a, const Slice& s, float* part) {
-  const int group = a.num_heads / a.num_kv_heads, d = a.head_dim, dv = a.v_head_dim;
-  thread_local std::vector<float> q, kbuf, vbuf;
-  q.resize(size_t(group) * d);
-  kbuf.resize(size_t(kChunk) * d);
-  vbuf.resize(size_t(kChunk) * dv);
-  const __m512 scale = _mm512_set1_ps(a.scale);
-  for (int g = 0; g < group; ++g) {
-    const int64_t q0 = (int64_t(s.seq) * a.num_heads + s.kv_head * group + g) * d;
-    for (int c = 0; c < d; c += 16) _mm512_storeu_ps(&q[size_t(g) * d + c], _mm512_mul_ps(load16(a.q, q0 + c, a.f32), scale));
-    float* p = part + g * partial_floats(a);
-    p[0] = -std::numeric_limits<float>::infinity();
-    p[1] = 0.0f;
-    std::fill(p + 2, p + 2 + dv, 0.0f);
+// Scores of `m` (<= 8) rows against the 16 transposed keys kt [d][16].
+template <int M>
+ATTN_AVX512 inline void score_rows(const float* q, int d, const float* kt, __m512* s) {
+  for (int r = 0; r < M; ++r) s[r] = _mm512_setzero_ps();
+  for (int c = 0; c < d; ++c) {
+    const __m512 k = _mm512_load_ps(kt + c * 16);
+    for (int r = 0; r < M; ++r) s[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[size_t(r) * d + c]), k, s[r]);
   }
-  int64_t kstart[kChunk], vstart[kChunk];
-  const float* krow[kChunk + 3];
+}
+
+// head_dim and v_head_dim multiples of 16.
+ATTN_AVX512 void attend_avx512(const PagedAttention& a, const Task& t, float* part) {
+  const int group = group_of(a), d = a.head_dim, dv = a.v_head_dim, rows = t.nq * group;
+  thread_local std::vector<float> q, vbuf, ktbuf;
+  q.resize(size_t(rows) * d);
+  vbuf.resize(size_t(kChunk) * dv);
+  ktbuf.resize(size_t(d) * 16 + 16);
+  float* kt = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(ktbuf.data()) + 63) & ~uintptr_t(63));
+  const __m512 scale = _mm512_set1_ps(a.scale);
+  for (int r = 0; r < rows; ++r) {
+    const int64_t q0 = ((t.row0 + r / group) * a.num_heads + t.kv_head * group + r % group) * d;
+    for (int c = 0; c < d; c += 16) _mm512_storeu_ps(&q[size_t(r) * d + c], _mm512_mul_ps(load16(a.q, q0 + c, a.f32), scale));
+  }
+  init_rows(a, rows, part);
+  const int end = std::min(t.t1, key_limit(a, t, t.nq - 1));
+  int64_t kstart[kChunk];
   const float* vrow[kChunk];
-  alignas(64) float score[kChunk], prob[kChunk];
-  for (int c0 = s.t0; c0 < s.t1; c0 += kChunk) {
-    const int n = std::min(kChunk, s.t1 - c0);
+  alignas(64) float prob[kChunk];
+  __m512 s[8];
+  for (int c0 = t.t0; c0 < end; c0 += kChunk) {
+    const int n = std::min(kChunk, end - c0);
     for (int i = 0; i < n; ++i) {
-      const int64_t idx = token_index(a, s.seq, c0 + i);
-      kstart[i] = idx * a.k_token_stride + s.kv_head * a.k_head_stride;
-      vstart[i] = idx * a.v_token_stride + s.kv_head * a.v_head_stride;
-    }
-    gather_rows(a.k, kstart, n, d, a.f32, kbuf.data(), krow);
-    gather_rows(a.v, vstart, n, dv, a.f32, vbuf.data(), vrow);
-    for (int i = n; i < n + 3; ++i) krow[i] = krow[n - 1];  // groups of four read past the end harmlessly
-    const __mmask16 valid = __mmask16((1u << n) - 1);
-    for (int g = 0; g < group; ++g) {
-      const float* qg = &q[size_t(g) * d];
-      for (int i = 0; i < n; i += 4) {
-        __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
-        for (int c = 0; c < d; c += 16) {
-          const __m512 qv = _mm512_loadu_ps(qg + c);
-          s0 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(krow[i] + c), s0);
-          s1 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(krow[i + 1] + c), s1);
-          s2 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(krow[i + 2] + c), s2);
-          s3 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(krow[i + 3] + c), s3);
-        }
-        score[i] = _mm512_reduce_add_ps(s0);
-        if (i + 1 < kChunk) score[i + 1] = _mm512_reduce_add_ps(s1);
-        if (i + 2 < kChunk) score[i + 2] = _mm512_reduce_add_ps(s2);
-        if (i + 3 < kChunk) score[i + 3] = _mm512_reduce_add_ps(s3);
+      const int64_t idx = token_index(a, t.seq, c0 + i);
+      kstart[i] = idx * a.k_token_stride + t.kv_head * a.k_head_stride;
+      const int64_t v0 = idx * a.v_token_stride + t.kv_head * a.v_head_stride;
+      if (a.f32) {
+        vrow[i] = static_cast<const float*>(a.v) + v0;
+      } else {
+        float* dst = vbuf.data() + size_t(i) * dv;
+        for (int c = 0; c < dv; c += 16) _mm512_storeu_ps(dst + c, load16(a.v, v0 + c, false));
+        vrow[i] = dst;
       }
-      float* p = part + g * partial_floats(a);
-      const __m512 sv = _mm512_mask_loadu_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid, score);
-      const float m = std::max(p[0], _mm512_reduce_max_ps(sv));
-      const float corr = std::exp(p[0] - m);
-      const __m512 e = _mm512_maskz_mov_ps(valid, exp_nonpositive(_mm512_sub_ps(sv, _mm512_set1_ps(m))));
-      _mm512_store_ps(prob, e);
-      p[0] = m;
-      p[1] = p[1] * corr + _mm512_reduce_add_ps(e);
-      const __m512 cv = _mm512_set1_ps(corr);
-      int c = 0;
-      for (; c + 128 <= dv; c += 128) weighted_sum<8>(p + 2 + c, cv, prob, vrow, c, n);
-      for (; c < dv; c += 16) weighted_sum<1>(p + 2 + c, cv, prob, vrow, c, n);
+    }
+    for (int c = 0; c < d; c += 16) {
+      __m512 blk[16];
+      for (int i = 0; i < 16; ++i) blk[i] = i < n ? load16(a.k, kstart[i] + c, a.f32) : _mm512_setzero_ps();
+      transpose16(blk);
+      for (int j = 0; j < 16; ++j) _mm512_store_ps(kt + (c + j) * 16, blk[j]);
+    }
+    for (int r0 = 0; r0 < rows; r0 += 8) {
+      const int m = std::min(8, rows - r0);
+      if (key_limit(a, t, (r0 + m - 1) / group) <= c0) continue;  // rows are in query order: the last sees most
+      const float* qr = &q[size_t(r0) * d];
+      if (m == 8) score_rows<8>(qr, d, kt, s);
+      else
+        for (int r = 0; r < m; ++r) score_rows<1>(qr + size_t(r) * d, d, kt, s + r);
+      for (int r = 0; r < m; ++r) {
+        const int visible = std::min(n, key_limit(a, t, (r0 + r) / group) - c0);
+        if (visible <= 0) continue;
+        const __mmask16 valid = __mmask16((1u << visible) - 1);
+        float* p = part + (r0 + r) * row_floats(a);
+        const __m512 sv = _mm512_mask_mov_ps(_mm512_set1_ps(kNegInf), valid, s[r]);
+        const float mx = std::max(p[0], _mm512_reduce_max_ps(sv));
+        const float corr = std::exp(p[0] - mx);
+        const __m512 e = _mm512_maskz_mov_ps(valid, exp_nonpositive(_mm512_sub_ps(sv, _mm512_set1_ps(mx))));
+        _mm512_store_ps(prob, e);
+        p[0] = mx;
+        p[1] = p[1] * corr + _mm512_reduce_add_ps(e);
+        const __m512 cv = _mm512_set1_ps(corr);
+        int c = 0;
+        for (; c + 128 <= dv; c += 128) weighted_sum<8>(p + 2 + c, cv, prob, vrow, c, visible);
+        for (; c < dv; c += 16) weighted_sum<1>(p + 2 + c, cv, prob, vrow, c, visible);
+      }
     }
   }
 }
 
-void merge_slices(const DecodeAttention& a, const float* part, int first, int slices, int seq, int head) {
-  const int group = a.num_heads / a.num_kv_heads, dv = a.v_head_dim;
-  const int kvh = head / group, g = head % group;
-  const auto at = [&](int i) { return part + (int64_t(first + kvh * slices + i) * group + g) * partial_floats(a); };
-  float m = -std::numeric_limits<float>::infinity();
+// Output row (query, head) from its partial rows in `slices` consecutive tasks of task_floats each.
+void merge(const PagedAttention& a, const float* part, int64_t task_floats, int64_t task0, int slices, int row,
+           int64_t out_row) {
+  const int dv = a.v_head_dim;
+  const auto at = [&](int i) { return part + (task0 + i) * task_floats + row * row_floats(a); };
+  float m = kNegInf;
   for (int i = 0; i < slices; ++i) m = std::max(m, at(i)[0]);
-  float weight[64];
+  float weight[kMaxSlices];
   float total = 0.0f;
   for (int i = 0; i < slices; ++i) total += at(i)[1] * (weight[i] = std::exp(at(i)[0] - m));
-  const int64_t o = (int64_t(seq) * a.num_heads + head) * dv;
   for (int c = 0; c < dv; ++c) {
     float sum = 0.0f;
     for (int i = 0; i < slices; ++i) sum += at(i)[2 + c] * weight[i];
     const float v = sum / total;
-    if (a.f32) static_cast<float*>(a.out)[o + c] = v;
-    else static_cast<uint16_t*>(a.out)[o + c] = f32_to_bf16(v);
+    if (a.f32) static_cast<float*>(a.out)[out_row * dv + c] = v;
+    else static_cast<uint16_t*>(a.out)[out_row * dv + c] = f32_to_bf16(v);
   }
 }
 
 }  // namespace
 
-void decode_attention(ThreadPool& pool, const DecodeAttention& a, Isa isa) {
-  const int group = a.num_heads / a.num_kv_heads;
-  // Slices per sequence: at most 64 (merge_slices' weights) and kSliceTokens each below that.
-  std::vector<int> first(a.num_seqs), slices(a.num_seqs);
-  std::vector<Slice> work;
+void paged_attention(ThreadPool& pool, const PagedAttention& a, Isa isa) {
+  const int group = group_of(a);
+  const int tile = std::max(1, kTileRows / group);  // queries per task
+  // Tasks of sequence s: first[s] + (kv_head * tiles[s] + query tile) * slices[s] + slice.
+  std::vector<int64_t> first(a.num_seqs), row0(a.num_seqs);
+  std::vector<int> tiles(a.num_seqs), slices(a.num_seqs);
+  std::vector<Task> work;
+  int64_t rows = 0;
   for (int s = 0; s < a.num_seqs; ++s) {
-    const int len = a.context_lens[s];
-    const int per = std::max(kSliceTokens, (len + 63) / 64);
+    const int len = a.context_lens[s], nq = a.query_lens[s];
+    const int per = nq == 1 ? std::max(kSliceTokens, (len + kMaxSlices - 1) / kMaxSlices) : len;
     slices[s] = (len + per - 1) / per;
-    first[s] = static_cast<int>(work.size());
+    tiles[s] = (nq + tile - 1) / tile;
+    first[s] = static_cast<int64_t>(work.size());
+    row0[s] = rows;
     for (int h = 0; h < a.num_kv_heads; ++h)
-      for (int i = 0; i < slices[s]; ++i) work.push_back({s, h, i * per, std::min(len, (i + 1) * per)});
+      for (int qt = 0; qt < tiles[s]; ++qt)
+        for (int i = 0; i < slices[s]; ++i)
+          work.push_back({s, h, qt * tile, std::min(tile, nq - qt * tile), i * per, std::min(len, (i + 1) * per),
+                          rows + qt * tile});
+    rows += nq;
   }
   thread_local std::vector<float> part;
-  part.resize(work.size() * group * (2 + a.v_head_dim));
+  const int64_t task_floats = int64_t(tile) * group * row_floats(a);
+  part.resize(work.size() * task_floats);
   const bool wide = (isa == Isa::kAvx512Bf16 || isa == Isa::kAmx) && a.head_dim % 16 == 0 && a.v_head_dim % 16 == 0;
   float* parts = part.data();
   pool.run(static_cast<int>(work.size()), [&](int i, int) {
-    float* p = parts + int64_t(i) * group * (2 + a.v_head_dim);
-    if (wide) attend_slice_avx512(a, work[i], p);
-    else attend_slice_generic(a, work[i], p);
+    if (wide) attend_avx512(a, work[i], parts + i * task_floats);
+    else attend_generic(a, work[i], parts + i * task_floats);
   });
-  pool.run(a.num_seqs * a.num_heads, [&](int i, int) {
-    const int s = i / a.num_heads;
-    merge_slices(a, parts, first[s], slices[s], s, i % a.num_heads);
+  // One merge task per (sequence, query); `seq_of` finds the sequence of a query row.
+  std::vector<int> seq_of(rows);
+  for (int s = 0; s < a.num_seqs; ++s) std::fill(seq_of.begin() + row0[s], seq_of.begin() + row0[s] + a.query_lens[s], s);
+  pool.run(static_cast<int>(rows), [&](int qrow, int) {
+    const int s = seq_of[qrow], qi = static_cast<int>(qrow - row0[s]);
+    for (int h = 0; h < a.num_heads; ++h) {
+      const int64_t task0 = first[s] + (int64_t(h / group) * tiles[s] + qi / tile) * slices[s];
+      merge(a, parts, task_floats, task0, slices[s], (qi % tile) * group + h % group, int64_t(qrow) * a.num_heads + h);
+    }
   });
 }
 
-void MoeRunner::attention(const DecodeAttention& a, Isa isa) {
+void MoeRunner::attention(const PagedAttention& a, Isa isa) {
   check_isa(isa);
   std::lock_guard<std::mutex> lock(mutex_);
-  decode_attention(pool_, a, isa);
+  paged_attention(pool_, a, isa);
 }
 
 }  // namespace hybridd

@@ -1,6 +1,7 @@
-// Decode attention: one query token per sequence over a paged KV cache, for GQA (many KV heads) and MLA in
-// latent space (one KV head whose V is the first Dv columns of K). Split-KV: each (sequence, KV head,
-// context slice) is one task that keeps an online softmax; the slices are merged at the end.
+// Causal attention of query spans over a paged KV cache (decode: one query per sequence; prefill / extend:
+// the span's last tokens), for GQA (many KV heads) and MLA in latent space (one KV head whose V is the first
+// Dv columns of K). A task is (sequence, KV head, tile of queries, context slice) and keeps an online
+// softmax per (query, head) row; decode spreads a long context over slices, merged at the end.
 #pragma once
 
 #include <cstdint>
@@ -10,9 +11,9 @@
 
 namespace hybridd {
 
-struct DecodeAttention {
-  const void* q = nullptr;  // [num_seqs, num_heads, head_dim]
-  void* out = nullptr;      // [num_seqs, num_heads, v_head_dim]
+struct PagedAttention {
+  const void* q = nullptr;  // [num_queries, num_heads, head_dim], sequence s's rows after those of s - 1
+  void* out = nullptr;      // [num_queries, num_heads, v_head_dim]
   bool f32 = false;         // q, caches and out are fp32 (else bf16)
   int num_seqs = 0, num_heads = 0, num_kv_heads = 0, head_dim = 0, v_head_dim = 0;
   // Element strides: token (block b, offset o) is at cache + (b * block_size + o) * token_stride.
@@ -23,9 +24,11 @@ struct DecodeAttention {
   const int32_t* block_tables = nullptr;  // [num_seqs, table_width]
   int table_width = 0;
   const int32_t* context_lens = nullptr;  // [num_seqs], each >= 1 and <= table_width * block_size
+  // [num_seqs], 1 <= query_lens[s] <= context_lens[s]: query i of s sits at context_lens[s] - query_lens[s] + i
+  const int32_t* query_lens = nullptr;
   float scale = 1.0f;
 };
 
-void decode_attention(ThreadPool& pool, const DecodeAttention& a, Isa isa);
+void paged_attention(ThreadPool& pool, const PagedAttention& a, Isa isa);
 
 }  // namespace hybridd

@@ -78,7 +78,7 @@ void check_isa(Isa isa);
 void fp8_to_bf16_lines(const uint8_t* src, int64_t lines, uint16_t* dst, Isa isa);
 const char* isa_name(Isa isa);
 
-struct DecodeAttention;  // attention.h
+struct PagedAttention;  // attention.h
 
 class MoeRunner {
  public:
@@ -92,8 +92,8 @@ class MoeRunner {
   // out[t] = W x[t] for one packed matrix W [n, k] (expert 0 of `w`); x [T, k], out [T, n].
   void linear(Format format, const PackedMatrices& w, int n, int k, int block_k, int group, const void* x,
               bool f32_io, int num_tokens, void* out, Isa isa);
-  // Decode attention on this runner's threads (attention.cpp).
-  void attention(const DecodeAttention& a, Isa isa);
+  // Paged attention on this runner's threads (attention.cpp).
+  void attention(const PagedAttention& a, Isa isa);
 
  private:
   void run(int ntasks, int64_t elements, const std::function<void(int, int)>& fn);
