@@ -2,7 +2,8 @@
 attention kernel (cpu_kernels.attention), straight from the block tables, one call per layer.
 
 DeepSeek's MLA attends in latent space only for decode steps here; its prefill keeps the expanded form
-(DeepseekV3Attention), which costs fewer FLOPs than latent space for long spans.
+(DeepseekV3Attention: fewer FLOPs than latent space for long spans), whose per-head K and V are computed,
+not cached, and go through the same kernel as one contiguous block (`causal`).
 """
 
 from __future__ import annotations
@@ -33,3 +34,11 @@ class CpuAttention:
     def mla(self, q: torch.Tensor, cache: torch.Tensor, lora: int, batch: ForwardBatch, scale: float) -> torch.Tensor:
         """q [N, H, lora + rope] (nope part already absorbed) over the [latent | rope] cache -> [N, H, lora]."""
         return self.gqa(q, cache.unsqueeze(2), cache[..., :lora].unsqueeze(2), batch, scale)
+
+    def causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        """q [Tq, H, D] at the last Tq of the ctx positions of k [ctx, Hkv, D] and v [ctx, Hkv, Dv] -> [Tq, H, Dv]."""
+        ctx = k.shape[0]
+        table = torch.zeros(1, 1, dtype=torch.int32)
+        lens = torch.tensor([ctx], dtype=torch.int32)
+        return paged_attention(q, k.unsqueeze(0), v.unsqueeze(0), table, lens, scale,
+                               torch.tensor([q.shape[0]], dtype=torch.int32), self.num_threads)

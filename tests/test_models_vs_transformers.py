@@ -110,7 +110,8 @@ def test_quantized_experts_stay_within_their_accuracy_bound(model_dirs, fmt):
     assert agree > {"int8": 0.9, "int4": 0.8}[fmt]
 
 
-@pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-deepseek-v3"])
+# Head sizes 24 / 16+8 take the kernel's portable path, 64 / 32+16 its AVX-512 one.
+@pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-qwen3-moe-fp8", "tiny-deepseek-v3-fp8"])
 def test_cpu_attention_gives_the_torch_path_tokens(model_dirs, preset):
     # Several prompts of different lengths in flight: steps mix prefill chunks, extends and decode rows.
     prompts = [prompt_ids(n, seed=n) for n in (5, 40, 17)]
@@ -121,3 +122,19 @@ def test_cpu_attention_gives_the_torch_path_tokens(model_dirs, preset):
     assert torch_llm.engine.runner.attention is None
     assert [o.token_ids for o in cpu_llm.generate(prompts, params)] == \
         [o.token_ids for o in torch_llm.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("preset", ["tiny-deepseek-v3", "tiny-deepseek-v3-fp8"])
+def test_mla_expanded_prefill_through_the_kernel_equals_torch(model_dirs, preset):
+    from hybrid.cpu_attention import CpuAttention
+
+    llm = LLM(model_dirs[preset], dtype="float32")
+    attn = llm.engine.runner.model.model.layers[1].self_attn
+    g = torch.Generator().manual_seed(5)
+    ctx, tq = 70, 33  # an extend: 37 cached tokens, 33 new ones
+    q_nope = torch.randn(tq, attn.num_heads, attn.nope, generator=g)
+    q_rope = torch.randn(tq, attn.num_heads, attn.rope_dim, generator=g)
+    latent = torch.randn(ctx, attn.lora, generator=g)
+    k_rope = torch.randn(ctx, attn.rope_dim, generator=g)
+    torch.testing.assert_close(attn._expanded(q_nope, q_rope, latent, k_rope, ctx, CpuAttention().causal),
+                               attn._expanded(q_nope, q_rope, latent, k_rope, ctx), atol=1e-5, rtol=1e-5)

@@ -61,8 +61,12 @@ class DeepseekV3Attention(nn.Module):
                                            batch.block_tables):
             kv = gather_cache(cache, table, ctx)
             rows = slice(start, start + qlen)
-            attend = self._absorbed if qlen == 1 else self._expanded
-            out[rows] = attend(q_nope[rows], q_rope[rows], kv[:, :self.lora], kv[:, self.lora:], ctx).flatten(1)
+            if qlen == 1:
+                o = self._absorbed(q_nope[rows], q_rope[rows], kv[:, :self.lora], kv[:, self.lora:], ctx)
+            else:
+                o = self._expanded(q_nope[rows], q_rope[rows], kv[:, :self.lora], kv[:, self.lora:], ctx,
+                                   getattr(batch.attention, "causal", None))
+            out[rows] = o.flatten(1)
         return self.o_proj(out)
 
     def _absorption(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,11 +85,14 @@ class DeepseekV3Attention(nn.Module):
         return self.o_proj(torch.einsum("nhl,hvl->nhv", out_latent, w_uv).flatten(1))
 
     def _expanded(self, q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor,
-                  ctx: int) -> torch.Tensor:
-        """Per-head K and V from the latent: [Tq, H, *] queries -> [Tq, H, v_dim]."""
+                  ctx: int, causal: Callable | None = None) -> torch.Tensor:
+        """Per-head K and V from the latent: [Tq, H, *] queries -> [Tq, H, v_dim]. `causal(q, k, v, scale)`, when
+        given, attends instead of the matmuls here (the cpu backend's kernel)."""
         kv = self.kv_b_proj(latent).view(ctx, self.num_heads, self.nope + self.v_dim)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_rope[:, None, :].expand(ctx, self.num_heads, self.rope_dim)], dim=-1)
+        if causal is not None:
+            return causal(torch.cat([q_nope, q_rope], dim=-1), k, v.contiguous(), self.scale)
         q = torch.cat([q_nope, q_rope], dim=-1).transpose(0, 1)
         scores = torch.matmul(q, k.permute(1, 2, 0)) * self.scale
         probs = softmax_attention(scores, q.shape[1], ctx, q.dtype)
