@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -27,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from membw import last_level_cache_bytes, read_bandwidth_gbps  # noqa: E402
+from timing import timed  # noqa: E402
 
 from cpu_kernels.attention import paged_attention  # noqa: E402
 from cpu_kernels.moe import kernel_isa_name  # noqa: E402
@@ -36,15 +36,6 @@ BLOCK = 16
 # (query heads, KV heads, K dim, V dim): Qwen3-30B-A3B GQA; DeepSeek-V3 MLA in latent space (V = K[:512]).
 SHAPES = {"qwen3": (32, 4, 128, 128), "deepseek-mla": (128, 1, 576, 512)}
 CASES = ["qwen3-decode", "deepseek-mla-decode", "qwen3-prefill"]
-
-
-def timed(fn, reps: int) -> float:
-    times = []
-    for r in range(reps):
-        t = time.perf_counter()
-        fn(r)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def make_pool(shape: tuple, tokens: int, gen: torch.Generator, latent: bool) -> tuple[torch.Tensor, torch.Tensor]:

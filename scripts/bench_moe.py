@@ -21,7 +21,6 @@ import json
 import math
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -33,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from membw import last_level_cache_bytes, read_bandwidth_gbps  # noqa: E402
+from timing import timed  # noqa: E402
 
 from cpu_kernels.moe import fused_moe, kernel_isa_name, pack_experts  # noqa: E402
 from cpu_kernels.pack import Format, quantize_fp8_blocks  # noqa: E402
@@ -100,15 +100,6 @@ def torch_reference(plain: list[tuple[PlainQuantized, ...]], inter: int, x, ids,
         y = F.linear(F.silu(F.linear(x[tok], gate)) * F.linear(x[tok], up), down)
         out.index_add_(0, tok, y.float() * w[tok, slot, None])
     return out.to(torch.bfloat16)
-
-
-def timed(fn, reps: int) -> float:
-    times = []
-    for r in range(reps):
-        t = time.perf_counter()
-        fn(r)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def grouped_bf16_matmul_s(source, x, ids) -> float:

@@ -5,6 +5,8 @@
 // fp32 throughout.
 #include "attention.h"
 
+#include "simd_math.h"
+
 #include <immintrin.h>
 
 #include <algorithm>
@@ -102,25 +104,6 @@ void attend_generic(const PagedAttention& a, const Task& t, float* part) {
       for (int i = 0; i < dv; ++i) p[2 + i] += w * load(a.v, v0 + i, a.f32);
     }
   }
-}
-
-// e^x for x <= 0 (x = score - running max): 2^n * e^r with |r| <= ln2 / 2, degree-7 Taylor polynomial
-// (truncation < 6e-9 relative), scalef for 2^n, which also flushes very negative x to 0.
-ATTN_AVX512 inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 5040);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
 }
 
 ATTN_AVX512 inline __m512 load16(const void* base, int64_t i, bool f32) {
@@ -232,7 +215,7 @@ ATTN_AVX512 void attend_avx512(const PagedAttention& a, const Task& t, float* pa
         const __m512 sv = _mm512_mask_mov_ps(_mm512_set1_ps(kNegInf), valid, s[r]);
         const float mx = std::max(p[0], _mm512_reduce_max_ps(sv));
         const float corr = std::exp(p[0] - mx);
-        const __m512 e = _mm512_maskz_mov_ps(valid, exp_nonpositive(_mm512_sub_ps(sv, _mm512_set1_ps(mx))));
+        const __m512 e = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(sv, _mm512_set1_ps(mx))));
         _mm512_store_ps(prob, e);
         p[0] = mx;
         p[1] = p[1] * corr + _mm512_reduce_add_ps(e);

@@ -1,6 +1,7 @@
 #include "moe.h"
 
 #include "amx.h"
+#include "simd_math.h"
 
 #include <immintrin.h>
 
@@ -653,23 +654,6 @@ AVX512_TARGET void tile_dotn_avx512(Format f, const Tile* t, int block_k, const 
 // `scratch` holds nt * kp * 16 bf16.
 void tile_dot_multi(Isa isa, Format f, const Tile* tiles, int nt, int block_k, int group, const Act& a,
                     const int* rows, int n, float* const* outs, uint16_t* scratch);
-
-// exp(x) = 2^n * 2^f with |f| <= 1/2 and a degree-7 Taylor polynomial of 2^f (relative error < 1e-7).
-AVX512_TARGET inline __m512 exp512(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147180559945309f));
-  __m512 p = _mm512_set1_ps(1.0f / 5040);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 720));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
 
 AVX512_TARGET void silu_mul_avx512(const float* g, const float* u, float* out) {
   const __m512 gv = _mm512_loadu_ps(g);
