@@ -102,7 +102,7 @@ class EngineServer:
         c = self.engine.config
         if c.hybrid:
             return f"experts {kernel_isa_name()}, attention {c.attention} on {c.device}"
-        return kernel_isa_name() if c.backend == "cpu" else "torch reference"
+        return f"{kernel_isa_name()}, attention {c.attention}" if c.backend == "cpu" else "torch reference"
 
     def stats(self) -> dict:
         e = self.engine
