@@ -92,18 +92,20 @@ def test_mla_latent_reads_v_as_a_slice_of_the_cache(dtype):
 
 
 def test_long_context_over_many_slices_and_extreme_scores():
-    # 20000 tokens: 64 slices of 313; scores spanning hundreds of units so most weights underflow to zero.
+    # A pool of 16 threads asks for 64 tasks: two sequences of one KV head split their contexts 32 ways
+    # (20000 tokens: slices of 625; 2 tokens: one); scores span hundreds of units, so most weights underflow.
     lens = [20000, 2]
     tables, blocks = paged(lens, 16, seed=3)
     g = torch.Generator().manual_seed(4)
-    k = torch.randn(blocks, 16, 2, 16, generator=g)
-    v = torch.randn(blocks, 16, 2, 16, generator=g)
+    k = torch.randn(blocks, 16, 1, 16, generator=g)
+    v = torch.randn(blocks, 16, 1, 16, generator=g)
     q = torch.randn(2, 4, 16, generator=g) * 30
     ref = paged_attention_reference(q, k, v, tables, torch.tensor(lens), 1.0)
     for isa in ISAS:
-        out = paged_attention(q, k, v, tables, torch.tensor(lens), 1.0, isa=isa)
-        assert torch.isfinite(out).all()
-        assert rel_err(out, ref) < 1e-4, isa
+        for threads in (None, 16):
+            out = paged_attention(q, k, v, tables, torch.tensor(lens), 1.0, num_threads=threads, isa=isa)
+            assert torch.isfinite(out).all()
+            assert rel_err(out, ref) < 1e-4, (isa, threads)
 
 
 def test_bad_inputs_are_rejected():

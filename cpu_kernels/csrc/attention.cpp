@@ -21,8 +21,11 @@ namespace {
 
 #define ATTN_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
 
-constexpr int kSliceTokens = 256;  // decode: context tokens per task, so long contexts use every thread
+// Decode rows split their context into slices of >= kSliceTokens so that about kTasksPerThread tasks per
+// thread exist (a single long sequence then uses every core); a batch that already has that many takes none.
+constexpr int kSliceTokens = 256;
 constexpr int kMaxSlices = 64;
+constexpr int kTasksPerThread = 4;
 constexpr int kChunk = 16;         // keys gathered and scored together
 constexpr int kTileRows = 128;     // (query, head) rows per task
 
@@ -256,10 +259,13 @@ void paged_attention(ThreadPool& pool, const PagedAttention& a, Isa isa) {
   std::vector<int64_t> first(a.num_seqs), row0(a.num_seqs);
   std::vector<int> tiles(a.num_seqs), slices(a.num_seqs);
   std::vector<Task> work;
-  int64_t rows = 0;
+  int64_t rows = 0, unsliced = 0;
+  for (int s = 0; s < a.num_seqs; ++s) unsliced += int64_t(a.num_kv_heads) * ((a.query_lens[s] + tile - 1) / tile);
+  const int64_t want = int64_t(kTasksPerThread) * pool.size();
+  const int split = static_cast<int>(std::clamp<int64_t>((want + unsliced - 1) / unsliced, 1, kMaxSlices));
   for (int s = 0; s < a.num_seqs; ++s) {
     const int len = a.context_lens[s], nq = a.query_lens[s];
-    const int per = nq == 1 ? std::max(kSliceTokens, (len + kMaxSlices - 1) / kMaxSlices) : len;
+    const int per = nq == 1 ? std::max(kSliceTokens, (len + split - 1) / split) : len;
     slices[s] = (len + per - 1) / per;
     tiles[s] = (nq + tile - 1) / tile;
     first[s] = static_cast<int64_t>(work.size());
