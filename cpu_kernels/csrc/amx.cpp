@@ -87,6 +87,24 @@ AMX_TARGET void run_steps(const uint8_t* a0, const uint8_t* a1, int64_t astride,
   }
 }
 
+// c[0..3] = the four accumulators of run_steps from zero: one or two row blocks (a1) x one or two tiles (b1).
+template <Dot D>
+AMX_TARGET void block_product(const uint8_t* a0, const uint8_t* a1, int64_t astride, int astep, const uint8_t* b0,
+                              const uint8_t* b1, int bstep, int steps, bool prefetch, int32_t (*c)[kRows * kRows]) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  if (b1 && a1) run_steps<D, true, true>(a0, a1, astride, astep, b0, b1, bstep, steps, prefetch);
+  else if (b1) run_steps<D, true, false>(a0, a1, astride, astep, b0, b1, bstep, steps, prefetch);
+  else if (a1) run_steps<D, false, true>(a0, a1, astride, astep, b0, b1, bstep, steps, prefetch);
+  else run_steps<D, false, false>(a0, a1, astride, astep, b0, b1, bstep, steps, prefetch);
+  _tile_stored(0, c[0], 64);
+  _tile_stored(1, c[1], 64);
+  _tile_stored(2, c[2], 64);
+  _tile_stored(3, c[3], 64);
+}
+
 // What becomes of an accumulator tile: stored, added (times a block scale), or an int8 sum dequantized.
 struct Epilogue {
   enum Kind { kStore, kAdd, kInt8 } kind = kStore;
@@ -147,19 +165,8 @@ AMX_TARGET void run_panel(const Panel& p, const RowBlocks& blocks, const Act& a,
     const bool two_m = n - m0 > kRows;
     const uint8_t* a0 = blocks.block(m0) + p.acol;
     const uint8_t* a1 = two_m ? blocks.block(m0 + kRows) + p.acol : nullptr;
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    if (two_n && two_m) run_steps<D, true, true>(a0, a1, blocks.stride, p.astep, p.b[0], p.b[1], p.bstep, p.steps, prefetch);
-    else if (two_n) run_steps<D, true, false>(a0, a1, blocks.stride, p.astep, p.b[0], p.b[1], p.bstep, p.steps, prefetch);
-    else if (two_m) run_steps<D, false, true>(a0, a1, blocks.stride, p.astep, p.b[0], p.b[1], p.bstep, p.steps, prefetch);
-    else run_steps<D, false, false>(a0, a1, blocks.stride, p.astep, p.b[0], p.b[1], p.bstep, p.steps, prefetch);
+    block_product<D>(a0, a1, blocks.stride, p.astep, p.b[0], p.b[1], p.bstep, p.steps, prefetch, c);
     prefetch = false;  // the next row blocks find these B lines in cache
-    _tile_stored(0, c[0], 64);
-    _tile_stored(1, c[1], 64);
-    _tile_stored(2, c[2], 64);
-    _tile_stored(3, c[3], 64);
     const int ma = std::min(kRows, n - m0), mb = std::max(0, std::min(kRows, n - m0 - kRows));
     for (int j = 0; j < (two_n ? 2 : 1); ++j) {
       finish(p.epi[j], a, rows + m0, c[j], p.out[j] + m0 * kRows, ma);
@@ -189,18 +196,7 @@ AMX_TARGET void run_int4(const uint8_t* const b[2], const Tile* t, int group, in
       const uint8_t* g0 = b[0] + col * kRows;
       const uint8_t* g1 = two_n ? b[1] + col * kRows : nullptr;
       const uint8_t* ga1 = two_m ? a1 + col : nullptr;
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
-      if (two_n && two_m) run_steps<Dot::kS8S8, true, true>(a0 + col, ga1, blocks.stride, kstep, g0, g1, bstep, steps, false);
-      else if (two_n) run_steps<Dot::kS8S8, true, false>(a0 + col, ga1, blocks.stride, kstep, g0, g1, bstep, steps, false);
-      else if (two_m) run_steps<Dot::kS8S8, false, true>(a0 + col, ga1, blocks.stride, kstep, g0, g1, bstep, steps, false);
-      else run_steps<Dot::kS8S8, false, false>(a0 + col, ga1, blocks.stride, kstep, g0, g1, bstep, steps, false);
-      _tile_stored(0, c[0], 64);
-      _tile_stored(1, c[1], 64);
-      _tile_stored(2, c[2], 64);
-      _tile_stored(3, c[3], 64);
+      block_product<Dot::kS8S8>(a0 + col, ga1, blocks.stride, kstep, g0, g1, bstep, steps, false, c);
       for (int j = 0; j < (two_n ? 2 : 1); ++j) {
         const __m512 s = _mm512_loadu_ps(reinterpret_cast<const float*>(t[j].data + (int64_t(g) * (chunks + 1) + chunks) * 64));
         for (int h = 0; h < (two_m ? 2 : 1); ++h) {

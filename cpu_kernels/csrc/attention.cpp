@@ -31,20 +31,6 @@ constexpr int kTileRows = 128;     // (query, head) rows per task
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-inline float bf16_to_f32(uint16_t h) {
-  const uint32_t u = uint32_t(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-inline uint16_t f32_to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if (std::isnan(f)) return uint16_t((u >> 16) | 0x40);
-  return uint16_t((u + 0x7fff + ((u >> 16) & 1)) >> 16);
-}
-
 inline float load(const void* base, int64_t i, bool f32) {
   return f32 ? static_cast<const float*>(base)[i] : bf16_to_f32(static_cast<const uint16_t*>(base)[i]);
 }
@@ -111,8 +97,7 @@ void attend_generic(const PagedAttention& a, const Task& t, float* part) {
 
 ATTN_AVX512 inline __m512 load16(const void* base, int64_t i, bool f32) {
   if (f32) return _mm512_loadu_ps(static_cast<const float*>(base) + i);
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + i));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  return widen_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + i)));
 }
 
 ATTN_AVX512 inline __m512d pd(__m512 v) { return _mm512_castps_pd(v); }
@@ -280,7 +265,7 @@ void paged_attention(ThreadPool& pool, const PagedAttention& a, Isa isa) {
   thread_local std::vector<float> part;
   const int64_t task_floats = int64_t(tile) * group * row_floats(a);
   part.resize(work.size() * task_floats);
-  const bool wide = (isa == Isa::kAvx512Bf16 || isa == Isa::kAmx) && a.head_dim % 16 == 0 && a.v_head_dim % 16 == 0;
+  const bool wide = avx512(isa) && a.head_dim % 16 == 0 && a.v_head_dim % 16 == 0;
   float* parts = part.data();
   pool.run(static_cast<int>(work.size()), [&](int i, int) {
     if (wide) attend_avx512(a, work[i], parts + i * task_floats);

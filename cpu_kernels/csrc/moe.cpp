@@ -23,24 +23,7 @@ constexpr int kMaxTokenBlock = 8;
 // nibbles and pays a dequantizing epilogue per group, and wins from 12).
 inline int amx_min_rows(Format f) { return f == Format::kINT4 ? 12 : 8; }
 
-// The amx path runs the AVX-512 BF16 kernels wherever it does not run AMX ones.
-inline bool avx512(Isa isa) { return isa == Isa::kAvx512Bf16 || isa == Isa::kAmx; }
 constexpr int kPrefetchBytes = 4096;  // software prefetch distance in the bandwidth-bound single-token loops
-
-inline float bf16_to_f32(uint16_t h) {
-  uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-inline uint16_t f32_to_bf16(float f) {  // round to nearest even, NaN kept quiet
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
 
 // e4m3fn: bias 7, no infinities, S.1111.111 is NaN; exp 0 is subnormal (m / 8 * 2^-6).
 float e4m3_to_f32(uint8_t v) {
@@ -533,10 +516,6 @@ AVX512_TARGET void fp8_tile_to_lines(const Tile& t, uint16_t* lines) {
 
 // fp8 lines with their block scale multiplied in and rounded to bf16 (one rounding per weight, like the
 // bf16 activations they meet): the prefill inner loop then needs no per-block rescaling.
-AVX512_TARGET inline __m512 widen_bf16(__m256i h) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
 AVX512_TARGET void fp8_tile_to_scaled_lines(const Tile& t, const float* scales, int block_k, uint16_t* lines) {
   const Fp8Regs regs = fp8_regs();
   for (int c = 0; c < t.kp / 4; ++c) {

@@ -21,6 +21,8 @@ namespace hybridd {
 enum class Format : int { kBF16 = 0, kFP8 = 1, kINT8 = 2, kINT4 = 3 };
 // kAmx: the AVX-512 BF16 kernels, with AMX tile kernels for blocks of many tokens per expert.
 enum class Isa : int { kGeneric = 0, kAvx512Bf16 = 1, kAvx2 = 2, kAmx = 3 };
+// The amx path runs the AVX-512 BF16 kernels wherever it does not run AMX ones.
+inline bool avx512(Isa isa) { return isa == Isa::kAvx512Bf16 || isa == Isa::kAmx; }
 
 constexpr int kRows = 16;  // output rows per packed tile
 

@@ -1,9 +1,32 @@
-// Vector math shared by the kernels' AVX-512 paths.
+// Number helpers shared by the kernels: bf16 <-> fp32 conversions and the AVX-512 exp.
 #pragma once
 
 #include <immintrin.h>
 
+#include <cstdint>
+#include <cstring>
+
 namespace hybridd {
+
+inline float bf16_to_f32(uint16_t h) {
+  uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {  // round to nearest even, NaN kept quiet
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+// 16 bf16 values widened to fp32 (exact).
+__attribute__((target("avx512f"))) inline __m512 widen_bf16(__m256i h) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
 
 // exp(x) = 2^n * 2^f with |f| <= 1/2 and a degree-7 Taylor polynomial of 2^f (relative error < 1e-7).
 __attribute__((target("avx512f"))) inline __m512 exp512(__m512 x) {
