@@ -19,7 +19,7 @@ from cpu_kernels import _C
 ROWS = 16
 FP8_MAX = 448.0
 # int4 scale group along K: 128 columns (as GPTQ/AWQ checkpoints) keeps scales at 0.25 bit per weight and lets
-# the AMX kernel run two full 64-column k steps per dequantizing epilogue; any multiple of 8 still packs.
+# the AMX kernel run two full 64-column k steps per dequantizing epilogue; any multiple of 16 still packs.
 INT4_GROUP = 128
 
 

@@ -22,7 +22,7 @@ class TritonAttention:
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch,
                 scale: float) -> torch.Tensor:
-        tables, ctx = batch.padded_tables()
+        tables, ctx = batch.padded_tables
         if all(n == 1 for n in batch.query_lens) and batch.query_starts == list(range(batch.num_seqs)):
             return decode_attention(q, k, v, tables, ctx, scale)
         return extend_attention(q, k, v, tables, batch.query_starts, batch.query_lens, batch.context_lens, scale)

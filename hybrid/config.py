@@ -225,7 +225,7 @@ class EngineConfig:
         if self.attention == "auto":
             self.attention = "cpu" if self.backend == "cpu" else "torch"
         if self.attention == "cpu" and (self.backend != "cpu" or self.gpus is not None):
-            raise ConfigError("attention=cpu is the cpu backend's C++ decode attention; use backend=cpu without --gpus")
+            raise ConfigError("attention=cpu is the cpu backend's C++ paged attention; use backend=cpu without --gpus")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be auto or one of {sorted(DTYPES)}, got {self.dtype!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):

@@ -27,8 +27,8 @@ class CpuAttention:
     def gqa(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
             scale: float) -> torch.Tensor:
         """q [N, Hq, D] over caches [blocks, page, Hkv, D|Dv] -> [N, Hq, Dv]."""
-        tables, lens = batch.padded_tables()
-        return paged_attention(q, k_cache, v_cache, tables, lens, scale, batch.query_lens_tensor(),
+        tables, lens = batch.padded_tables
+        return paged_attention(q, k_cache, v_cache, tables, lens, scale, batch.query_lens_tensor,
                                self.num_threads)
 
     def mla(self, q: torch.Tensor, cache: torch.Tensor, lora: int, batch: ForwardBatch, scale: float) -> torch.Tensor:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import cached_property
 from itertools import accumulate
 from typing import Any
 
@@ -24,8 +25,7 @@ class ForwardBatch:
     context_lens: list[int]
     block_tables: list[torch.Tensor]
     kv_caches: list[tuple[torch.Tensor, ...]]
-    attention: Any = None  # TritonAttention (hybrid runner) or CpuAttention (C++ decode); None: the torch path
-    _padded_tables: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, init=False, repr=False)
+    attention: Any = None  # TritonAttention (hybrid runner) or CpuAttention (C++ kernel); None: the torch path
 
     def __post_init__(self) -> None:
         n = len(self.query_lens)
@@ -40,16 +40,17 @@ class ForwardBatch:
     def num_seqs(self) -> int:
         return len(self.query_lens)
 
+    @cached_property
     def padded_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Block tables padded to [num_seqs, max blocks] int32 and context lengths int32, built once per step."""
-        if self._padded_tables is None:
-            dev = self.positions.device
-            width = max(len(t) for t in self.block_tables)
-            tables = torch.zeros(self.num_seqs, width, dtype=torch.int32, device=dev)
-            for i, t in enumerate(self.block_tables):
-                tables[i, :len(t)] = t
-            self._padded_tables = tables, torch.tensor(self.context_lens, dtype=torch.int32, device=dev)
-        return self._padded_tables
+        dev = self.positions.device
+        width = max(len(t) for t in self.block_tables)
+        tables = torch.zeros(self.num_seqs, width, dtype=torch.int32, device=dev)
+        for i, t in enumerate(self.block_tables):
+            tables[i, :len(t)] = t
+        return tables, torch.tensor(self.context_lens, dtype=torch.int32, device=dev)
 
+    @cached_property
     def query_lens_tensor(self) -> torch.Tensor:
+        """Query lengths int32 (CPU), built once per step."""
         return torch.tensor(self.query_lens, dtype=torch.int32)
