@@ -54,7 +54,7 @@ def attend_tile(q, m, denom, acc, toks, tmask, visible, table_row, k_ptr, v_ptr,
 @triton.jit
 def _split_kernel(q_ptr, k_ptr, v_ptr, tables, ctx_lens, o_part, lse_part,
                   s_qb, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_tb, s_ob, s_oh, s_os, s_lb, s_lh,
-                  scale, split_len,
+                  scale, num_splits,
                   GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, PAGE: tl.constexpr,
                   BLOCK_H: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
                   UPCAST: tl.constexpr):
@@ -62,6 +62,9 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, tables, ctx_lens, o_part, lse_part,
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     ctx = tl.load(ctx_lens + b)
+    # Each sequence divides its own context into num_splits parts of whole key tiles, so the grid never
+    # depends on the batch's longest context (the host does not read the lengths; CUDA graphs replay it).
+    split_len = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, ctx)
     hs = tl.arange(0, BLOCK_H)
@@ -126,19 +129,25 @@ def paged_shapes(op: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     return page, hkv, dv
 
 
+def split_count(max_context: int, block_n: int = 32) -> int:
+    """Splits per sequence for contexts up to max_context: enough to spread short batches over the GPU, each
+    split at least four key tiles long."""
+    return max(1, min(TARGET_SPLITS, triton.cdiv(max_context, 4 * block_n)))
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      context_lens: torch.Tensor, scale: float, num_splits: int | None = None,
                      block_n: int = 32) -> torch.Tensor:
     """q [B, Hq, Dk]; caches [blocks, page, Hkv, D] (any strides but a unit last one; v may be a view of
-    k's storage); block_tables [B, max_blocks] int32; context_lens [B] int32 >= 1. Returns [B, Hq, Dv]."""
+    k's storage); block_tables [B, max_blocks] int32; context_lens [B] int32 >= 1. Returns [B, Hq, Dv].
+
+    Without num_splits the split count follows the longest context (one device-to-host read); with it
+    nothing is read back, so the call can be captured in a CUDA graph."""
     batch, hq, dk = q.shape
     page, hkv, dv = paged_shapes("decode_attention", q, k_cache, v_cache)
     q = q.contiguous()
     group = hq // hkv
-    max_ctx = int(context_lens.max())
-    splits = num_splits or max(1, min(TARGET_SPLITS, triton.cdiv(max_ctx, 4 * block_n)))
-    split_len = triton.cdiv(triton.cdiv(max_ctx, splits), block_n) * block_n
-    splits = triton.cdiv(max_ctx, split_len)
+    splits = num_splits or split_count(int(context_lens.max()), block_n)
     o_part = torch.empty(batch, hq, splits, dv, dtype=torch.float32, device=q.device)
     lse = torch.empty(batch, hq, splits, dtype=torch.float32, device=q.device)
     _split_kernel[(batch, hkv, splits)](
@@ -146,7 +155,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
-        scale, split_len, GROUP=group, DK=dk, DV=dv, PAGE=page, BLOCK_H=dot_width(group),
+        scale, splits, GROUP=group, DK=dk, DV=dv, PAGE=page, BLOCK_H=dot_width(group),
         BLOCK_DK=dot_width(dk), BLOCK_DV=dot_width(dv), BLOCK_N=block_n, UPCAST=upcast_dots(q.dtype))
     out = torch.empty(batch, hq, dv, dtype=q.dtype, device=q.device)
     _combine_kernel[(batch, hq)](o_part, lse, out, splits, o_part.stride(0), o_part.stride(1), o_part.stride(2),

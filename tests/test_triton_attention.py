@@ -73,7 +73,7 @@ DECODE_CASES = [
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", DECODE_CASES, ids=[f"h{c[0]}-kv{c[1]}-d{c[2]}-p{c[3]}" for c in DECODE_CASES])
-@pytest.mark.parametrize("splits", [None, 1, 3])
+@pytest.mark.parametrize("splits", [None, 1, 3, 8])
 def test_gqa_decode(case, dtype, splits):
     hq, hkv, d, page, lens = case
     tables, blocks = paged(lens, page, seed=len(lens))
