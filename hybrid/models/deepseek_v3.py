@@ -19,6 +19,7 @@ from hybrid.models.causal_lm import CausalLM, decoder_layers
 from hybrid.models.experts import Experts
 from hybrid.models.layers import GatedMLP, Linear, RMSNorm
 from hybrid.models.rotary_embedding import RotaryEmbedding, yarn_softmax_scale
+from hybrid.models.routed_moe import RoutedMoe
 from hybrid.models.router import GroupedSigmoidRouter
 
 
@@ -109,23 +110,12 @@ class DeepseekV3Attention(nn.Module):
         return torch.matmul(out_latent, w_uv.transpose(1, 2)).transpose(0, 1)
 
 
-class DeepseekV3MoE(nn.Module):
+class DeepseekV3MoE(RoutedMoe):
     def __init__(self, cfg: ModelConfig, layer: int, experts: Experts, dtype: torch.dtype):
-        super().__init__()
-        self.layer, self.experts = layer, experts
+        super().__init__(layer, experts)
         self.gate = GroupedSigmoidRouter(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.n_group,
                                          cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor, dtype)
         self.shared_experts = GatedMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, dtype)
-
-    def begin(self, x: torch.Tensor) -> Callable[[], torch.Tensor]:
-        """Routes and starts the routed experts, then runs the shared experts on the device meanwhile."""
-        ids, weights = self.gate(x)
-        routed = self.experts.submit(self.layer, x, ids, weights)
-        shared = self.shared_experts(x)
-        return lambda: routed() + shared
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.begin(x)()
 
 
 class DeepseekV3ForCausalLM(CausalLM):

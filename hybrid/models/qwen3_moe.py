@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 
@@ -14,6 +12,7 @@ from hybrid.models.causal_lm import CausalLM, decoder_layers
 from hybrid.models.experts import Experts
 from hybrid.models.layers import Linear, RMSNorm
 from hybrid.models.rotary_embedding import RotaryEmbedding
+from hybrid.models.routed_moe import RoutedMoe
 from hybrid.models.router import SoftmaxTopKRouter
 
 
@@ -51,20 +50,11 @@ class Qwen3MoeAttention(nn.Module):
         return self.o_proj(o.reshape(n, -1))
 
 
-class Qwen3MoeSparseBlock(nn.Module):
+class Qwen3MoeSparseBlock(RoutedMoe):
     def __init__(self, cfg: ModelConfig, layer: int, experts: Experts, dtype: torch.dtype):
-        super().__init__()
-        self.layer, self.experts = layer, experts
+        super().__init__(layer, experts)
         self.gate = SoftmaxTopKRouter(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,
                                       cfg.norm_topk_prob, dtype)
-
-    def begin(self, x: torch.Tensor) -> Callable[[], torch.Tensor]:
-        """Routes on the device and starts the routed experts; the returned call waits for them."""
-        ids, weights = self.gate(x)
-        return self.experts.submit(self.layer, x, ids, weights)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.begin(x)()
 
 
 class Qwen3MoeForCausalLM(CausalLM):

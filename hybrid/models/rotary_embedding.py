@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch import nn
 
 from hybrid.config import RopeConfig
 
@@ -50,21 +51,24 @@ def inv_freq_and_scaling(rope: RopeConfig) -> tuple[torch.Tensor, float]:
     return inv_freq, float(attention_factor)
 
 
-class RotaryEmbedding:
-    """Applies RoPE to q [T, Hq, R] and k [T, Hk, R] at integer positions [T]."""
+class RotaryEmbedding(nn.Module):
+    """Applies RoPE to q [T, Hq, R] and k [T, Hk, R] at integer positions [T]. One instance is shared by
+    every attention layer; its frequencies are a buffer, so they move with the model to its device."""
 
     def __init__(self, rope: RopeConfig):
-        self.inv_freq, self.attention_scaling = inv_freq_and_scaling(rope)
+        super().__init__()
+        inv_freq, self.attention_scaling = inv_freq_and_scaling(rope)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.interleave = rope.interleave
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions[:, None].float() * self.inv_freq.to(positions.device)
+        freqs = positions[:, None].float() * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = emb.cos() * self.attention_scaling
         sin = emb.sin() * self.attention_scaling
         return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
-    def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self.cos_sin(positions, q.dtype)
         if self.interleave:
             # Pairs (x0, x1), (x2, x3)... rotate together; the output is laid out as [evens | odds], which
