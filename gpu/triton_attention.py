@@ -24,7 +24,7 @@ class TritonAttention:
                 scale: float) -> torch.Tensor:
         tables, ctx = batch.padded_tables
         if all(n == 1 for n in batch.query_lens) and batch.query_starts == list(range(batch.num_seqs)):
-            return decode_attention(q, k, v, tables, ctx, scale)
+            return decode_attention(q, k, v, tables, ctx, scale, num_splits=batch.decode_splits)
         return extend_attention(q, k, v, tables, batch.query_starts, batch.query_lens, batch.context_lens, scale)
 
     def gqa(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,

@@ -47,6 +47,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attn-device", help="with --gpus: the device that plays GPU 0's role (cpu: the hybrid path "
                    "on the CPU, Triton attention under TRITON_INTERPRET=1)")
     p.add_argument("--no-overlap", action="store_true", help="with --gpus: no dual-batch attention/MoE overlap")
+    p.add_argument("--enforce-eager", action="store_true", help="with --gpus: run decode eagerly instead of "
+                   "replaying captured CUDA graphs")
     p.add_argument("--gpu-experts", type=int, default=0, help="with --gpus: keep the N most used experts of each "
                    "layer on the GPU (from --expert-profile, else from routing counts collected while serving)")
     p.add_argument("--expert-profile", help="routing-frequency profile JSON {layer: [count per expert]}")
@@ -68,7 +70,8 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
                 kv_cache_bytes=int(a.kv_cache_gb * 2**30), backend=a.backend, expert_format=a.expert_format,
                 dense_format=a.dense_format, num_threads=a.threads, expert_pack=a.expert_pack, experts=a.experts,
                 expert_server=a.expert_server, gpus=getattr(a, "gpus", None), attn_device=a.attn_device,
-                overlap=not a.no_overlap, gpu_experts=a.gpu_experts, expert_profile=a.expert_profile)
+                overlap=not a.no_overlap, enforce_eager=a.enforce_eager, gpu_experts=a.gpu_experts,
+                expert_profile=a.expert_profile)
 
 
 def _explain_gpus(gpus: list[int] | None) -> None:

@@ -101,7 +101,8 @@ class EngineServer:
 
         c = self.engine.config
         if c.hybrid:
-            return f"experts {kernel_isa_name()}, attention {c.attention} on {c.device}"
+            decode = "decode graphs" if self.engine.runner.graphs is not None else "eager decode"
+            return f"experts {kernel_isa_name()}, attention {c.attention} on {c.device}, {decode}"
         return f"{kernel_isa_name()}, attention {c.attention}" if c.backend == "cpu" else "torch reference"
 
     def stats(self) -> dict:

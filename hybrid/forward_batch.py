@@ -26,6 +26,7 @@ class ForwardBatch:
     block_tables: list[torch.Tensor]
     kv_caches: list[tuple[torch.Tensor, ...]]
     attention: Any = None  # TritonAttention (hybrid runner) or CpuAttention (C++ kernel); None: the torch path
+    decode_splits: int | None = None  # fixed split-KV count for decode (graphs); None: from the longest context
 
     def __post_init__(self) -> None:
         n = len(self.query_lens)
@@ -35,6 +36,19 @@ class ForwardBatch:
             raise ValueError("a sequence cannot have more query tokens than context tokens")
         if self.query_starts != list(accumulate(self.query_lens[:-1], initial=0))[:n]:
             raise ValueError("each sequence's query rows must follow the previous sequence's")
+
+    @classmethod
+    def static_decode(cls, positions: torch.Tensor, slot_mapping: torch.Tensor, tables: torch.Tensor,
+                      context_lens: torch.Tensor, kv_caches: list[tuple[torch.Tensor, ...]], attention: Any,
+                      decode_splits: int) -> "ForwardBatch":
+        """A decode step of len(positions) sequences whose per-sequence values live only in device tensors,
+        rewritten before every graph replay. Its host-side context lengths and block tables are
+        placeholders: the attention backend reads the padded tensors, never the lists."""
+        n = positions.shape[0]
+        batch = cls(positions, slot_mapping, list(range(n)), [1] * n, [1] * n, list(tables), kv_caches, attention,
+                    decode_splits)
+        batch.padded_tables = (tables, context_lens)  # fills the cached property with the static tensors
+        return batch
 
     @property
     def num_seqs(self) -> int:
@@ -54,3 +68,32 @@ class ForwardBatch:
     def query_lens_tensor(self) -> torch.Tensor:
         """Query lengths int32 (CPU), built once per step."""
         return torch.tensor(self.query_lens, dtype=torch.int32)
+
+
+@dataclass
+class HostBatch:
+    """One step's inputs as host lists, before they become device tensors: the flattened token ids,
+    positions and KV slots, the per-sequence spans and block tables, and the rows whose logits are sampled."""
+
+    ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    query_starts: list[int]
+    query_lens: list[int]
+    context_lens: list[int]
+    block_tables: list[list[int]]
+    sample_rows: list[int]
+
+    @property
+    def is_decode(self) -> bool:
+        return all(n == 1 for n in self.query_lens)
+
+    def to_device(self, device: torch.device, kv_caches: list[tuple[torch.Tensor, ...]],
+                  attention: Any) -> tuple[torch.Tensor, ForwardBatch]:
+        """Input ids and the ForwardBatch on `device`."""
+        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
+        tables = [as_tensor(t) for t in self.block_tables]
+        return as_tensor(self.ids), ForwardBatch(as_tensor(self.positions), as_tensor(self.slots),
+                                                 self.query_starts, self.query_lens, self.context_lens, tables,
+                                                 kv_caches, attention)
+

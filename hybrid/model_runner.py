@@ -9,7 +9,7 @@ import torch
 
 from hybrid.config import EngineConfig, ModelConfig
 from hybrid.cpu_attention import CpuAttention
-from hybrid.forward_batch import ForwardBatch
+from hybrid.forward_batch import HostBatch
 from hybrid.loader import CheckpointReader, load_weights
 from hybrid.models import build_model
 from hybrid.models.experts import Experts, load_experts
@@ -88,14 +88,24 @@ class ModelRunner:
         per_token = sum(math.prod(s[2:]) for s in self.model.kv_cache_shapes(1, 1))
         bytes_per_token = per_token * self.dtype.itemsize * model_config.num_hidden_layers
         self.max_model_len, self.num_blocks = engine_config.resolve(model_config, bytes_per_token)
+        # Graph replays keep per-sequence values in device tensors, which only the Triton attention reads.
+        graphs = engine_config.hybrid and not engine_config.enforce_eager and engine_config.attention == "triton"
+        # Graph replays point their padding rows at one extra block that the block manager never hands out.
+        cache_blocks = self.num_blocks + 1 if graphs else self.num_blocks
         self.kv_caches = [
             tuple(torch.zeros(s, dtype=self.dtype, device=self.device)
-                  for s in self.model.kv_cache_shapes(self.num_blocks, self.block_size))
+                  for s in self.model.kv_cache_shapes(cache_blocks, self.block_size))
             for _ in range(model_config.num_hidden_layers)
         ]
+        self.graphs = None
+        if graphs:
+            from gpu.decode_graphs import DecodeGraphs
 
-    def prepare(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, ForwardBatch, list[int]]:
-        """Flattened input ids, the ForwardBatch, and the rows whose logits are sampled."""
+            self.graphs = DecodeGraphs(self.model.model, self.kv_caches, self.attention, self.num_blocks,
+                                       self.block_size, self.max_model_len, engine_config.max_num_seqs, self.dtype,
+                                       self.device, lanes=2 if self.overlap else 1)
+
+    def host_batch(self, batch: list[ScheduledSeq]) -> HostBatch:
         ids, positions, slots = [], [], []
         starts, lens, ctx_lens, tables, sample_rows = [], [], [], [], []
         for item in batch:
@@ -108,13 +118,10 @@ class ModelRunner:
             slots.extend(seq.block_table[p // self.block_size] * self.block_size + p % self.block_size for p in pos)
             lens.append(n)
             ctx_lens.append(begin + n)
-            tables.append(torch.tensor(seq.block_table, dtype=torch.long, device=self.device))
+            tables.append(list(seq.block_table))
             if item.samples:
                 sample_rows.append(len(ids) - 1)
-        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
-        fb = ForwardBatch(as_tensor(positions), as_tensor(slots), starts, lens, ctx_lens, tables, self.kv_caches,
-                          self.attention)
-        return as_tensor(ids), fb, sample_rows
+        return HostBatch(ids, positions, slots, starts, lens, ctx_lens, tables, sample_rows)
 
     def overlaps(self, batch: list[ScheduledSeq]) -> bool:
         """Dual-batch overlap runs decode steps of two or more sequences with the experts out of process."""
@@ -122,14 +129,24 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: list[ScheduledSeq], all_logits: bool = False) -> torch.Tensor:
-        """Logits [num sampling seqs, vocab] in float32, or for every query row when all_logits is set."""
+        """Logits [num sampling seqs, vocab] in float32, or for every query row when all_logits is set.
+        Decode steps replay captured graphs unless the engine runs eagerly or the batch is too large."""
         if not all_logits and self.overlaps(batch):
             half = len(batch) // 2
-            (ids_a, fb_a, rows_a), (ids_b, fb_b, rows_b) = self.prepare(batch[:half]), self.prepare(batch[half:])
-            hidden_a, hidden_b = self.model.model.forward_overlapped(ids_a, fb_a, ids_b, fb_b)
-            return self.model.compute_logits(torch.cat([hidden_a[rows_a], hidden_b[rows_b]])).float()
-        input_ids, fb, sample_rows = self.prepare(batch)
-        hidden = self.model(input_ids, fb)
+            a, b = self.host_batch(batch[:half]), self.host_batch(batch[half:])
+            if self.graphs is not None and self.graphs.fits(a) and self.graphs.fits(b):
+                hidden_a, hidden_b = self.graphs.run_overlapped(a, b)
+            else:
+                (ids_a, fb_a), (ids_b, fb_b) = (h.to_device(self.device, self.kv_caches, self.attention)
+                                                for h in (a, b))
+                hidden_a, hidden_b = self.model.model.forward_overlapped(ids_a, fb_a, ids_b, fb_b)
+            return self.model.compute_logits(torch.cat([hidden_a[a.sample_rows], hidden_b[b.sample_rows]])).float()
+        host = self.host_batch(batch)
+        if not all_logits and self.graphs is not None and self.graphs.fits(host):
+            hidden = self.graphs.run(host)
+        else:
+            input_ids, fb = host.to_device(self.device, self.kv_caches, self.attention)
+            hidden = self.model(input_ids, fb)
         if not all_logits:
-            hidden = hidden[sample_rows]
+            hidden = hidden[host.sample_rows]
         return self.model.compute_logits(hidden).float()

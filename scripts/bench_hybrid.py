@@ -8,6 +8,7 @@ the overlap has little to hide behind. Each level runs on/off/on/off and reports
 
     python scripts/bench_hybrid.py                                # Qwen3-30B-A3B shapes, 4 layers
     python scripts/bench_hybrid.py --concurrency 1,4,8 --tokens 32
+    python scripts/bench_hybrid.py --enforce-eager                # the same without CUDA graphs
 """
 
 from __future__ import annotations
@@ -65,6 +66,8 @@ def main() -> None:
     ap.add_argument("--gpus", default="0")
     ap.add_argument("--attn-device", help="default: cuda:GPU when CUDA is present, else cpu")
     ap.add_argument("--attention", choices=["triton", "torch"], help="default: triton on CUDA, torch on cpu")
+    ap.add_argument("--enforce-eager", action="store_true", help="decode eagerly instead of replaying graphs "
+                    "(graphs need the Triton attention; with torch attention decode is always eager)")
     a = ap.parse_args()
     model_dir = Path(a.model) if a.model else ROOT / "bench_models" / f"{a.preset}-L{a.layers}"
     if not a.model and not (model_dir / "config.json").exists():
@@ -77,7 +80,8 @@ def main() -> None:
     console = Console()
     results: dict[tuple[int, bool], list[tuple[float, float]]] = {}
     llms = {ov: LLM(model_dir, dtype="bfloat16", gpus=gpus, attn_device=attn_device, attention=attention,
-                    overlap=ov, max_num_seqs=max(levels)) for ov in (True, False)}
+                    overlap=ov, max_num_seqs=max(levels), enforce_eager=a.enforce_eager) for ov in (True, False)}
+    decode = "decode graphs" if llms[True].engine.runner.graphs is not None else "eager decode"
     try:
         for c in levels:
             for ov in (True, False):
@@ -88,7 +92,7 @@ def main() -> None:
     finally:
         for llm in llms.values():
             llm.close()
-    t = Table(title=f"dual-batch overlap, {model_dir.name}, device {attn_device}, attention {attention}, "
+    t = Table(title=f"dual-batch overlap, {model_dir.name}, device {attn_device}, attention {attention}, {decode}, "
                     f"experts in the expert process")
     for col in ("concurrency", "tok/s overlap", "tok/s no-overlap", "speedup", "TPOT ms overlap",
                 "TPOT ms no-overlap", "TPOT change"):

@@ -25,8 +25,9 @@ def greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     return [o.token_ids for o in outs]
 
 
-@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
-def test_hybrid_matches_transformers_and_cpu_only(any_model, overlap):
+@pytest.mark.parametrize("overlap,eager", [(True, False), (False, False), (True, True)],
+                         ids=["overlap", "no-overlap", "overlap-eager"])
+def test_hybrid_matches_transformers_and_cpu_only(any_model, overlap, eager):
     prompts = [prompt_ids(23, seed=2), prompt_ids(9, seed=3), prompt_ids(40, seed=4)]
     ref = reference(any_model)
     with torch.no_grad():
@@ -39,16 +40,22 @@ def test_hybrid_matches_transformers_and_cpu_only(any_model, overlap):
         cpu.close()
     # A 16-token step budget makes prefill chunks share steps with decodes (the extend kernel's mixed case).
     hybrid = LLM(any_model, dtype="float32", gpus=[0], attn_device="cpu", overlap=overlap,
-                 max_num_batched_tokens=16)
-    body = hybrid.engine.runner.model.model
+                 max_num_batched_tokens=16, enforce_eager=eager)
+    runner = hybrid.engine.runner
+    assert (runner.graphs is None) == eager
     calls = {"overlapped": 0}
-    original = body.forward_overlapped
 
-    def counted(*args):
-        calls["overlapped"] += 1
-        return original(*args)
+    def count(owner, name: str) -> None:
+        original = getattr(owner, name)
 
-    body.forward_overlapped = counted
+        def counted(*args):
+            calls["overlapped"] += 1
+            return original(*args)
+        setattr(owner, name, counted)
+
+    count(runner.model.model, "forward_overlapped")  # eager steps
+    if runner.graphs is not None:
+        count(runner.graphs, "run_overlapped")  # decode steps replayed from graphs
     try:
         assert hybrid.engine.config.attention == "triton" and hybrid.engine.config.experts == "process"
         assert greedy(hybrid, prompts) == want
