@@ -88,7 +88,10 @@ class DecodeGraphs:
         self.sizes = bucket_sizes(max_batch)
         self.layers = list(body.layers)
         self.moe_layers = [i for i, layer in enumerate(self.layers) if isinstance(layer.mlp, RoutedMoe)]
-        self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
+        # One memory pool per lane. Within a lane, graphs replay in capture order and each one's outputs are
+        # used up before an earlier-captured graph runs again, so they may share temporaries; the two lanes
+        # interleave with outputs in flight, so a shared pool would let one lane's temporaries overwrite them.
+        self.pools = [torch.cuda.graph_pool_handle() if device.type == "cuda" else None for _ in range(lanes)]
         self.lanes: list[dict[int, StaticDecode]] = [{} for _ in range(lanes)]
 
     @property
@@ -106,12 +109,12 @@ class DecodeGraphs:
         size = next(s for s in self.sizes if s >= len(host.ids))
         static = self.lanes[lane].get(size)
         if static is None:
-            static = self._capture(size)
+            static = self._capture(size, self.pools[lane])
             self.lanes[lane][size] = static
         static.load(host)
         return static
 
-    def _capture(self, size: int) -> StaticDecode:
+    def _capture(self, size: int, pool) -> StaticDecode:
         """Captures every segment of a step of `size` sequences, all rows on the padding block."""
         hidden = self.body.embed_tokens.weight.shape[1]
         static = StaticDecode(size, self.max_blocks, self.pad_block, self.block_size, hidden, self.dtype, self.device,
@@ -119,16 +122,16 @@ class DecodeGraphs:
         start = 0
         for s, m in enumerate(self.moe_layers):
             static.routed_inputs.append(None)
-            graph = DeviceGraph(self.device, self.pool)
+            graph = DeviceGraph(self.device, pool)
             static.routed_inputs[s] = graph.capture(lambda a=start, m=m: self._route_segment(static, a, m))
             static.route.append(graph)
             part = None
             if self.layers[m].mlp.shared_experts is not None:
-                part = DeviceGraph(self.device, self.pool)
+                part = DeviceGraph(self.device, pool)
                 part.capture(lambda s=s, m=m: self.layers[m].mlp.device_part(static.routed_inputs[s][1]))
             static.device_part.append(part)
             start = m + 1
-        static.tail = DeviceGraph(self.device, self.pool)
+        static.tail = DeviceGraph(self.device, pool)
         static.tail.capture(lambda a=start: self._tail_segment(static, a))
         return static
 
