@@ -22,6 +22,7 @@ import torch
 import zmq
 
 from cpu_kernels.thread_pool import unpin_child
+from gpu.host_staging import HostStaging
 from hybrid.expert_slots import CLIENT_SPIN_US, DTYPE_CODES, STATUS, ExpertSlots, SlotLayout
 from hybrid.models.experts import Experts
 
@@ -93,8 +94,9 @@ class ExpertHandle:
     def __init__(self, client: "ExpertClient", slot: int, seq: int, shape: tuple[int, int], dtype: torch.dtype):
         self.client, self.slot, self.seq, self.shape, self.dtype = client, slot, seq, shape, dtype
 
-    def wait(self) -> torch.Tensor:
-        return self.client._wait(self)
+    def wait(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The output, written into `out` ([T, H] contiguous, the call's dtype) when given."""
+        return self.client._wait(self, out)
 
 
 class ExpertClient:
@@ -172,11 +174,14 @@ class ExpertClient:
                 return slot
         raise ExpertServerError(f"all {self.slots.num_slots} expert slots have a call in flight; wait for one")
 
-    def _wait(self, handle: ExpertHandle) -> torch.Tensor:
+    def _wait(self, handle: ExpertHandle, out: torch.Tensor | None = None) -> torch.Tensor:
         from cpu_kernels import _C
 
         deadline = time.monotonic() + self.timeout_s
-        out = torch.empty(handle.shape, dtype=handle.dtype)
+        if out is None:
+            out = torch.empty(handle.shape, dtype=handle.dtype)
+        elif out.shape != handle.shape or out.dtype != handle.dtype or not out.is_contiguous():
+            raise ValueError(f"an expert result needs a contiguous {handle.shape} {handle.dtype} tensor")
         nbytes = out.numel() * out.element_size()
         while not _C.slot_wait(self._ptrs[handle.slot], self._offsets, handle.seq, CLIENT_SPIN_US, int(POLL_S * 1e6),
                                out.data_ptr(), nbytes):
@@ -211,6 +216,7 @@ class ProcessExperts(Experts):
 
     def __init__(self, client: ExpertClient, respawn: Callable[[], ExpertClient] | None = None):
         self.client, self.respawn = client, respawn
+        self.staging = HostStaging(client.slots.layout.max_tokens)
 
     def forward(self, layer: int, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:
@@ -218,8 +224,9 @@ class ProcessExperts(Experts):
 
     def submit(self, layer: int, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
                topk_weights: torch.Tensor) -> Callable[[], torch.Tensor]:
-        handle = self.client.submit(layer, hidden_states, topk_ids, topk_weights)
-        return lambda: handle.wait().to(hidden_states.device, hidden_states.dtype)
+        handle = self.client.submit(layer, *self.staging.to_host(hidden_states, topk_ids, topk_weights))
+        return lambda: self.staging.to_device(handle.wait, handle.shape, handle.dtype, hidden_states.device,
+                                              hidden_states.dtype)
 
     def restart(self) -> None:
         """Replaces a dead or stalled expert process this engine started."""

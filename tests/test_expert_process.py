@@ -77,9 +77,42 @@ def test_two_calls_in_flight_and_errors_are_reported(served):
             client.submit(999, x, ids, w).wait()
         echo = torch.randn(2, config.hidden_size)
         assert torch.equal(client.submit(ECHO_LAYER, echo, ids[:2], w[:2]).wait(), echo)
+        # A result written into a caller's buffer (the pinned staging buffers on CUDA), refused when it misfits
+        into = torch.full((3, config.hidden_size), float("nan"))
+        assert client.submit(ECHO_LAYER, echo, ids[:2], w[:2]).wait(out=into[:2]).data_ptr() == into.data_ptr()
+        assert torch.equal(into[:2], echo) and into[2].isnan().all()
+        with pytest.raises(ValueError, match="contiguous"):
+            client.submit(ECHO_LAYER, echo, ids[:2], w[:2]).wait(out=into[:1])
         assert client.request({"op": "health"})["ok"]
     finally:
         client.close()
+
+
+@pytest.mark.gpu
+def test_cuda_tensors_go_through_pinned_staging(served):
+    """ProcessExperts with CUDA tensors: pinned copies down and up, the same result as host tensors,
+    two calls in flight reusing the two result buffers."""
+    from hybrid.expert_client import ProcessExperts
+
+    model, pack, proc = served
+    config = ModelConfig.from_dir(model)
+    local = KernelExperts(load_pack(pack, config))
+    experts = ProcessExperts(ExpertClient(proc.control, max_tokens=16, max_topk=config.num_experts_per_tok))
+    try:
+        layer = config.moe_layers[0]
+        g = torch.Generator().manual_seed(1)
+        for t in (5, 2, 9, 1):
+            x = torch.randn(t, config.hidden_size, generator=g).to(torch.bfloat16)
+            ids = torch.stack([torch.randperm(config.num_experts, generator=g)[:config.num_experts_per_tok]
+                               for _ in range(t)])
+            w = torch.rand(t, config.num_experts_per_tok, generator=g)
+            first = experts.submit(layer, x.cuda(), ids.cuda(), w.cuda())
+            second = experts.submit(layer, x[:1].cuda(), ids[:1].cuda(), w[:1].cuda())
+            out, out1 = first(), second()
+            assert out.is_cuda and torch.equal(out.cpu(), local(layer, x, ids, w))
+            assert torch.equal(out1.cpu(), local(layer, x[:1], ids[:1], w[:1]))
+    finally:
+        experts.client.close()
 
 
 def wait_until_stopped(pid: int, timeout_s: float = 5.0) -> None:
