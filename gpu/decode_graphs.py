@@ -58,7 +58,7 @@ class StaticDecode:
     def ids(self) -> torch.Tensor:
         return self.io[0]
 
-    def load(self, host: HostBatch) -> int:
+    def load(self, host: HostBatch) -> None:
         n = len(host.ids)
         self.io[:, :n].copy_(torch.tensor([host.ids, host.positions, host.slots], dtype=torch.long))
         width = max(len(t) for t in host.block_tables)
@@ -70,7 +70,6 @@ class StaticDecode:
             self.tables[n:self.n, 0] = self.pad_block
             self.ctx[n:self.n] = 1
         self.n = n
-        return n
 
 
 class DecodeGraphs:
@@ -99,7 +98,8 @@ class DecodeGraphs:
         return self.sizes[-1]
 
     def fits(self, host: HostBatch) -> bool:
-        return host.is_decode and len(host.ids) <= self.max_batch
+        return (host.is_decode and len(host.ids) <= self.max_batch
+                and max(len(t) for t in host.block_tables) <= self.max_blocks)
 
     @property
     def num_captured(self) -> int:
