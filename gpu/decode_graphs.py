@@ -121,9 +121,8 @@ class DecodeGraphs:
                               self.kv_caches, self.attention, self.splits)
         start = 0
         for s, m in enumerate(self.moe_layers):
-            static.routed_inputs.append(None)
             graph = DeviceGraph(self.device, pool)
-            static.routed_inputs[s] = graph.capture(lambda a=start, m=m: self._route_segment(static, a, m))
+            static.routed_inputs.append(graph.capture(lambda a=start, m=m: self._route_segment(static, a, m)))
             static.route.append(graph)
             part = None
             if self.layers[m].mlp.shared_experts is not None:
