@@ -22,6 +22,7 @@ from torch import nn
 from gpu.decode_attention import split_count
 from gpu.device_graph import DeviceGraph
 from gpu.triton_attention import TritonAttention
+from hybrid.dual_batch import interleave
 from hybrid.forward_batch import ForwardBatch, HostBatch
 from hybrid.models.routed_moe import RoutedMoe
 
@@ -40,7 +41,7 @@ class StaticDecode:
 
     def __init__(self, size: int, max_blocks: int, pad_block: int, block_size: int, hidden: int,
                  dtype: torch.dtype, device: torch.device, kv_caches: list, attention, splits: int):
-        self.size, self.pad_block, self.pad_slot = size, pad_block, pad_block * block_size
+        self.pad_block, self.pad_slot = pad_block, pad_block * block_size
         self.io = torch.zeros(3, size, dtype=torch.long, device=device)  # ids, positions, slots
         self.io[2] = self.pad_slot
         self.tables = torch.full((size, max_blocks), pad_block, dtype=torch.int32, device=device)
@@ -175,20 +176,9 @@ class DecodeGraphs:
         return static.tail.replay()[:static.n]
 
     def run_overlapped(self, a: HostBatch, b: HostBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dual-batch overlap as CausalLMBody.forward_overlapped does it: B's segment runs on the device while
-        the expert process computes A's routed experts, and the other way round."""
-        sa, sb = self._static(0, a), self._static(1, b)
-        pending_a = pending_b = None
-        for s in range(len(self.moe_layers)):
-            if pending_a is not None:
-                pending_a()
-            pending_a = self._begin_moe(sa, s)
-            if pending_b is not None:
-                pending_b()
-            pending_b = self._begin_moe(sb, s)
-        if pending_a is not None:
-            pending_a()
-        out_a = sa.tail.replay()[:sa.n]
-        if pending_b is not None:
-            pending_b()
-        return out_a, sb.tail.replay()[:sb.n]
+        """Dual-batch overlap in the eager runner's order (hybrid.dual_batch): one micro-batch's segment runs
+        on the device while the expert process computes the other's routed experts."""
+        statics = (self._static(0, a), self._static(1, b))
+        interleave(len(self.moe_layers), lambda mb, s: self._begin_moe(statics[mb], s))
+        out_a, out_b = (static.tail.replay()[:static.n] for static in statics)
+        return out_a, out_b

@@ -8,10 +8,12 @@ import torch
 from torch import nn
 
 from hybrid.config import ModelConfig
+from hybrid.dual_batch import interleave
 from hybrid.forward_batch import ForwardBatch
 from hybrid.models.experts import Experts
 from hybrid.models.layers import GatedMLP, Linear, RMSNorm, empty_param
 from hybrid.models.rotary_embedding import RotaryEmbedding
+from hybrid.models.routed_moe import RoutedMoe
 
 
 class DecoderLayer(nn.Module):
@@ -29,7 +31,7 @@ class DecoderLayer(nn.Module):
     def begin_mlp(self, h: torch.Tensor) -> Callable[[], torch.Tensor]:
         """Starts h + mlp(norm(h)); an MoE block's routed experts may still be running when this returns."""
         y = self.post_attention_layernorm(h)
-        if hasattr(self.mlp, "begin"):
+        if isinstance(self.mlp, RoutedMoe):
             finish = self.mlp.begin(y)
             return lambda: h + finish()
         out = h + self.mlp(y)
@@ -70,18 +72,21 @@ class CausalLMBody(nn.Module):
     def forward_overlapped(self, ids_a: torch.Tensor, batch_a: ForwardBatch, ids_b: torch.Tensor,
                            batch_b: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Dual-batch overlap: the routed experts of one micro-batch run (in the expert process) while
-        the device runs the other's attention. Per layer: A's attention, A's experts start, B's previous
-        experts are awaited, B's attention, B's experts start; A's are awaited at the next layer."""
-        xa, xb = self.embed_tokens.weight[ids_a], self.embed_tokens.weight[ids_b]
-        pending_a = pending_b = None
-        for layer in self.layers:
-            if pending_a is not None:
-                xa = pending_a()
-            pending_a = layer.begin_mlp(layer.attend(xa, batch_a))
-            if pending_b is not None:
-                xb = pending_b()
-            pending_b = layer.begin_mlp(layer.attend(xb, batch_b))
-        return self.norm(pending_a()), self.norm(pending_b())
+        the device runs the other's attention. A stage is one layer: attention, then the MLP started; its
+        wait stores the layer's output for the micro-batch's next stage."""
+        xs = [self.embed_tokens.weight[ids_a], self.embed_tokens.weight[ids_b]]
+        batches = (batch_a, batch_b)
+
+        def begin(mb: int, i: int) -> Callable[[], None]:
+            layer = self.layers[i]
+            finish = layer.begin_mlp(layer.attend(xs[mb], batches[mb]))
+
+            def wait() -> None:
+                xs[mb] = finish()
+            return wait
+
+        interleave(len(self.layers), begin)
+        return self.norm(xs[0]), self.norm(xs[1])
 
 
 class CausalLM(nn.Module):
