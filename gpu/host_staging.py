@@ -8,8 +8,6 @@ event). On the CPU the tensors already are host tensors and pass through unchang
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 RESULT_BUFFERS = 2  # dual-batch overlap has two results in flight
@@ -40,17 +38,17 @@ class HostStaging:
         torch.cuda.current_stream(tensors[0].device).synchronize()
         return tuple(staged)
 
-    def to_device(self, fill: Callable[[torch.Tensor | None], torch.Tensor], shape: tuple[int, int],
-                  dtype: torch.dtype, device: torch.device, out_dtype: torch.dtype) -> torch.Tensor:
-        """`fill(out)` writes a [T, width] host result into `out` (or a new tensor when out is None) and
-        returns it; the result is returned on `device` in `out_dtype`."""
+    def to_device(self, handle, device: torch.device, out_dtype: torch.dtype) -> torch.Tensor:
+        """The result of `handle` (an expert call in flight: wait(out=None), shape, dtype) on `device` in
+        `out_dtype`."""
         if device.type != "cuda":
-            return fill(None).to(device, out_dtype)
+            return handle.wait().to(device, out_dtype)
         i = self._next
         self._next = (i + 1) % RESULT_BUFFERS
         if self._events[i] is not None:
             self._events[i].synchronize()
-        host = fill(self._pinned(f"out{i}", dtype, shape[1])[:shape[0]])
+        rows, width = handle.shape
+        host = handle.wait(out=self._pinned(f"out{i}", handle.dtype, width)[:rows])
         result = host.to(device, out_dtype, non_blocking=True)
         self._events[i] = torch.cuda.Event()
         self._events[i].record(torch.cuda.current_stream(device))

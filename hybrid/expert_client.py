@@ -225,8 +225,7 @@ class ProcessExperts(Experts):
     def submit(self, layer: int, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
                topk_weights: torch.Tensor) -> Callable[[], torch.Tensor]:
         handle = self.client.submit(layer, *self.staging.to_host(hidden_states, topk_ids, topk_weights))
-        return lambda: self.staging.to_device(handle.wait, handle.shape, handle.dtype, hidden_states.device,
-                                              hidden_states.dtype)
+        return lambda: self.staging.to_device(handle, hidden_states.device, hidden_states.dtype)
 
     def restart(self) -> None:
         """Replaces a dead or stalled expert process this engine started."""
