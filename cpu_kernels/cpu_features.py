@@ -1,14 +1,15 @@
 """Which x86 SIMD extensions this CPU has, read from /proc/cpuinfo, and the best kernel path they allow.
 
-The avx512_bf16 path needs VBMI (fp8 byte tables) and VNNI (int8/int4) too, as csrc/moe.cpp checks; the amx
-path is that one plus AMX tiles, which Linux must also grant the process (csrc/amx.cpp asks)."""
+The avx512_bf16 path needs VBMI (fp8 byte tables), GFNI (fp8 bit maps) and VNNI (int8/int4) too, as
+csrc/moe.cpp checks; the amx path is that one plus AMX tiles, which Linux must also grant the process
+(csrc/amx.cpp asks)."""
 
 from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
 
-AVX512_BF16 = {"avx512f", "avx512bw", "avx512_bf16", "avx512vbmi", "avx512_vnni"}
+AVX512_BF16 = {"avx512f", "avx512bw", "avx512_bf16", "avx512vbmi", "avx512_vnni", "gfni"}
 PATHS = [
     ("amx", AVX512_BF16 | {"amx_tile", "amx_bf16", "amx_int8"}),
     ("avx512_bf16", AVX512_BF16),

@@ -130,6 +130,31 @@ def test_fp8_values_through_a_full_linear():
         assert torch.equal(out, expected)
 
 
+@pytest.mark.parametrize("tokens", [1, 2, 5, 7])
+def test_every_fp8_code_through_the_few_token_kernel(tokens):
+    # Below 8 rows the kernels convert codes with GF(2) bit maps and fall back to the tables for line pairs
+    # holding a zero, subnormal or NaN code. Code c sits alone at row c among 2.0s (which take the bit maps),
+    # so one-hot tokens read single products: each code's value exactly; rows 0x7f and 0xff are NaN (as
+    # torch's matmul, NaN times 0 included).
+    codes = torch.full((256, 128), 0x40, dtype=torch.uint8)
+    codes[torch.arange(256), torch.arange(256) % 128] = torch.arange(256, dtype=torch.uint8)
+    w8 = codes.view(torch.float8_e4m3fn)
+    scale = torch.tensor([[0.5], [0.25]])
+    p = PackedLinear.pack(w8, "fp8", scale_inv=scale)
+    w = w8.float() * scale.repeat_interleave(128, 0)
+    for isa in ISAS:
+        for c0 in range(0, 128, tokens):
+            x = torch.eye(128)[c0:c0 + tokens]
+            before = _C.amx_calls()
+            out = linear(p, x.to(torch.bfloat16), isa=isa).float()
+            assert _C.amx_calls() == before
+            want = x @ w.t()
+            nan = torch.isnan(want)
+            assert nan[:, [127, 255]].all() and nan.sum() == 2 * len(x)
+            assert torch.equal(torch.isnan(out), nan), (isa, c0)
+            assert torch.equal(out[~nan], want[~nan].to(torch.bfloat16).float()), (isa, c0)
+
+
 def test_fp8_nan_codes_give_nan_on_every_path():
     w8 = torch.zeros(16, 128, dtype=torch.uint8)
     w8[3, 5], w8[9, 70] = 0x7F, 0xFF
