@@ -566,14 +566,15 @@ AVX512_TARGET void fp8_tile_to_lines(const Tile& t, uint16_t* lines) {
 // fp8 lines with their block scale multiplied in and rounded to bf16 (one rounding per weight, like the
 // bf16 activations they meet): the prefill inner loop then needs no per-block rescaling.
 AVX512_TARGET void fp8_tile_to_scaled_lines(const Tile& t, const float* scales, int block_k, uint16_t* lines) {
-  const Fp8Regs regs = fp8_regs();
-  for (int c = 0; c < t.kp / 4; ++c) {
+  const Fp8Fast conv = fp8_fast();
+  for (int c = 0; c < t.kp / 4; c += 2) {  // kp is a multiple of block_k, itself of 16: whole line pairs
     stream_prefetch(t.data + c * 64);
-    __m512bh pair[2];
-    fp8_line(regs, t.data + c * 64, pair[0], pair[1]);
-    const __m512 s = _mm512_set1_ps(scales[(4 * c) / block_k]);
-    for (int h = 0; h < 2; ++h) {
-      const __m512i v = reinterpret_cast<__m512i>(pair[h]);
+    stream_prefetch(t.data + c * 64 + 64);
+    __m512bh quad[4];
+    fp8_pair(conv, t.data + c * 64, quad);
+    const __m512 s = _mm512_set1_ps(scales[(4 * c) / block_k] * kFp8LineScale);
+    for (int h = 0; h < 4; ++h) {
+      const __m512i v = reinterpret_cast<__m512i>(quad[h]);
       const __m512 lo = _mm512_mul_ps(widen_bf16(_mm512_castsi512_si256(v)), s);
       const __m512 hi = _mm512_mul_ps(widen_bf16(_mm512_extracti64x4_epi64(v, 1)), s);
       _mm512_storeu_si512(lines + (2 * c + h) * 32, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
