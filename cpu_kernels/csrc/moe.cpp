@@ -18,9 +18,9 @@ namespace hybridd {
 namespace {
 
 constexpr int kMaxTokenBlock = 8;
-// Row blocks at least this tall go to the AMX kernels on the amx path (measured on Emerald Rapids: AVX-512
-// BF16 runs one vdpbf16ps per cycle there, so AMX wins from 8 rows; int4's AMX kernel also unpacks the
-// nibbles and pays a dequantizing epilogue per group, and wins from 12).
+// Row blocks at least this tall go to the AMX kernels on the amx path (measured end to end on Emerald Rapids,
+// where one vdpbf16ps issues about every second cycle: AMX wins from 8 rows; int4's AMX kernel also unpacks
+// the nibbles and pays a dequantizing epilogue per group, and wins from 12).
 inline int amx_min_rows(Format f) { return f == Format::kINT4 ? 12 : 8; }
 
 // Prefetch for the loops that stream weights from memory, called once per 64-byte line: into L2 16 KB ahead
