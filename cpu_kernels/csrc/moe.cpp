@@ -43,8 +43,8 @@ float e4m3_to_f32(uint8_t v) {
   return sign ? -mag : mag;
 }
 
-// The decode kernels' fp8 lines hold each code's value times 2^-8 (see fp8_pair); their block scales are
-// multiplied by this to undo it.
+// fp8 lines from fp8_pair hold each code's value times 2^-8; the block scales applied to them are multiplied
+// by this to undo it.
 constexpr float kFp8LineScale = 256.0f;
 
 struct Fp8Tables {
@@ -357,12 +357,12 @@ constexpr int64_t gf2_bit_map(const int (&from)[8]) {
   return static_cast<int64_t>(m);
 }
 
-// The decode loops' conversion. A code s.eeee.mmm with e > 0 is 2^(e-7) * 1.mmm, and the bf16 word
-// s.0111eeee.mmm0000 is that times 2^-8: its high byte is s | 0x38 | e3e2e1 and its low byte e0.mmm.0000,
-// each one GF(2) affine map of the code's bits, two instructions for 64 codes where the tables take two
-// three-uop byte permutes and a blend. Zero, subnormal and NaN codes do not fit the pattern: a line pair
-// holding one (found as the codes c with (c + 1) & 0x70 == 0, which adds only the tiny e = 1, m < 7 codes)
-// is converted by the tables, scaled alike.
+// The conversion of the few-token loops and of prefill's scaled lines. A code s.eeee.mmm with e > 0 is
+// 2^(e-7) * 1.mmm, and the bf16 word s.0111eeee.mmm0000 is that times 2^-8: its high byte is s | 0x38 | e3e2e1
+// and its low byte e0.mmm.0000, each one GF(2) affine map of the code's bits, two instructions for 64 codes
+// where the tables take two three-uop byte permutes and a blend. Zero, subnormal and NaN codes do not fit the
+// pattern: a line pair holding one (found as the codes c with (c + 1) & 0x70 == 0, which adds only the tiny
+// e = 1, m < 7 codes) is converted by the tables, scaled alike.
 struct Fp8Fast {
   __m512i hi_map, lo_map, one, mask;
   Fp8Regs exact;
@@ -386,8 +386,10 @@ AVX512_TARGET inline void fp8_pair(const Fp8Fast& r, const uint8_t* p, __m512bh*
     fp8_line(r.exact, p + 64, out[2], out[3]);
     return;
   }
-  const __m512i hv = _mm512_gf2p8affine_epi64_epi8(v, r.hi_map, 0x38), lv = _mm512_gf2p8affine_epi64_epi8(v, r.lo_map, 0);
-  const __m512i hw = _mm512_gf2p8affine_epi64_epi8(w, r.hi_map, 0x38), lw = _mm512_gf2p8affine_epi64_epi8(w, r.lo_map, 0);
+  const __m512i hv = _mm512_gf2p8affine_epi64_epi8(v, r.hi_map, 0x38);
+  const __m512i lv = _mm512_gf2p8affine_epi64_epi8(v, r.lo_map, 0);
+  const __m512i hw = _mm512_gf2p8affine_epi64_epi8(w, r.hi_map, 0x38);
+  const __m512i lw = _mm512_gf2p8affine_epi64_epi8(w, r.lo_map, 0);
   out[0] = as_bh(_mm512_unpacklo_epi8(lv, hv));
   out[1] = as_bh(_mm512_unpackhi_epi8(lv, hv));
   out[2] = as_bh(_mm512_unpacklo_epi8(lw, hw));
