@@ -9,7 +9,7 @@ from cpu_kernels.thread_pool import numa_nodes, pool_layout
 
 def main() -> None:
     flags = cpu_flags()
-    wanted = sorted({f for _, needed in PATHS for f in needed} | {"avx512vbmi", "avx512_vnni", "gfni"})
+    wanted = sorted({f for _, needed in PATHS for f in needed})
     print("cpu features: " + " ".join(f"{f}{'+' if f in flags else '-'}" for f in wanted))
     print(f"best instruction set: {best_path()}")
     print(f"kernel path: {kernel_isa_name()}")
