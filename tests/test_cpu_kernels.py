@@ -157,6 +157,24 @@ def test_every_fp8_code_through_the_bit_map_conversion(tokens):
             assert torch.equal(out[~nan], want[~nan].to(torch.bfloat16).float()), (isa, c0)
 
 
+@pytest.mark.amx
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+@pytest.mark.parametrize("t", [8, 20, 32, 33, 70, 300])
+def test_amx_column_steps_match_avx512(fmt, t):
+    # bf16 tokens against bf16 / fp8 tiles run tile_span_amx: 1024 columns per step (fewer for many rows: 300
+    # rows take 832 / 768 for bf16 / fp8), tiles two at a time (90 outputs: five whole tiles and a partial
+    # one), fp8 converted a k step at a time up to 32 rows and a pair's column step at a time above.
+    g = torch.Generator().manual_seed(t)
+    w = torch.randn(90, 2000, generator=g) / 2000 ** 0.5
+    x = torch.randn(t, 2000, generator=g).to(torch.bfloat16)
+    p = PackedLinear.pack(w, fmt)
+    before = _C.amx_calls()
+    out = linear(p, x, isa=ISA_AMX)
+    assert _C.amx_calls() > before
+    assert rel_err(out, linear(p, x, isa=ISA_AVX512_BF16)) < 4e-3
+    assert rel_err(out, linear_reference(p, x.float())) < BOUND[(fmt, torch.bfloat16)]
+
+
 def test_fp8_nan_codes_give_nan_on_every_path():
     w8 = torch.zeros(16, 128, dtype=torch.uint8)
     w8[3, 5], w8[9, 70] = 0x7F, 0xFF

@@ -47,6 +47,9 @@ AMX_TARGET void load_config(int kstep) {
   }
   c.colsb[4] = c.colsb[5] = static_cast<uint16_t>(kstep);
   c.rows[6] = c.rows[7] = static_cast<uint8_t>(kstep / 4);
+  // GCC's _tile_loadconfig declares only the first 8 bytes of the configuration as read: without this the
+  // stores of colsb and rows may be dropped as dead (seen with GCC 12 when the function is not inlined).
+  asm volatile("" : : "m"(c) : "memory");
   _tile_loadconfig(&c);
 }
 
@@ -308,6 +311,174 @@ AMX_TARGET void tile_dotn(Format f, const Tile* t, int nt, int block_k, int grou
   _tile_release();
 }
 
+// Columns per step of tile_span: the step's packed activation rows (n x columns bf16, at most kSpanRowBytes)
+// stay in L2 while every tile's lines of those columns stream past them.
+constexpr int kSpanColumns = 1024;
+constexpr int64_t kSpanRowBytes = 512 << 10;
+
+AMX_TARGET int span_columns(Format f, int kp, int n, int block_k) {
+  const int64_t fit = kSpanRowBytes / (2 * ((n + kRows - 1) / kRows * kRows));
+  int cols = static_cast<int>(std::max<int64_t>(256, std::min<int64_t>(kSpanColumns, fit))) / 32 * 32;
+  if (f == Format::kFP8) cols = std::max(block_k, cols / block_k * block_k);
+  return std::min(kp, cols);
+}
+
+// `bytes` of v from a 64-byte boundary, so that every 64-byte operand line is one cache line.
+uint8_t* aligned_bytes(std::vector<uint8_t>& v, size_t bytes) {
+  v.resize(bytes + 64);
+  return reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(v.data()) + 63) & ~uintptr_t(63));
+}
+
+// Columns [k0, k0 + cols) of the n rows as A operands: [ceil(n / 16)][cols / 32][16 rows][64 bytes], rows past
+// n zero. One contiguous kilobyte per operand: rows read in place sit a row stride apart, which for 4 KB
+// strides (kp = 2048) maps all 16 onto one cache set.
+AMX_TARGET void pack_rows(const uint8_t* src, int64_t stride, int n, int k0, int cols, uint8_t* dst) {
+  const int steps = cols / 32, blocks = (n + kRows - 1) / kRows;
+  for (int r = 0; r < blocks * kRows; ++r) {
+    uint8_t* d = dst + (int64_t(r / kRows) * steps * kRows + r % kRows) * 64;
+    const uint8_t* row = src + r * stride + int64_t(k0) * 2;
+    for (int s = 0; s < steps; ++s)
+      _mm512_store_si512(d + int64_t(s) * kRows * 64,
+                         r < n ? _mm512_loadu_si512(row + s * 64) : _mm512_setzero_si512());
+  }
+}
+
+// The weight lines the next pair of tiles will read (one contiguous range per tile), fetched into L2 a few
+// lines per k step while the current pair computes, so that its first row block does not wait on memory.
+struct NextLines {
+  const uint8_t* tile[3] = {nullptr, nullptr, nullptr};  // tile[2] stays null: the end
+  int64_t bytes = 0;  // per tile
+  int64_t done = 0;   // bytes of tile[which] fetched
+  int which = 0;
+  int per_step = 0;   // lines
+
+  AMX_TARGET void fetch() {
+    for (int i = 0; i < per_step && tile[which]; ++i) {
+      _mm_prefetch(reinterpret_cast<const char*>(tile[which] + done), _MM_HINT_T1);
+      done += 64;
+      if (done == bytes) {
+        done = 0;
+        ++which;
+      }
+    }
+  }
+};
+
+// C[block][tile] for one or two row blocks x one or two tiles, added to over `steps` k steps: zeroed first
+// when `fresh`, else loaded from the outputs, and stored back (fp32 [16 rows][16] at c0/c1 (+ 256)).
+// b(s, lines) sets the two tiles' B operands of k step s.
+template <bool kTwoN, bool kTwoM, typename B>
+AMX_TARGET void span_block(const uint8_t* a0, int steps, bool fresh, float* c0, float* c1, NextLines& next, B b) {
+  const uint8_t* a1 = a0 + int64_t(steps) * 1024;
+  if (fresh) {
+    _tile_zero(0);
+    if constexpr (kTwoN) _tile_zero(1);
+    if constexpr (kTwoM) _tile_zero(2);
+    if constexpr (kTwoN && kTwoM) _tile_zero(3);
+  } else {
+    _tile_loadd(0, c0, 64);
+    if constexpr (kTwoN) _tile_loadd(1, c1, 64);
+    if constexpr (kTwoM) _tile_loadd(2, c0 + kRows * kRows, 64);
+    if constexpr (kTwoN && kTwoM) _tile_loadd(3, c1 + kRows * kRows, 64);
+  }
+  for (int s = 0; s < steps; ++s) {
+    next.fetch();
+    const uint8_t* lines[2];
+    b(s, lines);
+    _tile_loadd(4, a0 + s * 1024, 64);
+    _tile_loadd(6, lines[0], 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (kTwoN) {
+      _tile_loadd(7, lines[1], 64);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+    if constexpr (kTwoM) {
+      _tile_loadd(5, a1 + s * 1024, 64);
+      _tile_dpbf16ps(2, 5, 6);
+      if constexpr (kTwoN) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, c0, 64);
+  if constexpr (kTwoN) _tile_stored(1, c1, 64);
+  if constexpr (kTwoM) _tile_stored(2, c0 + kRows * kRows, 64);
+  if constexpr (kTwoN && kTwoM) _tile_stored(3, c1 + kRows * kRows, 64);
+}
+
+template <typename B>
+AMX_TARGET void span_blocks(bool two_n, bool two_m, const uint8_t* a0, int steps, bool fresh, float* c0, float* c1,
+                            NextLines& next, B b) {
+  if (two_n && two_m) span_block<true, true>(a0, steps, fresh, c0, c1, next, b);
+  else if (two_m) span_block<false, true>(a0, steps, fresh, c0, c1, next, b);
+  else if (two_n) span_block<true, false>(a0, steps, fresh, c0, c1, next, b);
+  else span_block<false, false>(a0, steps, fresh, c0, c1, next, b);
+}
+
+// Column step by column step: the rows' columns packed once, then every pair of tiles runs all row blocks
+// against them, adding into the outputs. Each pair's weight lines come from memory once, prefetched while the
+// pair before it computes; later row blocks find them in cache. fp8 tiles become scaled bf16 lines: for one
+// or two row blocks a k step at a time into L1, interleaved with the tile products that read them; for more,
+// the pair's whole column step at once, reused by every row block.
+AMX_TARGET void tile_span(Format f, const Tile* t, int nt, int block_k, const Act& a, const int* rows, int n,
+                          float* const* out) {
+  const int kp = t[0].kp, cols = span_columns(f, kp, n, block_k), blocks = (n + kRows - 1) / kRows;
+  const int pairs = (blocks + 1) / 2, bytes = f == Format::kFP8 ? 1 : 2;
+  const bool stepwise = f == Format::kFP8 && pairs == 1;
+  thread_local std::vector<uint8_t> packed_buf, lines_buf;
+  uint8_t* packed = aligned_bytes(packed_buf, size_t(blocks) * kRows * cols * 2);
+  uint16_t* lines = reinterpret_cast<uint16_t*>(aligned_bytes(lines_buf, size_t(2) * cols * kRows * 2));
+  const uint8_t* src = reinterpret_cast<const uint8_t*>(a.bf + int64_t(rows[0]) * a.kp);
+  load_config(64);
+  for (int k0 = 0; k0 < kp; k0 += cols) {
+    const int klen = std::min(cols, kp - k0), steps = klen / 32;
+    pack_rows(src, a.kp * 2, n, k0, klen, packed);
+    for (int j = 0; j < nt; j += 2) {
+      const bool two_n = j + 1 < nt;
+      const uint8_t* w[2] = {t[j].data + int64_t(k0) * kRows * bytes,
+                             two_n ? t[j + 1].data + int64_t(k0) * kRows * bytes : nullptr};
+      const float* scales[2] = {t[j].scales + k0 / block_k, two_n ? t[j + 1].scales + k0 / block_k : nullptr};
+      NextLines next;
+      const int nj = j + 2 < nt ? j + 2 : 0, nk0 = j + 2 < nt ? k0 : k0 + cols;
+      if (nk0 < kp) {
+        const int nlen = std::min(cols, kp - nk0);
+        for (int h = 0; h < 2 && nj + h < nt; ++h) next.tile[h] = t[nj + h].data + int64_t(nk0) * kRows * bytes;
+        next.bytes = int64_t(nlen) * kRows * bytes;
+        next.per_step = static_cast<int>((2 * next.bytes / 64 + pairs * steps - 1) / (pairs * steps));
+      }
+      const bool fresh = k0 == 0;
+      float* c1 = two_n ? out[j + 1] : nullptr;
+      if (stepwise) {
+        // Two alternating 2 KB buffers: step s + 1 converts while step s's tiles may still be loading.
+        const auto convert_step = [&](int s, const uint8_t** b) {
+          uint16_t* l = lines + (s & 1) * 2 * 512;
+          for (int h = 0; h < (two_n ? 2 : 1); ++h) {
+            convert_fp8_tile({w[h] + s * 512, nullptr, nullptr, 32}, scales[h] + s * 32 / block_k, block_k,
+                             l + h * 512);
+            b[h] = reinterpret_cast<const uint8_t*>(l + h * 512);
+          }
+        };
+        span_blocks(two_n, blocks == 2, packed, steps, fresh, out[j], c1, next, convert_step);
+        continue;
+      }
+      const uint8_t* b[2] = {w[0], w[1]};
+      if (f == Format::kFP8) {
+        for (int h = 0; h < (two_n ? 2 : 1); ++h) {
+          uint16_t* l = lines + size_t(h) * klen * kRows;
+          convert_fp8_tile({w[h], nullptr, nullptr, klen}, scales[h], block_k, l);
+          b[h] = reinterpret_cast<const uint8_t*>(l);
+        }
+      }
+      const auto in_place = [&](int s, const uint8_t** lb) {
+        lb[0] = b[0] + s * 1024;
+        lb[1] = two_n ? b[1] + s * 1024 : nullptr;
+      };
+      for (int m0 = 0; m0 < blocks * kRows; m0 += 2 * kRows)
+        span_blocks(two_n, blocks * kRows - m0 > kRows, packed + int64_t(m0 / kRows) * steps * 1024, steps, fresh,
+                    out[j] + m0 * kRows, two_n ? c1 + m0 * kRows : nullptr, next, in_place);
+    }
+  }
+  _tile_release();
+}
+
 std::atomic<int64_t> calls{0};
 
 bool request_tile_state() {
@@ -339,6 +510,18 @@ void tile_dotn_amx(Format f, const Tile* tiles, int nt, int block_k, int group, 
                    float* const* out, uint16_t* scratch) {
   calls.fetch_add(1, std::memory_order_relaxed);
   tile_dotn(f, tiles, nt, block_k, group, a, rows, n, out, scratch);
+}
+
+bool amx_spans(Format f, const Act& a, int block_k, int kp) {
+  return a.bf && kp % 32 == 0 && (f == Format::kBF16 || (f == Format::kFP8 && !a.exact && block_k % 32 == 0));
+}
+
+void tile_span_amx(Format f, const Tile* tiles, int nt, int block_k, const Act& a, const int* rows, int n,
+                   float* const* out) {
+  for (int i = 1; i < n; ++i)
+    if (rows[i] != rows[0] + i) throw std::logic_error("the AMX kernels read contiguous activation rows");
+  calls.fetch_add(1, std::memory_order_relaxed);
+  tile_span(f, tiles, nt, block_k, a, rows, n, out);
 }
 
 int64_t amx_calls() { return calls.load(std::memory_order_relaxed); }

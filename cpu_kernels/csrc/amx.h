@@ -19,7 +19,17 @@ bool amx_handles(Format f, int block_k, int group, int kp);
 void tile_dotn_amx(Format f, const Tile* tiles, int nt, int block_k, int group, const Act& a, const int* rows, int n,
                    float* const* out, uint16_t* scratch);
 
-// How many tile_dotn_amx calls this process made (tests check that the AMX path really ran).
+// Whether tile_span_amx computes this format for these activations: bf16 tiles, and fp8 tiles against bf16
+// activations (fp32 ones, as hi + lo rows, need one scaled partial sum per fp8 block: tile_dotn_amx).
+bool amx_spans(Format f, const Act& a, int block_k, int kp);
+
+// out[j][i * 16 + r] = row r of tiles[j] . activation row rows[i] for any number of tiles with the same kp,
+// column step by column step so that the activation rows are read once per step for all tiles. Every out[j]
+// holds n rounded up to a multiple of 16 rows (the rows past n are written too); rows are consecutive.
+void tile_span_amx(Format f, const Tile* tiles, int nt, int block_k, const Act& a, const int* rows, int n,
+                   float* const* out);
+
+// How many tile_dotn_amx and tile_span_amx calls this process made (tests check that the AMX path really ran).
 int64_t amx_calls();
 
 }  // namespace hybridd

@@ -1039,15 +1039,17 @@ void MoeRunner::run_expert_tiles(const std::vector<int>& active, int tiles, int 
   });
 }
 
-// Per-thread scratch of one task: row ids, up to four tile results and fp8 conversion lines.
+// Per-thread scratch of one task: row ids, the results of its tiles (at least four) and fp8 conversion lines.
 struct TaskBuffers {
   std::vector<int> rows;
-  std::vector<float> ys[4];
+  std::vector<std::vector<float>> ys;
   std::vector<uint16_t> scratch;
 
-  void prepare(int m, int kp) {
+  // m rows of `tiles` results, in whole 16-row blocks (tile_span_amx writes the rows past m).
+  void prepare(int m, int kp, int tiles) {
     rows.resize(m);
-    for (auto& y : ys) y.resize(size_t(m) * kRows);
+    ys.resize(std::max<size_t>(ys.size(), std::max(tiles, 4)));
+    for (auto& y : ys) y.resize(size_t(m + kRows - 1) / kRows * kRows * kRows);
     scratch.resize(size_t(4) * kp * kRows);
   }
 };
@@ -1057,10 +1059,23 @@ TaskBuffers& task_buffers() {
   return buffers;
 }
 
-// Runs tiles [t0, t1) of one matrix four (then two, then one) at a time; store(y, tile) takes each result.
+// Runs tiles [t0, t1) of one matrix: all at once on tile_span_amx where it applies, else four (then two, then
+// one) at a time; store(y, tile) takes each result, in tile order.
 template <typename Store>
 void tile_range(Isa isa, Format f, const PackedMatrices& m, int expert, int t0, int t1, int block_k, int group,
-                const Act& a, const int* rows, int n, std::vector<float>* ys, uint16_t* scratch, Store store) {
+                const Act& a, const int* rows, int n, std::vector<std::vector<float>>& ys, uint16_t* scratch,
+                Store store) {
+  if (isa == Isa::kAmx && n >= amx_min_rows(f) && amx_spans(f, a, block_k, m.kp)) {
+    std::vector<Tile> tiles;
+    std::vector<float*> outs;
+    for (int ti = t0; ti < t1; ++ti) {
+      tiles.push_back(tile_of(m, expert, ti, f, block_k, group));
+      outs.push_back(ys[ti - t0].data());
+    }
+    tile_span_amx(f, tiles.data(), t1 - t0, block_k, a, rows, n, outs.data());
+    for (int ti = t0; ti < t1; ++ti) store(ys[ti - t0].data(), ti);
+    return;
+  }
   for (int ti = t0; ti < t1;) {
     const int nt = t1 - ti >= 4 ? 4 : (t1 - ti >= 2 ? 2 : 1);
     Tile tiles[4];
@@ -1091,7 +1106,7 @@ void MoeRunner::linear(Format f, const PackedMatrices& w, int n, int k, int bloc
   const int tasks = (w.tiles + per_task - 1) / per_task;
   pool_.run(tasks, [&](int task, int) {
     TaskBuffers& buf = task_buffers();
-    buf.prepare(m, w.kp);
+    buf.prepare(m, w.kp, per_task);
     const auto store = [&](const float* y, int ti) {
       const int cols = std::min(kRows, n - ti * kRows);
       for (int t = 0; t < T; ++t) {
@@ -1159,7 +1174,7 @@ void MoeRunner::forward(const ExpertLayer& L, const void* x, bool f32_io, int T,
   run_expert_tiles(active, itiles, 16, [&](int e, int t0, int t1) {
     const int begin = count[e], n = count[e + 1] - count[e], m = n * R;
     TaskBuffers& buf = task_buffers();
-    buf.prepare(m, kp1);
+    buf.prepare(m, kp1, 2 * (t1 - t0));
     for (int i = 0; i < m; ++i) buf.rows[i] = (sorted ? begin + i / R : tok[begin + i / R]) * R + i % R;
     // Tiles 2ti (gate) and 2ti + 1 (up) arrive in order, and the even-length range is run four or two
     // tiles at a time, so a gate's result buffer is still intact when its up tile is stored.
@@ -1218,7 +1233,7 @@ void MoeRunner::forward(const ExpertLayer& L, const void* x, bool f32_io, int T,
   run_expert_tiles(active, htiles, 32, [&](int e, int t0, int t1) {
     const int begin = count[e], n = count[e + 1] - count[e], m = n * R;
     TaskBuffers& buf = task_buffers();
-    buf.prepare(m, kp2);
+    buf.prepare(m, kp2, t1 - t0);
     for (int i = 0; i < m; ++i) buf.rows[i] = (begin + i / R) * R + i % R;
     const auto store = [&](const float* y, int ti) {
       for (int i = 0; i < n; ++i) {
