@@ -1,9 +1,10 @@
 // AMX kernels. The packed layouts (moe.h) already are AMX operands: 16 consecutive lines of a bf16 tile
 // (32 k of its 16 rows, k pairs interleaved) are one B operand of tdpbf16ps, 16 lines of an int8 tile (64 k)
 // one B operand of tdpbusd, and the lines of an int4 group split into low and high nibbles (minus the
-// bias 8) are the B lines of tdpbssd. fp8 tiles are converted to bf16 lines first, a column chunk at a time, and reused by every
-// token block. A operands are 16 activation rows; an accumulator is 16 tokens x 16 output rows, the
-// [token][row] order of the callers' results.
+// bias 8) are the B lines of tdpbssd. fp8 tiles are converted to bf16 lines first. bf16 activations (bf16
+// and fp8 tiles) go column step by column step over all of a task's tiles (tile_span); the int formats and
+// fp32 activations against fp8 tiles run up to four tiles over the full K per call (tile_dotn). An
+// accumulator is 16 tokens x 16 output rows, the [token][row] order of the callers' results.
 #include "amx.h"
 
 #include <immintrin.h>
@@ -108,9 +109,9 @@ AMX_TARGET void block_product(const uint8_t* a0, const uint8_t* a1, int64_t astr
   _tile_stored(3, c[3], 64);
 }
 
-// What becomes of an accumulator tile: stored, added (times a block scale), or an int8 sum dequantized.
+// What becomes of an accumulator tile: added (times a block scale) or, an int8 sum, dequantized.
 struct Epilogue {
-  enum Kind { kStore, kAdd, kInt8 } kind = kStore;
+  enum Kind { kAdd, kInt8 } kind = kAdd;
   float scale = 1.0f;              // kAdd: out += scale * C
   const float* wscale = nullptr;   // int8: the 16 output rows' weight scales
   const int32_t* comp = nullptr;   // int8: 128 * row sums (activations are stored as q + 128)
@@ -122,7 +123,6 @@ AMX_TARGET void finish(const Epilogue& e, const Act& a, const int* rows, const v
   for (int i = 0; i < m; ++i) {
     float* o = out + i * kRows;
     switch (e.kind) {
-      case Epilogue::kStore: _mm512_storeu_ps(o, _mm512_load_ps(cf + i * kRows)); break;
       case Epilogue::kAdd:
         _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_load_ps(cf + i * kRows), _mm512_set1_ps(e.scale),
                                             _mm512_loadu_ps(o)));
@@ -257,42 +257,33 @@ AMX_TARGET void tile_dotn(Format f, const Tile* t, int nt, int block_k, int grou
   const int int4_kstep = group % 64 ? 32 : 64;
   load_config(f == Format::kINT4 ? int4_kstep : 64);
 
-  if (f == Format::kBF16 || f == Format::kINT8) {
+  if (f == Format::kINT8) {
     for (int j = 0; j < nt; j += 2) {
-      Panel p{{t[j].data, j + 1 < nt ? t[j + 1].data : nullptr}, 0, 64, 1024, kp / (f == Format::kBF16 ? 32 : 64),
-              true, {}, {out[j], j + 1 < nt ? out[j + 1] : nullptr}};
-      for (int h = 0; h < 2 && j + h < nt; ++h) {
-        if (f == Format::kINT8) p.epi[h] = {Epilogue::kInt8, 1.0f, t[j + h].scales, t[j + h].comp};
-      }
-      if (f == Format::kBF16) run_panel<Dot::kBf16>(p, blocks, a, rows, n);
-      else run_panel<Dot::kU8S8>(p, blocks, a, rows, n);
+      Panel p{{t[j].data, j + 1 < nt ? t[j + 1].data : nullptr}, 0, 64, 1024, kp / 64, true, {},
+              {out[j], j + 1 < nt ? out[j + 1] : nullptr}};
+      for (int h = 0; h < 2 && j + h < nt; ++h) p.epi[h] = {Epilogue::kInt8, 1.0f, t[j + h].scales, t[j + h].comp};
+      run_panel<Dot::kU8S8>(p, blocks, a, rows, n);
     }
   } else if (f == Format::kFP8) {
-    // bf16 activations meet lines with the block scales already in them (one partial sum per chunk); fp32
-    // ones (hi + lo rows) meet unrounded lines, one partial sum per fp8 block, scaled as it is added.
+    // fp32 activations (hi + lo rows; bf16 ones run tile_span) meet unrounded lines: one partial sum per fp8
+    // block, scaled as it is added.
     const int chunk = std::min(kp, std::max(block_k, kFp8ChunkColumns / block_k * block_k));
-    const bool accumulate = a.exact || kp > chunk;
-    if (accumulate)
-      for (int j = 0; j < nt; ++j) std::memset(out[j], 0, sizeof(float) * n * kRows);
+    for (int j = 0; j < nt; ++j) std::memset(out[j], 0, sizeof(float) * n * kRows);
     for (int k0 = 0; k0 < kp; k0 += chunk) {
       const int klen = std::min(chunk, kp - k0);
       uint16_t* lines[4];
       for (int j = 0; j < nt; ++j) {
         lines[j] = scratch + size_t(j) * chunk * kRows;
-        const Tile part{t[j].data + int64_t(k0) * kRows, nullptr, nullptr, klen};
-        convert_fp8_tile(part, a.exact ? nullptr : t[j].scales + k0 / block_k, block_k, lines[j]);
+        convert_fp8_tile({t[j].data + int64_t(k0) * kRows, nullptr, nullptr, klen}, nullptr, block_k, lines[j]);
       }
-      const int seg = a.exact ? block_k : klen;
       for (int j = 0; j < nt; j += 2) {
         const bool two = j + 1 < nt;
-        for (int s0 = 0; s0 < klen; s0 += seg) {
+        for (int s0 = 0; s0 < klen; s0 += block_k) {
           Panel p{{reinterpret_cast<const uint8_t*>(lines[j] + s0 * kRows),
                    two ? reinterpret_cast<const uint8_t*>(lines[j + 1] + s0 * kRows) : nullptr},
-                  int64_t(k0 + s0) * 2, 64, 1024, seg / 32, false, {}, {out[j], two ? out[j + 1] : nullptr}};
-          for (int h = 0; h < (two ? 2 : 1); ++h) {
-            const float s = a.exact ? t[j + h].scales[(k0 + s0) / block_k] : 1.0f;
-            p.epi[h] = accumulate ? Epilogue{Epilogue::kAdd, s, nullptr, nullptr} : Epilogue{};
-          }
+                  int64_t(k0 + s0) * 2, 64, 1024, block_k / 32, false, {}, {out[j], two ? out[j + 1] : nullptr}};
+          for (int h = 0; h < (two ? 2 : 1); ++h)
+            p.epi[h] = {Epilogue::kAdd, t[j + h].scales[(k0 + s0) / block_k], nullptr, nullptr};
           run_panel<Dot::kBf16>(p, blocks, a, rows, n);
         }
       }

@@ -13,8 +13,8 @@ bool amx_usable();
 // Whether tile_dotn_amx computes this format with these fp8 block / int4 group sizes and padded K.
 bool amx_handles(Format f, int block_k, int group, int kp);
 
-// out[j][i * 16 + r] = row r of tiles[j] . activation row rows[i], for nt (1, 2 or 4) tiles with the same kp;
-// what the AVX-512 path computes, with AMX's summation order. rows are consecutive (rows[i] = rows[0] + i);
+// out[j][i * 16 + r] = row r of tiles[j] . activation row rows[i], for nt (1, 2 or 4) tiles with the same kp
+// (the formats and activations tile_span_amx does not take); what the AVX-512 path computes, with AMX's summation order. rows are consecutive (rows[i] = rows[0] + i);
 // `scratch` holds nt * kp * 16 bf16.
 void tile_dotn_amx(Format f, const Tile* tiles, int nt, int block_k, int group, const Act& a, const int* rows, int n,
                    float* const* out, uint16_t* scratch);
