@@ -334,32 +334,11 @@ AMX_TARGET void pack_rows(const uint8_t* src, int64_t stride, int n, int k0, int
   }
 }
 
-// The weight lines the next pair of tiles will read (one contiguous range per tile), fetched into L2 a few
-// lines per k step while the current pair computes, so that its first row block does not wait on memory.
-struct NextLines {
-  const uint8_t* tile[3] = {nullptr, nullptr, nullptr};  // tile[2] stays null: the end
-  int64_t bytes = 0;  // per tile
-  int64_t done = 0;   // bytes of tile[which] fetched
-  int which = 0;
-  int per_step = 0;   // lines
-
-  AMX_TARGET void fetch() {
-    for (int i = 0; i < per_step && tile[which]; ++i) {
-      _mm_prefetch(reinterpret_cast<const char*>(tile[which] + done), _MM_HINT_T1);
-      done += 64;
-      if (done == bytes) {
-        done = 0;
-        ++which;
-      }
-    }
-  }
-};
-
 // C[block][tile] for one or two row blocks x one or two tiles, added to over `steps` k steps: zeroed first
 // when `fresh`, else loaded from the outputs, and stored back (fp32 [16 rows][16] at c0/c1 (+ 256)).
 // b(s, lines) sets the two tiles' B operands of k step s.
 template <bool kTwoN, bool kTwoM, typename B>
-AMX_TARGET void span_block(const uint8_t* a0, int steps, bool fresh, float* c0, float* c1, NextLines& next, B b) {
+AMX_TARGET void span_block(const uint8_t* a0, int steps, bool fresh, float* c0, float* c1, B b) {
   const uint8_t* a1 = a0 + int64_t(steps) * 1024;
   if (fresh) {
     _tile_zero(0);
@@ -373,7 +352,6 @@ AMX_TARGET void span_block(const uint8_t* a0, int steps, bool fresh, float* c0, 
     if constexpr (kTwoN && kTwoM) _tile_loadd(3, c1 + kRows * kRows, 64);
   }
   for (int s = 0; s < steps; ++s) {
-    next.fetch();
     const uint8_t* lines[2];
     b(s, lines);
     _tile_loadd(4, a0 + s * 1024, 64);
@@ -397,26 +375,29 @@ AMX_TARGET void span_block(const uint8_t* a0, int steps, bool fresh, float* c0, 
 
 template <typename B>
 AMX_TARGET void span_blocks(bool two_n, bool two_m, const uint8_t* a0, int steps, bool fresh, float* c0, float* c1,
-                            NextLines& next, B b) {
-  if (two_n && two_m) span_block<true, true>(a0, steps, fresh, c0, c1, next, b);
-  else if (two_m) span_block<false, true>(a0, steps, fresh, c0, c1, next, b);
-  else if (two_n) span_block<true, false>(a0, steps, fresh, c0, c1, next, b);
-  else span_block<false, false>(a0, steps, fresh, c0, c1, next, b);
+                            B b) {
+  if (two_n && two_m) span_block<true, true>(a0, steps, fresh, c0, c1, b);
+  else if (two_m) span_block<false, true>(a0, steps, fresh, c0, c1, b);
+  else if (two_n) span_block<true, false>(a0, steps, fresh, c0, c1, b);
+  else span_block<false, false>(a0, steps, fresh, c0, c1, b);
 }
 
 // Column step by column step: the rows' columns packed once, then every pair of tiles runs all row blocks
-// against them, adding into the outputs. Each pair's weight lines come from memory once, prefetched while the
-// pair before it computes; later row blocks find them in cache. fp8 tiles become scaled bf16 lines: for one
-// or two row blocks a k step at a time into L1, interleaved with the tile products that read them; for more,
-// the pair's whole column step at once, reused by every row block.
+// against them, adding into the outputs. Each pair's weight lines come from memory once, in the first row
+// block (contiguous kilobytes: the hardware prefetchers keep up; an L2 prefetch of the next pair while one
+// computes measured no different); later row blocks find them in cache. fp8 tiles become scaled bf16 lines:
+// for one or two row blocks a k step at a time into L1, interleaved with the tile products that read them;
+// for more, the pair's whole column step at once, reused by every row block.
 AMX_TARGET void tile_span(Format f, const Tile* t, int nt, int block_k, const Act& a, const int* rows, int n,
                           float* const* out) {
   const int kp = t[0].kp, cols = span_columns(f, kp, n, block_k), blocks = (n + kRows - 1) / kRows;
-  const int pairs = (blocks + 1) / 2, bytes = f == Format::kFP8 ? 1 : 2;
-  const bool stepwise = f == Format::kFP8 && pairs == 1;
+  const int bytes = f == Format::kFP8 ? 1 : 2;
+  const bool stepwise = f == Format::kFP8 && blocks <= 2;
   thread_local std::vector<uint8_t> packed_buf, lines_buf;
   uint8_t* packed = aligned_bytes(packed_buf, size_t(blocks) * kRows * cols * 2);
-  uint16_t* lines = reinterpret_cast<uint16_t*>(aligned_bytes(lines_buf, size_t(2) * cols * kRows * 2));
+  // fp8 lines: two tiles' column step, or (stepwise) two alternating k steps of two tiles, 4 KB.
+  const size_t line_bytes = std::max<size_t>(4096, size_t(2) * cols * kRows * 2);
+  uint16_t* lines = reinterpret_cast<uint16_t*>(aligned_bytes(lines_buf, line_bytes));
   const uint8_t* src = reinterpret_cast<const uint8_t*>(a.bf + int64_t(rows[0]) * a.kp);
   load_config(64);
   for (int k0 = 0; k0 < kp; k0 += cols) {
@@ -427,14 +408,6 @@ AMX_TARGET void tile_span(Format f, const Tile* t, int nt, int block_k, const Ac
       const uint8_t* w[2] = {t[j].data + int64_t(k0) * kRows * bytes,
                              two_n ? t[j + 1].data + int64_t(k0) * kRows * bytes : nullptr};
       const float* scales[2] = {t[j].scales + k0 / block_k, two_n ? t[j + 1].scales + k0 / block_k : nullptr};
-      NextLines next;
-      const int nj = j + 2 < nt ? j + 2 : 0, nk0 = j + 2 < nt ? k0 : k0 + cols;
-      if (nk0 < kp) {
-        const int nlen = std::min(cols, kp - nk0);
-        for (int h = 0; h < 2 && nj + h < nt; ++h) next.tile[h] = t[nj + h].data + int64_t(nk0) * kRows * bytes;
-        next.bytes = int64_t(nlen) * kRows * bytes;
-        next.per_step = static_cast<int>((2 * next.bytes / 64 + pairs * steps - 1) / (pairs * steps));
-      }
       const bool fresh = k0 == 0;
       float* c1 = two_n ? out[j + 1] : nullptr;
       if (stepwise) {
@@ -447,7 +420,7 @@ AMX_TARGET void tile_span(Format f, const Tile* t, int nt, int block_k, const Ac
             b[h] = reinterpret_cast<const uint8_t*>(l + h * 512);
           }
         };
-        span_blocks(two_n, blocks == 2, packed, steps, fresh, out[j], c1, next, convert_step);
+        span_blocks(two_n, blocks == 2, packed, steps, fresh, out[j], c1, convert_step);
         continue;
       }
       const uint8_t* b[2] = {w[0], w[1]};
@@ -464,7 +437,7 @@ AMX_TARGET void tile_span(Format f, const Tile* t, int nt, int block_k, const Ac
       };
       for (int m0 = 0; m0 < blocks * kRows; m0 += 2 * kRows)
         span_blocks(two_n, blocks * kRows - m0 > kRows, packed + int64_t(m0 / kRows) * steps * 1024, steps, fresh,
-                    out[j] + m0 * kRows, two_n ? c1 + m0 * kRows : nullptr, next, in_place);
+                    out[j] + m0 * kRows, two_n ? c1 + m0 * kRows : nullptr, in_place);
     }
   }
   _tile_release();
