@@ -46,7 +46,7 @@ def amx_rows(fmt: str, dtype: torch.dtype, tokens: int) -> bool:
     """Whether a block of `tokens` rows goes to the AMX kernels (csrc/moe.cpp amx_min_rows); fp32 inputs to
     bf16/fp8 weights travel as two rows each."""
     rows = tokens * (2 if dtype == torch.float32 and fmt in ("bf16", "fp8") else 1)
-    return rows >= (12 if fmt == "int4" else 8)
+    return rows >= {"int4": 12, "int8": 8}.get(fmt, 4)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -133,7 +133,7 @@ def test_fp8_values_through_a_full_linear():
 
 @pytest.mark.parametrize("tokens", [1, 2, 5, 7, 128])
 def test_every_fp8_code_through_the_bit_map_conversion(tokens):
-    # Below 8 rows the kernels convert codes with GF(2) bit maps, and so do the prefill / AMX paths where they
+    # Few-token kernels convert codes with GF(2) bit maps, and so do the prefill / AMX paths where they
     # multiply the block scales into bf16 lines (bf16 tokens); both fall back to the tables for line pairs
     # holding a zero, subnormal or NaN code. Code c sits alone at row c among 2.0s (which take the bit maps),
     # so one-hot tokens read single products: each code's value exactly; rows 0x7f and 0xff are NaN (as
@@ -149,7 +149,7 @@ def test_every_fp8_code_through_the_bit_map_conversion(tokens):
             x = torch.eye(128)[c0:c0 + tokens]
             before = _C.amx_calls()
             out = linear(p, x.to(torch.bfloat16), isa=isa).float()
-            assert (_C.amx_calls() > before) == (isa == ISA_AMX and tokens >= 8)
+            assert (_C.amx_calls() > before) == (isa == ISA_AMX and len(x) >= 4)
             want = x @ w.t()
             nan = torch.isnan(want)
             assert nan[:, [127, 255]].all() and nan.sum() == 2 * len(x)
@@ -159,7 +159,7 @@ def test_every_fp8_code_through_the_bit_map_conversion(tokens):
 
 @pytest.mark.amx
 @pytest.mark.parametrize("fmt", ["bf16", "fp8"])
-@pytest.mark.parametrize("t", [8, 20, 32, 33, 70, 300])
+@pytest.mark.parametrize("t", [4, 5, 8, 20, 32, 33, 70, 300])
 def test_amx_column_steps_match_avx512(fmt, t):
     # bf16 tokens against bf16 / fp8 tiles run tile_span_amx: 1024 columns per step (fewer for many rows: 300
     # rows take 832 / 768 for bf16 / fp8), tiles two at a time (90 outputs: five whole tiles and a partial
@@ -303,10 +303,10 @@ def one_expert_per_token(t: int, e: int, rows: list[int]):
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("h,i", [(130, 50), (256, 96), (64, 40)], ids=lambda v: str(v))
 def test_amx_blocks_match_reference_and_avx512(fmt, h, i):
-    # 7 rows stay on AVX-512 (8 too for int4); 8, 16, 17, 31, 33 and 40 are one to three AMX row blocks, most
-    # with a partial one; intermediate sizes give 1, 2 and 4 tiles per call (50 -> 4 tiles of 16, 40 -> 3,
-    # 96 -> 6).
-    rows = [7, 8, 16, 17, 31, 33, 40]
+    # 3 rows stay on AVX-512 (7 too for int8, and 8 for int4); 7, 8, 16, 17, 31, 33 and 40 are one to three AMX
+    # row blocks, most with a partial one; intermediate sizes give 1, 2 and 4 tiles per call (50 -> 4 tiles of
+    # 16, 40 -> 3, 96 -> 6).
+    rows = [3, 7, 8, 16, 17, 31, 33, 40]
     t = sum(rows)
     p = pack_experts(*experts(len(rows), h, i, seed=h + i), fmt)
     w13, w2 = unpack_experts(p)
