@@ -63,24 +63,18 @@ enum class Dot { kBf16, kU8S8, kS8S8 };
     else _tile_dpbssd(c, a, b);                         \
   } while (0)
 
-// C += A x B over `steps` k steps: A rows advance `astep` bytes per step (row stride `astride`), B lines
-// `bstep` bytes. kTwoN: a second tile (b1, C1/C3); kTwoM: a second row block (a1, C2/C3).
-template <Dot D, bool kTwoN, bool kTwoM>
-AMX_TARGET void run_steps(const uint8_t* a0, const uint8_t* a1, int64_t astride, int astep, const uint8_t* b0,
-                          const uint8_t* b1, int bstep, int steps, bool prefetch) {
+// C += A x B over `steps` k steps: A rows advance `astep` bytes per step (row stride `astride`); b(s, lines)
+// sets the B operands of step s. kTwoN: a second tile (lines[1], C1/C3); kTwoM: a second row block (a1, C2/C3).
+template <Dot D, bool kTwoN, bool kTwoM, typename B>
+AMX_TARGET void run_steps(const uint8_t* a0, const uint8_t* a1, int64_t astride, int astep, int steps, B b) {
   for (int s = 0; s < steps; ++s) {
-    if (prefetch) {
-      for (int l = 0; l < bstep; l += 64) {
-        _mm_prefetch(reinterpret_cast<const char*>(b0 + (s + kPrefetchSteps) * bstep + l), _MM_HINT_T0);
-        if constexpr (kTwoN)
-          _mm_prefetch(reinterpret_cast<const char*>(b1 + (s + kPrefetchSteps) * bstep + l), _MM_HINT_T0);
-      }
-    }
+    const uint8_t* lines[2];
+    b(s, lines);
     _tile_loadd(4, a0 + s * astep, astride);
-    _tile_loadd(6, b0 + s * bstep, 64);
+    _tile_loadd(6, lines[0], 64);
     TDP(D, 0, 4, 6);
     if constexpr (kTwoN) {
-      _tile_loadd(7, b1 + s * bstep, 64);
+      _tile_loadd(7, lines[1], 64);
       TDP(D, 1, 4, 7);
     }
     if constexpr (kTwoM) {
@@ -91,18 +85,27 @@ AMX_TARGET void run_steps(const uint8_t* a0, const uint8_t* a1, int64_t astride,
   }
 }
 
-// c[0..3] = the four accumulators of run_steps from zero: one or two row blocks (a1) x one or two tiles (b1).
+// c[0..3] = the four accumulators of run_steps from zero: one or two row blocks (a1) x one or two tiles (b1)
+// whose B lines advance `bstep` bytes per step, prefetched kPrefetchSteps ahead when they come from memory.
 template <Dot D>
 AMX_TARGET void block_product(const uint8_t* a0, const uint8_t* a1, int64_t astride, int astep, const uint8_t* b0,
                               const uint8_t* b1, int bstep, int steps, bool prefetch, int32_t (*c)[kRows * kRows]) {
+  const auto lines = [&](int s, const uint8_t** l) {
+    if (prefetch)
+      for (int o = 0; o < bstep; o += 64)
+        for (const uint8_t* b : {b0, b1})
+          if (b) _mm_prefetch(reinterpret_cast<const char*>(b + (s + kPrefetchSteps) * bstep + o), _MM_HINT_T0);
+    l[0] = b0 + s * bstep;
+    l[1] = b1 ? b1 + s * bstep : nullptr;
+  };
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
-  if (b1 && a1) run_steps<D, true, true>(a0, a1, astride, astep, b0, b1, bstep, steps, prefetch);
-  else if (b1) run_steps<D, true, false>(a0, a1, astride, astep, b0, b1, bstep, steps, prefetch);
-  else if (a1) run_steps<D, false, true>(a0, a1, astride, astep, b0, b1, bstep, steps, prefetch);
-  else run_steps<D, false, false>(a0, a1, astride, astep, b0, b1, bstep, steps, prefetch);
+  if (b1 && a1) run_steps<D, true, true>(a0, a1, astride, astep, steps, lines);
+  else if (b1) run_steps<D, true, false>(a0, a1, astride, astep, steps, lines);
+  else if (a1) run_steps<D, false, true>(a0, a1, astride, astep, steps, lines);
+  else run_steps<D, false, false>(a0, a1, astride, astep, steps, lines);
   _tile_stored(0, c[0], 64);
   _tile_stored(1, c[1], 64);
   _tile_stored(2, c[2], 64);
@@ -351,22 +354,7 @@ AMX_TARGET void span_block(const uint8_t* a0, int steps, bool fresh, float* c0, 
     if constexpr (kTwoM) _tile_loadd(2, c0 + kRows * kRows, 64);
     if constexpr (kTwoN && kTwoM) _tile_loadd(3, c1 + kRows * kRows, 64);
   }
-  for (int s = 0; s < steps; ++s) {
-    const uint8_t* lines[2];
-    b(s, lines);
-    _tile_loadd(4, a0 + s * 1024, 64);
-    _tile_loadd(6, lines[0], 64);
-    _tile_dpbf16ps(0, 4, 6);
-    if constexpr (kTwoN) {
-      _tile_loadd(7, lines[1], 64);
-      _tile_dpbf16ps(1, 4, 7);
-    }
-    if constexpr (kTwoM) {
-      _tile_loadd(5, a1 + s * 1024, 64);
-      _tile_dpbf16ps(2, 5, 6);
-      if constexpr (kTwoN) _tile_dpbf16ps(3, 5, 7);
-    }
-  }
+  run_steps<Dot::kBf16, kTwoN, kTwoM>(a0, a1, 64, 1024, steps, b);
   _tile_stored(0, c0, 64);
   if constexpr (kTwoN) _tile_stored(1, c1, 64);
   if constexpr (kTwoM) _tile_stored(2, c0 + kRows * kRows, 64);
