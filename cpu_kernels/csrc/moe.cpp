@@ -1050,8 +1050,9 @@ struct TaskBuffers {
   // m rows of `tiles` results, in whole 16-row blocks (tile_span_amx writes the rows past m).
   void prepare(int m, int kp, int tiles) {
     rows.resize(m);
-    ys.resize(std::max<size_t>(ys.size(), std::max(tiles, 4)));
-    for (auto& y : ys) y.resize(size_t(m + kRows - 1) / kRows * kRows * kRows);
+    const size_t used = std::max(tiles, 4);
+    ys.resize(std::max(ys.size(), used));
+    for (size_t j = 0; j < used; ++j) ys[j].resize(size_t(m + kRows - 1) / kRows * kRows * kRows);
     scratch.resize(size_t(4) * kp * kRows);
   }
 };
@@ -1178,8 +1179,8 @@ void MoeRunner::forward(const ExpertLayer& L, const void* x, bool f32_io, int T,
     TaskBuffers& buf = task_buffers();
     buf.prepare(m, kp1, 2 * (t1 - t0));
     for (int i = 0; i < m; ++i) buf.rows[i] = (sorted ? begin + i / R : tok[begin + i / R]) * R + i % R;
-    // Tiles 2ti (gate) and 2ti + 1 (up) arrive in order, and the even-length range is run four or two
-    // tiles at a time, so a gate's result buffer is still intact when its up tile is stored.
+    // Tiles 2ti (gate) and 2ti + 1 (up) arrive in order, and the even-length range is run all at once or
+    // four or two tiles at a time, so a gate's result buffer is still intact when its up tile is stored.
     float* pending_gate = nullptr;
     const auto store = [&](float* y, int tile) {
       if (tile % 2 == 0) {
