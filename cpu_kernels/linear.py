@@ -17,7 +17,7 @@ class PackedLinear:
         self.matrix = matrix
         ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
         self.handle = _C.PackedMatrices(matrix.data.data_ptr(), 0, ptr(matrix.scales), 0, ptr(matrix.comp), 0,
-                                        matrix.tiles, matrix.kp)
+                                        ptr(matrix.flags), 0, matrix.tiles, matrix.kp)
 
     @classmethod
     def pack(cls, w: torch.Tensor, fmt: Format | str, scale_inv: torch.Tensor | None = None,
@@ -34,7 +34,7 @@ class PackedLinear:
 
     def nbytes(self) -> int:
         m = self.matrix
-        return sum(t.numel() * t.element_size() for t in (m.data, m.scales, m.comp) if t is not None)
+        return sum(t.numel() * t.element_size() for t in (m.data, m.scales, m.comp, m.flags) if t is not None)
 
 
 def linear(p: PackedLinear, x: torch.Tensor, num_threads: int | None = None, isa: int | None = None) -> torch.Tensor:

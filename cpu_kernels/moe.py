@@ -48,7 +48,8 @@ def kernel_isa_name() -> str:
 @dataclass
 class PackedExperts:
     """All experts of one layer, leading dim = expert: w13 interleaves gate and up tiles (tile 2t = gate rows
-    16t.., 2t + 1 = up rows 16t..), w2 is down. data [E, tiles, tile_bytes] uint8; scales/comp per tile."""
+    16t.., 2t + 1 = up rows 16t..), w2 is down. data [E, tiles, tile_bytes] uint8; scales/comp/flags per tile
+    (fp8 needs its flags)."""
 
     fmt: Format
     hidden: int
@@ -61,6 +62,8 @@ class PackedExperts:
     w2_scales: torch.Tensor | None = None
     w13_comp: torch.Tensor | None = None
     w2_comp: torch.Tensor | None = None
+    w13_flags: torch.Tensor | None = None
+    w2_flags: torch.Tensor | None = None
     block_k: int = 128
     group: int = INT4_GROUP
 
@@ -76,8 +79,14 @@ class PackedExperts:
                 raise ValueError("packed expert tensors must be contiguous")
         if self.fmt == Format.INT4:
             check_int4_group(self.group)
-        elif self.fmt == Format.FP8 and (self.block_k <= 0 or self.block_k % ROWS):
-            raise ValueError(f"fp8 block size along K must be a positive multiple of 16, got {self.block_k}")
+        elif self.fmt == Format.FP8:
+            if self.block_k <= 0 or self.block_k % ROWS:
+                raise ValueError(f"fp8 block size along K must be a positive multiple of 16, got {self.block_k}")
+            for name, flags, data, kp in (("w13", self.w13_flags, self.w13_data, self.kp13),
+                                          ("w2", self.w2_flags, self.w2_data, self.kp2)):
+                if flags is None or flags.shape != (*data.shape[:2], -(-kp // 64)) or flags.dtype != torch.uint8:
+                    raise ValueError(f"fp8 {name} needs its line pair flags, uint8 "
+                                     f"{(*data.shape[:2], -(-kp // 64))}")
         for name, k, kp, data in (("w13", self.hidden, self.kp13, self.w13_data), ("w2", self.inter, self.kp2,
                                                                                   self.w2_data)):
             want = padded_k(self.fmt, k, self.block_k, self.group)
@@ -86,13 +95,13 @@ class PackedExperts:
                                  f"K {want} and {tile_bytes(self.fmt, want, self.group)} for {self.fmt.name}")
         self.layer = _C.ExpertLayer(
             int(self.fmt), self.num_experts, self.hidden, self.inter, self.block_k, self.group,
-            _matrices(self.w13_data, self.w13_scales, self.w13_comp, self.kp13),
-            _matrices(self.w2_data, self.w2_scales, self.w2_comp, self.kp2),
+            _matrices(self.w13_data, self.w13_scales, self.w13_comp, self.w13_flags, self.kp13),
+            _matrices(self.w2_data, self.w2_scales, self.w2_comp, self.w2_flags, self.kp2),
         )
 
     def _tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.w13_data, self.w2_data, self.w13_scales, self.w2_scales, self.w13_comp,
-                            self.w2_comp) if t is not None]
+                            self.w2_comp, self.w13_flags, self.w2_flags) if t is not None]
 
     @property
     def num_experts(self) -> int:
@@ -106,11 +115,12 @@ class PackedExperts:
         return self.nbytes() // self.num_experts
 
 
-def _matrices(data: torch.Tensor, scales: torch.Tensor | None, comp: torch.Tensor | None, kp: int):
+def _matrices(data: torch.Tensor, scales: torch.Tensor | None, comp: torch.Tensor | None,
+              flags: torch.Tensor | None, kp: int):
     ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
     stride = lambda t: 0 if t is None else t[0].numel()  # noqa: E731
     return _C.PackedMatrices(data.data_ptr(), data[0].numel(), ptr(scales), stride(scales), ptr(comp), stride(comp),
-                             data.shape[1], kp)
+                             ptr(flags), stride(flags), data.shape[1], kp)
 
 
 def _stack(mats: list[PackedMatrix], attr: str) -> torch.Tensor | None:
@@ -134,13 +144,13 @@ def pack_experts(gate: list[torch.Tensor], up: list[torch.Tensor], down: list[to
         w2.append(pack_matrix(down[e], fmt, scale_inv=pick(down_scale), block=block, group=group))
     return PackedExperts(fmt, hidden, inter, w13[0].kp, w2[0].kp, _stack(w13, "data"), _stack(w2, "data"),
                          _stack(w13, "scales"), _stack(w2, "scales"), _stack(w13, "comp"), _stack(w2, "comp"),
-                         block[1], group)
+                         _stack(w13, "flags"), _stack(w2, "flags"), block[1], group)
 
 
 def _interleave(g: PackedMatrix, u: PackedMatrix) -> PackedMatrix:
     stack = lambda a, b: None if a is None else torch.stack([a, b], dim=1).flatten(0, 1)  # noqa: E731
     return PackedMatrix(g.fmt, 2 * g.n, g.k, g.kp, stack(g.data, u.data), stack(g.scales, u.scales),
-                        stack(g.comp, u.comp), g.block, g.group)
+                        stack(g.comp, u.comp), stack(g.flags, u.flags), g.block, g.group)
 
 
 def unpack_experts(p: PackedExperts) -> tuple[torch.Tensor, torch.Tensor]:
@@ -150,8 +160,8 @@ def unpack_experts(p: PackedExperts) -> tuple[torch.Tensor, torch.Tensor]:
     for e in range(p.num_experts):
         def part(data, scales, comp, n, k, kp, sl):
             pick = lambda t: None if t is None else t[e][sl]  # noqa: E731
-            return unpack_matrix(PackedMatrix(p.fmt, n, k, kp, data[e][sl], pick(scales), pick(comp), block,
-                                              p.group))
+            return unpack_matrix(PackedMatrix(p.fmt, n, k, kp, data[e][sl], pick(scales), pick(comp), block=block,
+                                              group=p.group))
         gate = part(p.w13_data, p.w13_scales, p.w13_comp, p.inter, p.hidden, p.kp13, slice(0, None, 2))
         up = part(p.w13_data, p.w13_scales, p.w13_comp, p.inter, p.hidden, p.kp13, slice(1, None, 2))
         w13.append(torch.cat([gate, up]))

@@ -41,7 +41,8 @@ class Format(IntEnum):
 
 @dataclass
 class PackedMatrix:
-    """One W [n, k] in tiles: data [tiles, tile_bytes] uint8, scales [tiles, ...] fp32, comp [tiles, 16] int32."""
+    """One W [n, k] in tiles: data [tiles, tile_bytes] uint8, scales [tiles, ...] fp32, comp [tiles, 16] int32,
+    flags [tiles, ceil(kp / 64)] uint8 (fp8: which line pairs hold codes the fast conversion gets wrong)."""
 
     fmt: Format
     n: int
@@ -50,6 +51,7 @@ class PackedMatrix:
     data: torch.Tensor
     scales: torch.Tensor | None = None
     comp: torch.Tensor | None = None
+    flags: torch.Tensor | None = None
     block: tuple[int, int] = (128, 128)
     group: int = INT4_GROUP
 
@@ -111,6 +113,23 @@ def tile_lines(w: torch.Tensor, kp: int, fmt: Format) -> torch.Tensor:
     return out
 
 
+def fp8_pair_flags(lines: torch.Tensor, kp: int) -> torch.Tensor:
+    """fp8 tile lines [tiles, 16 * kp] -> their line pair flags [tiles, ceil(kp / 64)] uint8 (csrc/moe.h)."""
+    flags = torch.empty(lines.shape[0], -(-kp // 64), dtype=torch.uint8)
+    _C.fp8_pair_flags(lines.data_ptr(), lines.shape[0], kp, flags.data_ptr())
+    return flags
+
+
+def fp8_pair_flags_reference(lines: torch.Tensor, kp: int) -> torch.Tensor:
+    """`fp8_pair_flags` in torch: bit p % 8 of byte p / 8 is set where pair p's 128 codes hold a zero,
+    subnormal, tiny (e = 1, m < 7) or NaN code."""
+    tiles, pairs = lines.shape[0], kp // 8
+    odd = (((lines.view(tiles, pairs, 128).int() + 1) & 0x70) == 0).any(dim=2)
+    bits = torch.zeros(tiles, -(-pairs // 8) * 8, dtype=torch.int32)
+    bits[:, :pairs] = odd.int()
+    return (bits.view(tiles, -1, 8) << torch.arange(8)).sum(dim=2).to(torch.uint8)
+
+
 def tile_lines_reference(w: torch.Tensor, kp: int, fmt: Format) -> torch.Tensor:
     """`tile_lines` in torch permutations."""
     n = w.shape[0]
@@ -142,7 +161,8 @@ def pack_matrix(w: torch.Tensor, fmt: Format | str, *, scale_inv: torch.Tensor |
         kp = padded_k(fmt, k, block_k=block[1])
         row_block = (torch.arange(tiles) * ROWS) // block[0]
         scales = scale_inv.float()[row_block].contiguous()
-        return PackedMatrix(fmt, n, k, kp, tile_lines(w, kp, fmt), scales, block=block)
+        lines = tile_lines(w, kp, fmt)
+        return PackedMatrix(fmt, n, k, kp, lines, scales, flags=fp8_pair_flags(lines, kp), block=block)
     if fmt == Format.INT4:
         check_int4_group(group)
     kp = padded_k(fmt, k, group=group)

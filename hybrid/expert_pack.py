@@ -24,12 +24,13 @@ from hybrid.daemon_config import hybridd_home
 from hybrid.loader import CheckpointReader
 from hybrid.models.experts import default_expert_format, pack_layer
 
-PACK_VERSION = 2  # 2: int8 K padded to 64 (one AMX k step)
+PACK_VERSION = 3  # 2: int8 K padded to 64 (one AMX k step); 3: fp8 line pair flags
 EXPERTS_FILE = "experts.bin"
 INDEX_FILE = "experts.json"
 PARTIAL_SUFFIX = ".partial"
 ALIGN = 64
-FIELDS = ("w13_data", "w2_data", "w13_scales", "w2_scales", "w13_comp", "w2_comp")
+FIELDS = ("w13_data", "w2_data", "w13_scales", "w2_scales", "w13_comp", "w2_comp", "w13_flags",
+          "w2_flags")
 DTYPES = {"uint8": torch.uint8, "float32": torch.float32, "int32": torch.int32}
 
 
@@ -168,7 +169,7 @@ def load_pack(pack_dir: str | Path, config: ModelConfig, fmt: str | None = None)
         layers[int(layer)] = PackedExperts(
             Format.parse(index["format"]), entry["hidden"], entry["inter"], entry["kp13"], entry["kp2"],
             t["w13_data"], t["w2_data"], t.get("w13_scales"), t.get("w2_scales"), t.get("w13_comp"),
-            t.get("w2_comp"), entry["block_k"], entry["group"])
+            t.get("w2_comp"), t.get("w13_flags"), t.get("w2_flags"), entry["block_k"], entry["group"])
     return layers
 
 

@@ -25,6 +25,8 @@ from cpu_kernels.pack import (
     Format,
     pack_matrix,
     padded_k,
+    fp8_pair_flags,
+    fp8_pair_flags_reference,
     quantize_fp8_blocks,
     tile_lines,
     tile_lines_reference,
@@ -157,6 +159,46 @@ def test_every_fp8_code_through_the_bit_map_conversion(tokens):
             assert torch.equal(out[~nan], want[~nan].to(torch.bfloat16).float()), (isa, c0)
 
 
+@pytest.mark.parametrize("tokens", [1, 3, 5, 20, 40])
+def test_flagged_fp8_line_pairs_anywhere_in_long_rows(tokens):
+    # The packer flags each line pair holding a zero / subnormal / NaN code; the kernels read those flags at
+    # the pair's offset, also from column ranges of a tile (AMX k steps, prefill chunks of 1024 columns).
+    # Zeros sit at 64 places among 2.0s across 1536 columns; one-hot tokens read each weight alone, so a
+    # zero taken by the bit maps (which make it 2^-7) shows.
+    n, k = 32, 1536
+    codes = torch.full((n, k), 0x40, dtype=torch.uint8)
+    cols = torch.tensor([(r * 97 + j * 389) % k for r in range(16) for j in range(4)])
+    codes[torch.arange(64) % n, cols] = 0
+    w8 = codes.view(torch.float8_e4m3fn)
+    scale = torch.tensor([[0.5, 2.0, 0.25, 1.0, 4.0, 0.5, 0.125, 8.0, 1.0, 0.5, 2.0, 0.25]])  # per 128 columns
+    p = PackedLinear.pack(w8, "fp8", scale_inv=scale)
+    w = w8.float() * scale.repeat_interleave(128, 1)
+    picks = torch.cat([cols, torch.arange(0, k, 37)])
+    for isa in ISAS:
+        for i in range(0, len(picks), tokens):
+            x = torch.eye(k)[picks[i:i + tokens]].to(torch.bfloat16)
+            assert torch.equal(linear(p, x, isa=isa).float(), x.float() @ w.t()), (isa, i)
+
+
+@pytest.mark.parametrize("k", [8, 16, 120, 128, 520, 2048])
+def test_fp8_pair_flags_match_torch(k):
+    g = torch.Generator().manual_seed(k)
+    codes = (torch.randint(0x18, 0x70, (40, k), generator=g, dtype=torch.uint8)
+             | (torch.randint(0, 2, (40, k), generator=g, dtype=torch.uint8) << 7))
+    odd = torch.tensor([0x00, 0x80, 0x01, 0x07, 0x08, 0x0E, 0x7F, 0xFF], dtype=torch.uint8)
+    spots = torch.randint(0, 40 * k, (max(1, k // 16),), generator=g)
+    codes.view(-1)[spots] = odd[torch.arange(len(spots)) % len(odd)]
+    w8 = codes.view(torch.float8_e4m3fn)
+    kp = padded_k(Format.FP8, k, block_k=16)
+    lines = tile_lines(w8, kp, Format.FP8)
+    flags = fp8_pair_flags(lines, kp)
+    assert flags.shape == (3, -(-kp // 64))
+    assert torch.equal(flags, fp8_pair_flags_reference(lines, kp))
+    # e = 1 codes with m = 7 and every larger code take the bit maps
+    assert not fp8_pair_flags(tile_lines(torch.full((16, 16), 0x0F, dtype=torch.uint8).view(torch.float8_e4m3fn),
+                                         16, Format.FP8), 16).any()
+
+
 @pytest.mark.amx
 @pytest.mark.parametrize("fmt", ["bf16", "fp8"])
 @pytest.mark.parametrize("t", [4, 5, 8, 20, 32, 33, 70, 300])
@@ -266,6 +308,18 @@ def test_bad_inputs_are_rejected():
             pack_matrix(torch.randn(16, 64), "int4", group=group)
     with pytest.raises(ValueError, match="multiple of 16"):
         pack_matrix(torch.randn(16, 64), "fp8", block=(16, 8))
+
+
+def test_fp8_layers_without_pair_flags_are_refused():
+    p = pack_experts(*experts(2, 64, 40, seed=0), "fp8", block=(16, 16))
+    fields = dict(fmt=p.fmt, hidden=p.hidden, inter=p.inter, kp13=p.kp13, kp2=p.kp2, w13_data=p.w13_data,
+                  w2_data=p.w2_data, w13_scales=p.w13_scales, w2_scales=p.w2_scales, w13_flags=p.w13_flags,
+                  w2_flags=p.w2_flags, block_k=p.block_k)
+    type(p)(**fields)
+    for bad in (dict(w13_flags=None), dict(w2_flags=p.w2_flags[:, :, :0].contiguous()),
+                dict(w2_flags=p.w2_flags.view(torch.int8))):
+        with pytest.raises(ValueError, match="line pair flags"):
+            type(p)(**{**fields, **bad})
 
 
 def test_inconsistent_packed_layers_are_refused():

@@ -277,7 +277,7 @@ AMX_TARGET void tile_dotn(Format f, const Tile* t, int nt, int block_k, int grou
       uint16_t* lines[4];
       for (int j = 0; j < nt; ++j) {
         lines[j] = scratch + size_t(j) * chunk * kRows;
-        convert_fp8_tile({t[j].data + int64_t(k0) * kRows, nullptr, nullptr, klen}, nullptr, block_k, lines[j]);
+        convert_fp8_tile(fp8_columns(t[j], k0, klen), nullptr, block_k, lines[j]);
       }
       for (int j = 0; j < nt; j += 2) {
         const bool two = j + 1 < nt;
@@ -403,7 +403,7 @@ AMX_TARGET void tile_span(Format f, const Tile* t, int nt, int block_k, const Ac
         const auto convert_step = [&](int s, const uint8_t** b) {
           uint16_t* l = lines + (s & 1) * 2 * 512;
           for (int h = 0; h < (two_n ? 2 : 1); ++h) {
-            convert_fp8_tile({w[h] + s * 512, nullptr, nullptr, 32}, scales[h] + s * 32 / block_k, block_k,
+            convert_fp8_tile(fp8_columns(t[j + h], k0 + 32 * s, 32), scales[h] + s * 32 / block_k, block_k,
                              l + h * 512);
             b[h] = reinterpret_cast<const uint8_t*>(l + h * 512);
           }
@@ -415,7 +415,7 @@ AMX_TARGET void tile_span(Format f, const Tile* t, int nt, int block_k, const Ac
       if (f == Format::kFP8) {
         for (int h = 0; h < (two_n ? 2 : 1); ++h) {
           uint16_t* l = lines + size_t(h) * klen * kRows;
-          convert_fp8_tile({w[h], nullptr, nullptr, klen}, scales[h], block_k, l);
+          convert_fp8_tile(fp8_columns(t[j + h], k0, klen), scales[h], block_k, l);
           b[h] = reinterpret_cast<const uint8_t*>(l);
         }
       }

@@ -19,7 +19,7 @@ using hybridd::SlotServer;
 
 namespace {
 PackedMatrices matrices(uintptr_t data, int64_t data_stride, uintptr_t scales, int64_t scales_stride, uintptr_t comp,
-                        int64_t comp_stride, int tiles, int kp) {
+                        int64_t comp_stride, uintptr_t flags, int64_t flags_stride, int tiles, int kp) {
   PackedMatrices m;
   m.data = reinterpret_cast<const uint8_t*>(data);
   m.data_stride = data_stride;
@@ -27,6 +27,8 @@ PackedMatrices matrices(uintptr_t data, int64_t data_stride, uintptr_t scales, i
   m.scales_stride = scales_stride;
   m.comp = reinterpret_cast<const int32_t*>(comp);
   m.comp_stride = comp_stride;
+  m.flags = reinterpret_cast<const uint8_t*>(flags);
+  m.flags_stride = flags_stride;
   m.tiles = tiles;
   m.kp = kp;
   return m;
@@ -47,12 +49,17 @@ PYBIND11_MODULE(_C, m) {
     hybridd::pack_tile_lines(static_cast<hybridd::TileLayout>(layout), reinterpret_cast<const uint8_t*>(src),
                              src_stride, n, row_bytes, padded_bytes, reinterpret_cast<uint8_t*>(dst));
   });
+  m.def("fp8_pair_flags", [](uintptr_t lines, int64_t tiles, int64_t kp, uintptr_t flags) {
+    py::gil_scoped_release release;
+    hybridd::fp8_pair_flags(reinterpret_cast<const uint8_t*>(lines), tiles, kp, reinterpret_cast<uint8_t*>(flags));
+  });
   m.def("amx_calls", &hybridd::amx_calls);
   m.def("isa_name", [](int isa) { return std::string(hybridd::isa_name(static_cast<Isa>(isa))); });
 
   py::class_<PackedMatrices>(m, "PackedMatrices")
       .def(py::init(&matrices), py::arg("data"), py::arg("data_stride"), py::arg("scales"), py::arg("scales_stride"),
-           py::arg("comp"), py::arg("comp_stride"), py::arg("tiles"), py::arg("kp"));
+           py::arg("comp"), py::arg("comp_stride"), py::arg("flags"), py::arg("flags_stride"), py::arg("tiles"),
+           py::arg("kp"));
 
   py::class_<ExpertLayer>(m, "ExpertLayer")
       .def(py::init([](int fmt, int num_experts, int hidden, int inter, int block_k, int group,

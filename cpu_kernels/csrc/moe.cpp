@@ -88,6 +88,7 @@ inline Tile tile_of(const PackedMatrices& m, int expert, int tile, Format f, int
   t.scales = m.scales ? m.scales + expert * m.scales_stride + int64_t(tile) * scales_per_tile : nullptr;
   t.comp = m.comp ? m.comp + expert * m.comp_stride + int64_t(tile) * kRows : nullptr;
   t.kp = m.kp;
+  t.flags = m.flags ? m.flags + expert * m.flags_stride + tile * fp8_flag_bytes(m.kp) : nullptr;
   return t;
 }
 
@@ -362,31 +363,56 @@ constexpr int64_t gf2_bit_map(const int (&from)[8]) {
 // 2^(e-7) * 1.mmm, and the bf16 word s.0111eeee.mmm0000 is that times 2^-8: its high byte is s | 0x38 | e3e2e1
 // and its low byte e0.mmm.0000, each one GF(2) affine map of the code's bits, two instructions for 64 codes
 // where the tables take two three-uop byte permutes and a blend. Zero, subnormal and NaN codes do not fit the
-// pattern: a line pair holding one (found as the codes c with (c + 1) & 0x70 == 0, which adds only the tiny
-// e = 1, m < 7 codes) is converted by the tables, scaled alike.
+// pattern: a line pair holding one, flagged when it was packed (fp8_code_needs_tables), is converted by the
+// tables, scaled alike. Testing the codes here instead cost ~18 % of the decode loop.
 struct Fp8Fast {
-  __m512i hi_map, lo_map, one, mask;
+  __m512i hi_map, lo_map;
   Fp8Regs exact;
 };
 
 AVX512_TARGET inline Fp8Fast fp8_fast() {
   constexpr int64_t kHi = gf2_bit_map({4, 5, 6, -1, -1, -1, -1, 7});
   constexpr int64_t kLo = gf2_bit_map({-1, -1, -1, -1, 0, 1, 2, 3});
-  return {_mm512_set1_epi64(kHi), _mm512_set1_epi64(kLo), _mm512_set1_epi8(1), _mm512_set1_epi8(0x70),
-          fp8_regs(true)};
+  return {_mm512_set1_epi64(kHi), _mm512_set1_epi64(kLo), fp8_regs(true)};
 }
 
-// Lines p and p + 64 -> out[0..4): bf16 lines of k pairs 2c, 2c + 1 of the first line, then of the second,
-// holding the codes' values / kFp8LineScale.
-AVX512_TARGET inline void fp8_pair(const Fp8Fast& r, const uint8_t* p, __m512bh* out) {
-  const __m512i v = _mm512_loadu_si512(p), w = _mm512_loadu_si512(p + 64);
-  const __mmask64 odd_v = _mm512_testn_epi8_mask(_mm512_add_epi8(v, r.one), r.mask);
-  const __mmask64 odd_w = _mm512_testn_epi8_mask(_mm512_add_epi8(w, r.one), r.mask);
-  if (__builtin_expect(!_kortestz_mask64_u8(odd_v, odd_w), 0)) {
+// The flags of line pairs [pair, pair + count) of t (count <= 32), the first in bit 0.
+AVX512_TARGET inline uint64_t pair_flags(const Tile& t, int pair, int count) {
+  const int64_t p = int64_t(t.pair0) + pair;
+  const int first = static_cast<int>(p & 7), bytes = (first + count + 7) / 8;  // at most 5
+  uint64_t v = 0;
+  for (int i = 0; i < 5; ++i)
+    if (i < bytes) v |= uint64_t(t.flags[(p >> 3) + i]) << (8 * i);
+  return (v >> first) & ((uint64_t(1) << count) - 1);
+}
+
+// body(c, tables) for the line pairs c = begin, begin + 2, .., end - 2 of t (begin even), tables for the flagged
+// ones; the runs of pairs between flagged ones go without a test per pair.
+template <typename Body>
+AVX512_TARGET inline void for_line_pairs(const Tile& t, int begin, int end, Body&& body) {
+  for (int g = begin; g < end; g += 64) {
+    const int stop = std::min(end, g + 64);
+    uint64_t flags = pair_flags(t, g / 2, (stop - g) / 2);
+    int c = g;
+    for (; flags; flags &= flags - 1) {
+      const int flagged = g + 2 * __builtin_ctzll(flags);
+      for (; c < flagged; c += 2) body(c, false);
+      body(c, true);
+      c += 2;
+    }
+    for (; c < stop; c += 2) body(c, false);
+  }
+}
+
+// Lines p and p + 64 (a flagged pair when `tables`) -> out[0..4): bf16 lines of k pairs 2c, 2c + 1 of the
+// first line, then of the second, holding the codes' values / kFp8LineScale.
+AVX512_TARGET inline void fp8_pair(const Fp8Fast& r, const uint8_t* p, bool tables, __m512bh* out) {
+  if (__builtin_expect(tables, 0)) {
     fp8_line(r.exact, p, out[0], out[1]);
     fp8_line(r.exact, p + 64, out[2], out[3]);
     return;
   }
+  const __m512i v = _mm512_loadu_si512(p), w = _mm512_loadu_si512(p + 64);
   const __m512i hv = _mm512_gf2p8affine_epi64_epi8(v, r.hi_map, 0x38);
   const __m512i lv = _mm512_gf2p8affine_epi64_epi8(v, r.lo_map, 0);
   const __m512i hw = _mm512_gf2p8affine_epi64_epi8(w, r.hi_map, 0x38);
@@ -404,25 +430,24 @@ AVX512_TARGET void dot_fp8(const Tile& t, int block_k, const uint16_t* const* x,
   __m512 acc[TB];
   for (int i = 0; i < TB; ++i) acc[i] = _mm512_setzero_ps();
   for (int kb = 0; kb < t.kp / block_k; ++kb) {
-    const uint8_t* base = t.data + int64_t(kb) * block_k * kRows;
-    const int k0 = kb * block_k;
     // Independent vdpbf16ps chains per token, enough to hide its latency at every token count.
     constexpr int kChains = TB == 1 ? 4 : (TB == 2 ? 2 : 1);
     __m512 part[TB][kChains];
     for (int i = 0; i < TB; ++i)
       for (int j = 0; j < kChains; ++j) part[i][j] = _mm512_setzero_ps();
-    for (int c = 0; c < lines_per_block; c += 2) {
+    for_line_pairs(t, kb * lines_per_block, (kb + 1) * lines_per_block, [&](int c, bool tables) AVX512_TARGET {
+      const uint8_t* line = t.data + int64_t(c) * 64;
       if constexpr (TB <= 4) {
-        stream_prefetch(base + c * 64);
-        stream_prefetch(base + c * 64 + 64);
+        stream_prefetch(line);
+        stream_prefetch(line + 64);
       }
       __m512bh w[4];
-      fp8_pair(conv, base + c * 64, w);
-      const int k = k0 + 4 * c;
+      fp8_pair(conv, line, tables, w);
+      const int k = 4 * c;
       for (int i = 0; i < TB; ++i)
         for (int j = 0; j < 4; ++j)
           part[i][j % kChains] = _mm512_dpbf16_ps(part[i][j % kChains], w[j], as_bh(bcast32(x[i] + k + 2 * j)));
-    }
+    });
     const __m512 s = _mm512_set1_ps(t.scales[kb] * kFp8LineScale);
     for (int i = 0; i < TB; ++i) {
       __m512 sum = part[i][0];
@@ -570,11 +595,12 @@ AVX512_TARGET void fp8_tile_to_lines(const Tile& t, uint16_t* lines) {
 // bf16 activations they meet): the prefill inner loop then needs no per-block rescaling.
 AVX512_TARGET void fp8_tile_to_scaled_lines(const Tile& t, const float* scales, int block_k, uint16_t* lines) {
   const Fp8Fast conv = fp8_fast();
-  for (int c = 0; c < t.kp / 4; c += 2) {  // kp is a multiple of block_k, itself of 16: whole line pairs
+  // kp is a multiple of 16: whole line pairs
+  for_line_pairs(t, 0, t.kp / 4, [&](int c, bool tables) AVX512_TARGET {
     stream_prefetch(t.data + c * 64);
     stream_prefetch(t.data + c * 64 + 64);
     __m512bh quad[4];
-    fp8_pair(conv, t.data + c * 64, quad);
+    fp8_pair(conv, t.data + c * 64, tables, quad);
     const __m512 s = _mm512_set1_ps(scales[(4 * c) / block_k] * kFp8LineScale);
     for (int h = 0; h < 4; ++h) {
       const __m512i v = reinterpret_cast<__m512i>(quad[h]);
@@ -582,7 +608,7 @@ AVX512_TARGET void fp8_tile_to_scaled_lines(const Tile& t, const float* scales, 
       const __m512 hi = _mm512_mul_ps(widen_bf16(_mm512_extracti64x4_epi64(v, 1)), s);
       _mm512_storeu_si512(lines + (2 * c + h) * 32, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
     }
-  }
+  });
 }
 
 // Prefill: NT weight tiles (gate and up tiles of two row blocks, or adjacent down tiles) share every
@@ -666,7 +692,7 @@ AVX512_TARGET void tile_dotn_avx512(Format f, const Tile* t, int block_k, const 
     const int klen = std::min(chunk, t[0].kp - k0);
     for (int j = 0; j < NT; ++j) {
       uint16_t* lines = scratch + size_t(j) * chunk * kRows;
-      const Tile part{t[j].data + int64_t(k0) * kRows, nullptr, nullptr, klen};
+      const Tile part = fp8_columns(t[j], k0, klen);
       if (a.exact) {
         fp8_tile_to_lines(part, lines);
         s[j] = t[j].scales + k0 / block_k;
@@ -858,6 +884,10 @@ void quantize_row(Isa isa, const float* v, int k, int kp, Format f, int group, i
     quantize_row_avx512(v, k, kp, f, group, q, scale, gsum);
   else
     quantize_row_generic(v, k, kp, f, group, q, scale, gsum);
+}
+
+void check_flags(Format f, const PackedMatrices& m) {
+  if (f == Format::kFP8 && !m.flags) throw std::invalid_argument("fp8 weights need their line pair flags");
 }
 
 }  // namespace
@@ -1096,6 +1126,7 @@ void tile_range(Isa isa, Format f, const PackedMatrices& m, int expert, int t0, 
 void MoeRunner::linear(Format f, const PackedMatrices& w, int n, int k, int block_k, int group, const void* x,
                        bool f32_io, int T, void* out, Isa isa) {
   check_isa(isa);
+  check_flags(f, w);
   std::lock_guard<std::mutex> lock(mutex_);
   const bool int_fmt = f == Format::kINT8 || f == Format::kINT4;
   const int R = (f32_io && !int_fmt) ? 2 : 1;
@@ -1126,6 +1157,8 @@ void MoeRunner::linear(Format f, const PackedMatrices& w, int n, int k, int bloc
 void MoeRunner::forward(const ExpertLayer& L, const void* x, bool f32_io, int T, int topk, const int32_t* ids,
                         const float* weights, float scale, void* out, Isa isa) {
   check_isa(isa);
+  check_flags(L.format, L.w13);
+  check_flags(L.format, L.w2);
   std::lock_guard<std::mutex> lock(mutex_);
   const Format f = L.format;
   const bool int_fmt = f == Format::kINT8 || f == Format::kINT4;

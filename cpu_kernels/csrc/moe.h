@@ -3,7 +3,9 @@
 // A matrix W [N, K] is stored in tiles of 16 rows; K is zero-padded to kp. Per tile (t = row block):
 //   bf16: [kp/2][16][2] bf16                        (one 64-byte line per k pair: vdpbf16ps operand)
 //   fp8 : [kp/4][64] e4m3, each line two k pairs laid out so that unpacklo/unpackhi_epi8 of the
-//         converted high/low bytes yield the bf16 line of the first and second pair; scales [kp/bk]
+//         converted high/low bytes yield the bf16 line of the first and second pair; scales [kp/bk];
+//         flags [ceil(kp/64)] bytes: bit p % 8 of byte p / 8 set where line pair p (lines 2p, 2p + 1)
+//         holds a code that fp8_code_needs_tables
 //   int8: [kp/4][16][4] s8 with per-row scales [16] and comp [16] = 128 * row sum (u8 activations)
 //   int4: per group of `group` columns: group/8 lines [16][4] bytes, byte j of a row holding k = 8c + j
 //         (low nibble) and 8c + 4 + j (high), nibble = q + 8; then one line of the 16 rows' fp32 scales
@@ -26,6 +28,11 @@ inline bool avx512(Isa isa) { return isa == Isa::kAvx512Bf16 || isa == Isa::kAmx
 
 constexpr int kRows = 16;  // output rows per packed tile
 
+// The fp8 codes the kernels' two-instruction conversion gets wrong: zero, subnormal (and the tiny e = 1,
+// m < 7 codes the test also catches) and NaN. A line pair holding one is converted by tables instead.
+inline bool fp8_code_needs_tables(uint8_t c) { return ((c + 1) & 0x70) == 0; }
+inline int64_t fp8_flag_bytes(int64_t kp) { return (kp / 8 + 7) / 8; }
+
 struct PackedMatrices {
   const uint8_t* data = nullptr;  // expert e at data + e * data_stride
   int64_t data_stride = 0;
@@ -33,6 +40,8 @@ struct PackedMatrices {
   int64_t scales_stride = 0;
   const int32_t* comp = nullptr;  // int8: per tile 16 ints
   int64_t comp_stride = 0;
+  const uint8_t* flags = nullptr;  // fp8: per tile fp8_flag_bytes(kp) bytes
+  int64_t flags_stride = 0;
   int tiles = 0;  // row tiles of 16
   int kp = 0;     // padded K
 };
@@ -54,7 +63,14 @@ struct Tile {
   const float* scales;  // fp8: one per block_k columns; int8: one per row
   const int32_t* comp;  // int8: 128 * row sum
   int kp;
+  const uint8_t* flags = nullptr;  // fp8: the line pair flags, this tile's first pair at bit pair0
+  int pair0 = 0;
 };
+
+// Columns [k0, k0 + klen) of an fp8 tile (k0 a multiple of 16) as a tile of their own; no scales.
+inline Tile fp8_columns(const Tile& t, int k0, int klen) {
+  return {t.data + int64_t(k0) * kRows, nullptr, nullptr, klen, t.flags, t.pair0 + k0 / 8};
+}
 
 // The input rows of one matrix product, in the representation the format's kernel reads.
 struct Act {

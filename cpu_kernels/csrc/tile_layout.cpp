@@ -54,4 +54,17 @@ void pack_tile_lines(TileLayout layout, const uint8_t* src, int64_t src_stride, 
   }
 }
 
+void fp8_pair_flags(const uint8_t* lines, int64_t tiles, int64_t kp, uint8_t* flags) {
+  if (tiles < 0 || kp < 0 || kp % 8) throw std::invalid_argument("fp8_pair_flags: bad sizes");
+  const int64_t pairs = kp / 8, bytes = fp8_flag_bytes(kp);
+  std::memset(flags, 0, size_t(tiles * bytes));
+  for (int64_t t = 0; t < tiles; ++t)
+    for (int64_t p = 0; p < pairs; ++p) {
+      const uint8_t* q = lines + (t * pairs + p) * 128;
+      bool any = false;
+      for (int i = 0; i < 128; ++i) any |= fp8_code_needs_tables(q[i]);
+      if (any) flags[t * bytes + p / 8] |= uint8_t(1 << (p % 8));
+    }
+}
+
 }  // namespace hybridd

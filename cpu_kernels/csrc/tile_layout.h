@@ -17,4 +17,7 @@ enum class TileLayout : int { kDwords = 0, kFp8Pairs = 1 };
 void pack_tile_lines(TileLayout layout, const uint8_t* src, int64_t src_stride, int64_t n, int64_t row_bytes,
                      int64_t padded_bytes, uint8_t* dst);
 
+// The line pair flags (moe.h) of `tiles` fp8 tiles of kp columns (a multiple of 8): flags [tiles][ceil(kp/64)].
+void fp8_pair_flags(const uint8_t* lines, int64_t tiles, int64_t kp, uint8_t* flags);
+
 }  // namespace hybridd
