@@ -595,6 +595,7 @@ AVX512_TARGET void fp8_tile_to_lines(const Tile& t, uint16_t* lines) {
 // bf16 activations they meet): the prefill inner loop then needs no per-block rescaling.
 AVX512_TARGET void fp8_tile_to_scaled_lines(const Tile& t, const float* scales, int block_k, uint16_t* lines) {
   const Fp8Fast conv = fp8_fast();
+  const __m512i zero = _mm512_setzero_si512(), order = _mm512_set_epi64(7, 3, 6, 2, 5, 1, 4, 0);
   // kp is a multiple of 16: whole line pairs
   for_line_pairs(t, 0, t.kp / 4, [&](int c, bool tables) AVX512_TARGET {
     stream_prefetch(t.data + c * 64);
@@ -603,10 +604,13 @@ AVX512_TARGET void fp8_tile_to_scaled_lines(const Tile& t, const float* scales, 
     fp8_pair(conv, t.data + c * 64, tables, quad);
     const __m512 s = _mm512_set1_ps(scales[(4 * c) / block_k] * kFp8LineScale);
     for (int h = 0; h < 4; ++h) {
+      // Words 0-3 and 4-7 of each 128-bit lane widened in place; the packed result's qwords come back in
+      // lane order 0, 2, 4, 6, 1, 3, 5, 7.
       const __m512i v = reinterpret_cast<__m512i>(quad[h]);
-      const __m512 lo = _mm512_mul_ps(widen_bf16(_mm512_castsi512_si256(v)), s);
-      const __m512 hi = _mm512_mul_ps(widen_bf16(_mm512_extracti64x4_epi64(v, 1)), s);
-      _mm512_storeu_si512(lines + (2 * c + h) * 32, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+      const __m512 lo = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, v)), s);
+      const __m512 hi = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, v)), s);
+      const __m512i packed = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));
+      _mm512_storeu_si512(lines + (2 * c + h) * 32, _mm512_permutexvar_epi64(order, packed));
     }
   });
 }
