@@ -16,6 +16,7 @@ from cpu_kernels.pack import (
     Format,
     PackedMatrix,
     check_int4_group,
+    fp8_flag_bytes,
     pack_matrix,
     padded_k,
     tile_bytes,
@@ -84,9 +85,9 @@ class PackedExperts:
                 raise ValueError(f"fp8 block size along K must be a positive multiple of 16, got {self.block_k}")
             for name, flags, data, kp in (("w13", self.w13_flags, self.w13_data, self.kp13),
                                           ("w2", self.w2_flags, self.w2_data, self.kp2)):
-                if flags is None or flags.shape != (*data.shape[:2], -(-kp // 64)) or flags.dtype != torch.uint8:
-                    raise ValueError(f"fp8 {name} needs its line pair flags, uint8 "
-                                     f"{(*data.shape[:2], -(-kp // 64))}")
+                want = (*data.shape[:2], fp8_flag_bytes(kp))
+                if flags is None or flags.shape != want or flags.dtype != torch.uint8:
+                    raise ValueError(f"fp8 {name} needs its line pair flags, uint8 {want}")
         for name, k, kp, data in (("w13", self.hidden, self.kp13, self.w13_data), ("w2", self.inter, self.kp2,
                                                                                   self.w2_data)):
             want = padded_k(self.fmt, k, self.block_k, self.group)

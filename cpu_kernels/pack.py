@@ -79,6 +79,11 @@ def tile_bytes(fmt: Format, kp: int, group: int = INT4_GROUP) -> int:
     return kp * ROWS * (2 if fmt == Format.BF16 else 1)
 
 
+def fp8_flag_bytes(kp: int) -> int:
+    """Bytes of one fp8 tile's line pair flags: one bit per 8 columns."""
+    return -(-kp // 64)
+
+
 def _pad(w: torch.Tensor, n: int, k: int) -> torch.Tensor:
     out = torch.zeros(n, k, dtype=w.dtype)
     out[: w.shape[0], : w.shape[1]] = w
@@ -115,7 +120,7 @@ def tile_lines(w: torch.Tensor, kp: int, fmt: Format) -> torch.Tensor:
 
 def fp8_pair_flags(lines: torch.Tensor, kp: int) -> torch.Tensor:
     """fp8 tile lines [tiles, 16 * kp] -> their line pair flags [tiles, ceil(kp / 64)] uint8 (csrc/moe.h)."""
-    flags = torch.empty(lines.shape[0], -(-kp // 64), dtype=torch.uint8)
+    flags = torch.empty(lines.shape[0], fp8_flag_bytes(kp), dtype=torch.uint8)
     _C.fp8_pair_flags(lines.data_ptr(), lines.shape[0], kp, flags.data_ptr())
     return flags
 

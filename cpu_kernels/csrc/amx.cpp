@@ -379,7 +379,6 @@ AMX_TARGET void span_blocks(bool two_n, bool two_m, const uint8_t* a0, int steps
 AMX_TARGET void tile_span(Format f, const Tile* t, int nt, int block_k, const Act& a, const int* rows, int n,
                           float* const* out) {
   const int kp = t[0].kp, cols = span_columns(f, kp, n, block_k), blocks = (n + kRows - 1) / kRows;
-  const int bytes = f == Format::kFP8 ? 1 : 2;
   const bool stepwise = f == Format::kFP8 && blocks <= 2;
   thread_local std::vector<uint8_t> packed_buf, lines_buf;
   uint8_t* packed = aligned_bytes(packed_buf, size_t(blocks) * kRows * cols * 2);
@@ -393,8 +392,6 @@ AMX_TARGET void tile_span(Format f, const Tile* t, int nt, int block_k, const Ac
     pack_rows(src, a.kp * 2, n, k0, klen, packed);
     for (int j = 0; j < nt; j += 2) {
       const bool two_n = j + 1 < nt;
-      const uint8_t* w[2] = {t[j].data + int64_t(k0) * kRows * bytes,
-                             two_n ? t[j + 1].data + int64_t(k0) * kRows * bytes : nullptr};
       const float* scales[2] = {t[j].scales + k0 / block_k, two_n ? t[j + 1].scales + k0 / block_k : nullptr};
       const bool fresh = k0 == 0;
       float* c1 = two_n ? out[j + 1] : nullptr;
@@ -411,12 +408,14 @@ AMX_TARGET void tile_span(Format f, const Tile* t, int nt, int block_k, const Ac
         span_blocks(two_n, blocks == 2, packed, steps, fresh, out[j], c1, convert_step);
         continue;
       }
-      const uint8_t* b[2] = {w[0], w[1]};
-      if (f == Format::kFP8) {
-        for (int h = 0; h < (two_n ? 2 : 1); ++h) {
+      const uint8_t* b[2] = {};
+      for (int h = 0; h < (two_n ? 2 : 1); ++h) {
+        if (f == Format::kFP8) {
           uint16_t* l = lines + size_t(h) * klen * kRows;
           convert_fp8_tile(fp8_columns(t[j + h], k0, klen), scales[h], block_k, l);
           b[h] = reinterpret_cast<const uint8_t*>(l);
+        } else {
+          b[h] = t[j + h].data + int64_t(k0) * kRows * 2;
         }
       }
       const auto in_place = [&](int s, const uint8_t** lb) {
