@@ -1,9 +1,10 @@
 """Paged attention kernel (cpu_kernels.attention) against the machine's read bandwidth and the torch path.
 
 Decode (one query per sequence) reads each sequence's K and V once: the script prints the KV bytes read per
-second as a fraction of the read bandwidth that scripts/membw.c measures in the same run, and the speedup
-over the torch path (hybrid.attention.paged_attention, gather + matmul + softmax). The KV pool is >= 3x the
-last-level cache and every call reads the next window of blocks, so caches do not flatter it. Prefill
+second as a fraction of the read bandwidth that scripts/membw.c measures around it (blocks of calls between
+probes, median over blocks), and the speedup over the torch path (hybrid.attention.paged_attention, gather +
+matmul + softmax). The KV pool is >= 3x the last-level cache and every call reads the next window of blocks,
+so caches do not flatter it. Prefill
 (a whole prompt as one query span) is compute-bound: it prints GFLOP/s (QK^T and PV over the causal
 triangle) and the speedup over the torch path.
 
@@ -25,7 +26,7 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from membw import last_level_cache_bytes, read_bandwidth_gbps  # noqa: E402
+from membw import BandwidthProbe, calls_per_block, interleaved_calls, last_level_cache_bytes  # noqa: E402
 from timing import timed  # noqa: E402
 
 from cpu_kernels.attention import paged_attention  # noqa: E402
@@ -36,6 +37,7 @@ BLOCK = 16
 # (query heads, KV heads, K dim, V dim): Qwen3-30B-A3B GQA; DeepSeek-V3 MLA in latent space (V = K[:512]).
 SHAPES = {"qwen3": (32, 4, 128, 128), "deepseek-mla": (128, 1, 576, 512)}
 CASES = ["qwen3-decode", "deepseek-mla-decode", "qwen3-prefill"]
+ROUNDS = 5  # blocks of decode calls per case, each between bandwidth probes
 
 
 def make_pool(shape: tuple, tokens: int, gen: torch.Generator, latent: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,7 +49,7 @@ def make_pool(shape: tuple, tokens: int, gen: torch.Generator, latent: bool) -> 
     return k, v
 
 
-def decode_case(name: str, shape: tuple, ctx: int, batch: int, threads: int) -> dict:
+def decode_case(name: str, shape: tuple, ctx: int, batch: int, threads: int, probe: BandwidthProbe) -> dict:
     hq, hkv, d, dv = shape
     latent = name.startswith("deepseek")
     per_seq = -(-ctx // BLOCK)
@@ -59,17 +61,20 @@ def decode_case(name: str, shape: tuple, ctx: int, batch: int, threads: int) -> 
     lens = torch.full((batch,), ctx, dtype=torch.int32)
     q = torch.randn(batch, hq, d, generator=gen).to(torch.bfloat16)
     scale = d ** -0.5
-    reps = max(8, 2 * windows)
     paged_attention(q, k, v, tables[-1], lens, scale, num_threads=threads)
-    bw_before = statistics.median(read_bandwidth_gbps(threads, reps=5) for _ in range(3))
-    kernel_s = timed(lambda r: paged_attention(q, k, v, tables[r % windows], lens, scale, num_threads=threads), reps)
-    bw_after = statistics.median(read_bandwidth_gbps(threads, reps=5) for _ in range(3))
+    per_block = calls_per_block(timed(lambda _: paged_attention(q, k, v, tables[-1], lens, scale,
+                                                                num_threads=threads), 1))
+
+    def call(r: int) -> int:
+        paged_attention(q, k, v, tables[r % windows], lens, scale, num_threads=threads)
+        return kv_bytes
+
+    res = interleaved_calls(probe, call, per_block, ROUNDS)
+    kernel_s = statistics.median(res.call_s)
     torch_s = timed(lambda r: torch_paged_attention(q, k, v, list(range(batch)), [1] * batch, [ctx] * batch,
                                                     list(tables[r % windows]), scale), 3)
-    bw = statistics.median([bw_before, bw_after])
-    gbps = kv_bytes / kernel_s / 1e9
-    return dict(case=name, context=ctx, batch=batch, kernel_ms=kernel_s * 1e3, kv_gbps=gbps, bw_gbps=bw,
-                bw_fraction=gbps / bw, speedup_vs_torch=torch_s / kernel_s)
+    return dict(case=name, context=ctx, batch=batch, kernel_ms=kernel_s * 1e3, kv_gbps=res.rate, bw_gbps=res.bandwidth,
+                bw_fraction=res.fraction, speedup_vs_torch=torch_s / kernel_s)
 
 
 def prefill_case(shape: tuple, ctx: int, threads: int) -> dict:
@@ -98,6 +103,7 @@ def main() -> None:
     contexts = [int(c) for c in a.contexts.split(",")]
     console.print(f"kernel path: {kernel_isa_name()}, {a.threads} threads")
     rows = []
+    probe = BandwidthProbe(a.threads)
     for case in a.cases.split(","):
         if case == "qwen3-prefill":
             for ctx in (c for c in contexts if c <= 8192):
@@ -109,8 +115,9 @@ def main() -> None:
             for batch in (int(b) for b in a.batches.split(",")):
                 if name == "deepseek-mla" and batch * ctx > 8 * 4096:
                     continue
-                rows.append(decode_case(case, SHAPES[name], ctx, batch, a.threads))
+                rows.append(decode_case(case, SHAPES[name], ctx, batch, a.threads, probe))
                 console.print(rows[-1])
+    probe.close()
     t = Table(title="paged attention: decode KV GB/s vs measured read bandwidth; prefill GFLOP/s; vs torch path")
     for col in ("case", "context", "batch", "ms", "KV GB/s", "of BW", "GFLOP/s", "x torch"):
         t.add_column(col, justify="right")

@@ -1,8 +1,8 @@
 """CPU-only prefill and decode speed of the engine on a real-shaped (truncated) MoE model.
 
 Decode is reported as a fraction of the memory-bandwidth roofline: tokens/s <= read bandwidth /
-bytes touched per token, with the bandwidth measured by scripts/membw.c in this same run (before
-and after, since the machine's bandwidth drifts).
+bytes touched per token, with the bandwidth measured by scripts/membw.c around every run (the median over
+runs of each run's fraction of the mean of the probes either side: the machine's bandwidth drifts).
 
     python scripts/bench_decode.py                          # Qwen3-30B-A3B shapes, 4 layers, bf16
     python scripts/bench_decode.py --preset moonlight --layers 3
@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from make_tiny_model import make_model  # noqa: E402
-from membw import read_bandwidth_gbps  # noqa: E402
+from membw import BandwidthProbe, interleaved  # noqa: E402
 
 from cpu_kernels.moe import kernel_isa_name  # noqa: E402
 from hybrid import LLM, SamplingParams  # noqa: E402
@@ -82,8 +82,7 @@ def main() -> None:
         console.print(f"writing {a.preset} ({a.layers} layers) to {model_dir} ...")
         make_model(model_dir, a.preset, layers=a.layers, fp8=a.fp8 or None)
 
-    probe = lambda: statistics.median(read_bandwidth_gbps(a.threads, reps=5) for _ in range(3))  # noqa: E731
-    bw_before = probe()
+    probe = BandwidthProbe(a.threads)
     t0 = time.perf_counter()
     llm = LLM(model_dir, dtype=a.dtype, max_num_batched_tokens=max(512, a.prompt_len),
               max_model_len=a.prompt_len + a.decode_tokens + 8, max_num_seqs=1, backend=a.backend,
@@ -93,17 +92,20 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0, max_tokens=a.decode_tokens, ignore_eos=True)
     llm.generate(torch.randint(10, vocab, (32,), generator=gen).tolist(), SamplingParams(max_tokens=4))
-    prefill, decode = [], []
-    for _ in range(a.runs):
-        out = llm.generate(torch.randint(10, vocab, (a.prompt_len,), generator=gen).tolist(), params)[0]
-        prefill.append(a.prompt_len / out.ttft_s)
-        decode.append(1.0 / out.tpot_s)
-    bw_after = probe()
-
     touched = bytes_per_decode_token(llm, a.prompt_len + a.decode_tokens // 2)
     total = sum(touched.values())
-    bw = statistics.median([bw_before, bw_after])
-    roofline = bw * 1e9 / total
+    prefill = []
+
+    def run(_: int) -> float:
+        """One request; returns the bytes per second its decode steps read."""
+        out = llm.generate(torch.randint(10, vocab, (a.prompt_len,), generator=gen).tolist(), params)[0]
+        prefill.append(a.prompt_len / out.ttft_s)
+        return total / out.tpot_s / 1e9
+
+    runs = interleaved(probe, run, a.runs)
+    probe.close()
+    decode = [r * 1e9 / total for r in runs.rates]
+    roofline = runs.bandwidth * 1e9 / total
     res = {
         "model": str(model_dir), "dtype": a.dtype, "threads": a.threads, "backend": a.backend,
         "kernel_path": kernel_isa_name() if a.backend == "cpu" else "torch",
@@ -111,9 +113,9 @@ def main() -> None:
         "attention": llm.engine.config.attention,
         "prefill_tok_s": statistics.median(prefill), "decode_tok_s": statistics.median(decode),
         "bytes_per_token": total, "routed_bytes_per_token": touched["routed"],
-        "read_gbps_before": bw_before, "read_gbps_after": bw_after, "roofline_tok_s": roofline,
-        "decode_fraction_of_roofline": statistics.median(decode) / roofline,
-        "effective_gbps": statistics.median(decode) * total / 1e9,
+        "read_gbps_probes": runs.probes, "roofline_tok_s": roofline,
+        "decode_fraction_of_roofline": runs.fraction,
+        "effective_gbps": runs.rate,
     }
     t = Table(title=f"bench_decode: {model_dir.name}, {a.dtype}, {a.threads} threads, {res['kernel_path']}, "
                     f"experts={res['experts']}, attention={res['attention']}")
@@ -123,7 +125,7 @@ def main() -> None:
     t.add_row(f"decode tok/s (batch 1, {a.decode_tokens} tokens)", f"{res['decode_tok_s']:.2f}")
     t.add_row("bytes touched per decode token", f"{total / 1e6:.1f} MB (routed {touched['routed'] / 1e6:.1f} MB, "
                                                 f"KV {touched['kv'] / 1e6:.1f} MB)")
-    t.add_row("read bandwidth before / after", f"{bw_before:.1f} / {bw_after:.1f} GB/s")
+    t.add_row("read bandwidth around the runs", " / ".join(f"{b:.1f}" for b in runs.probes) + " GB/s")
     t.add_row("roofline decode tok/s", f"{roofline:.1f}")
     t.add_row("effective GB/s in decode", f"{res['effective_gbps']:.1f}")
     t.add_row("[bold]decode / roofline", f"[bold]{res['decode_fraction_of_roofline']:.3f}")

@@ -1,13 +1,14 @@
 """Fused-MoE kernel benchmark against the machine's measured read bandwidth and against torch.
 
 For each expert shape, weight format and token count T it prints: GB/s of expert weights read (distinct
-experts touched x bytes per expert), that as a fraction of the read bandwidth measured by
-scripts/membw.c right before and after the case, the speedup over the torch reference (dequantize the
-touched experts to bf16, then matmul), and for T >= 128 the achieved TFLOP/s next to torch's own bf16
-matmul on the same per-expert GEMMs. Several layers are allocated so the working set is >= 1 GB and >= 3x
-the last-level cache (300 MB on this machine's Xeon), calls cycle through the layers, and each call routes
-to the next window of its layer's experts, so an expert's bytes come back only after the whole working set
-has been read: every call reads its experts from DRAM while its activations, buffers and page tables stay
+experts touched x bytes per expert), that as a fraction of the read bandwidth measured by scripts/membw.c
+around it (blocks of calls alternate with probes; the median over blocks of each block's GB/s over the mean of
+the probes either side, with the lowest and highest in brackets), the speedup over the torch reference
+(dequantize the touched experts to bf16, then matmul), and for T >= 128 the achieved TFLOP/s next to torch's
+own bf16 matmul on the same per-expert GEMMs. Several layers are allocated so the working set is >= 1 GB and
+>= 3x the last-level cache (300 MB on this machine's Xeon), calls cycle through the layers, and each call
+routes to the next window of its layer's experts, so an expert's bytes come back only after the whole working
+set has been read: every call reads its experts from DRAM while its activations, buffers and page tables stay
 as warm as in a real model.
 
     python scripts/bench_moe.py                                   # everything (~10 min)
@@ -31,7 +32,7 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from membw import last_level_cache_bytes, read_bandwidth_gbps  # noqa: E402
+from membw import BandwidthProbe, calls_per_block, interleaved_calls, last_level_cache_bytes  # noqa: E402
 from timing import timed  # noqa: E402
 
 from cpu_kernels.moe import fused_moe, kernel_isa_name, pack_experts  # noqa: E402
@@ -42,6 +43,8 @@ SHAPES = {
     "qwen3-30b-a3b": dict(hidden=2048, inter=768, experts=128, top_k=8),
 }
 WORKING_SET = max(1 << 30, 3 * last_level_cache_bytes())
+# Blocks of calls (membw.BLOCK_S seconds, or one call where a call is longer) per case, each between probes.
+ROUNDS, ROUNDS_LONG = 7, 4
 
 
 def source_weights(shape: dict, seed: int) -> tuple[list, list, list]:
@@ -114,7 +117,8 @@ def grouped_bf16_matmul_s(source, x, ids) -> float:
     return timed(run, 3)
 
 
-def bench_case(name: str, shape: dict, fmt: Format, tokens: list[int], threads: int, console: Console) -> list[dict]:
+def bench_case(name: str, shape: dict, fmt: Format, tokens: list[int], threads: int, probe: BandwidthProbe,
+               console: Console) -> list[dict]:
     source = source_weights(shape, 0)
     first = pack_experts(*source, fmt)
     plain = [tuple(PlainQuantized(m[e], fmt) for m in source) for e in range(shape["experts"])]
@@ -124,19 +128,26 @@ def bench_case(name: str, shape: dict, fmt: Format, tokens: list[int], threads: 
     rows = []
     for t in tokens:
         x = torch.randn(t, shape["hidden"], generator=gen).to(torch.bfloat16)
-        reps = 40 if t <= 8 else (8 if t <= 128 else 4)
-        routes = [routing(t, shape, gen, call=r // nlayers) for r in range(reps)]
-        bw_before = statistics.median(read_bandwidth_gbps(threads, reps=5) for _ in range(3))
-        fused_moe(layers[-1], x, *routing(t, shape, gen, call=reps), num_threads=threads)  # warm-up, cold by reuse
-        kernel_s = timed(lambda r: fused_moe(layers[r % nlayers], x, *routes[r], num_threads=threads), reps)
-        bw_after = statistics.median(read_bandwidth_gbps(threads, reps=5) for _ in range(3))
-        bw = statistics.median([bw_before, bw_after])
-        touched = statistics.mean(len(torch.unique(ids)) for ids, _ in routes)
-        gbps = touched * first.expert_bytes() / kernel_s / 1e9
+        warm = routing(t, shape, gen, call=nlayers)
+        fused_moe(layers[-1], x, *warm, num_threads=threads)  # warm-up, cold by reuse
+        per_block = calls_per_block(timed(lambda _: fused_moe(layers[-1], x, *warm, num_threads=threads), 1))
+        rounds = ROUNDS if per_block > 1 else ROUNDS_LONG
+        routes = [routing(t, shape, gen, call=r // nlayers) for r in range(rounds * per_block)]
+        read = [len(torch.unique(ids)) * first.expert_bytes() for ids, _ in routes]
+
+        def call(r: int) -> int:
+            fused_moe(layers[r % nlayers], x, *routes[r], num_threads=threads)
+            return read[r]
+
+        res = interleaved_calls(probe, call, per_block, rounds)
+        kernel_s = statistics.median(res.call_s)
         ref_s = timed(lambda r: torch_reference(plain, shape["inter"], x, *routes[r]), 3 if t <= 32 else 1)
         flops = 2 * t * shape["top_k"] * 3 * shape["hidden"] * shape["inter"]
-        row = dict(shape=name, fmt=fmt.name.lower(), tokens=t, kernel_ms=kernel_s * 1e3, gbps=gbps, bw_gbps=bw,
-                   bw_fraction=gbps / bw, speedup_vs_torch=ref_s / kernel_s, tflops=flops / kernel_s / 1e12)
+        fr = res.fractions
+        row = dict(shape=name, fmt=fmt.name.lower(), tokens=t, kernel_ms=kernel_s * 1e3, gbps=res.rate,
+                   bw_gbps=res.bandwidth, bw_fraction=res.fraction, bw_fraction_min=min(fr), bw_fraction_max=max(fr),
+                   blocks=rounds, calls_per_block=per_block, speedup_vs_torch=ref_s / kernel_s,
+                   tflops=flops / kernel_s / 1e12)
         if t >= 128:
             row["torch_bf16_matmul_tflops"] = flops / grouped_bf16_matmul_s(source, x, routes[0][0]) / 1e12
         rows.append(row)
@@ -149,7 +160,8 @@ def _line(r: dict) -> str:
     if "torch_bf16_matmul_tflops" in r:
         extra = f"  {r['tflops']:.3f} TFLOP/s vs torch bf16 {r['torch_bf16_matmul_tflops']:.3f}"
     return (f"{r['shape']:>14} {r['fmt']:>4} T={r['tokens']:<4} {r['kernel_ms']:8.2f} ms  {r['gbps']:6.1f} GB/s "
-            f"= {r['bw_fraction']:.2f} x {r['bw_gbps']:.1f}  {r['speedup_vs_torch']:6.1f}x torch{extra}")
+            f"= {r['bw_fraction']:.2f} ({r['bw_fraction_min']:.2f}-{r['bw_fraction_max']:.2f}) x {r['bw_gbps']:.1f}  "
+            f"{r['speedup_vs_torch']:6.1f}x torch{extra}")
 
 
 def main() -> None:
@@ -165,10 +177,11 @@ def main() -> None:
     console.print(f"kernel path: {kernel_isa_name()}, {a.threads} threads, >= {WORKING_SET >> 20} MB of experts "
                   "per case")
     rows = []
-    for name in a.shapes.split(","):
-        for fmt in a.formats.split(","):
-            rows += bench_case(name, SHAPES[name], Format.parse(fmt), [int(t) for t in a.tokens.split(",")],
-                               a.threads, console)
+    with BandwidthProbe(a.threads) as probe:
+        for name in a.shapes.split(","):
+            for fmt in a.formats.split(","):
+                rows += bench_case(name, SHAPES[name], Format.parse(fmt), [int(t) for t in a.tokens.split(",")],
+                                   a.threads, probe, console)
     table = Table(title="fused MoE (one layer): weights read vs measured bandwidth, vs torch")
     for col in ("shape", "fmt", "T", "ms", "GB/s", "of BW", "x torch", "TFLOP/s", "torch bf16 TFLOP/s"):
         table.add_column(col, justify="right")
