@@ -6,6 +6,7 @@
 // fp32 activations against fp8 tiles run up to four tiles over the full K per call (tile_dotn). An
 // accumulator is 16 tokens x 16 output rows, the [token][row] order of the callers' results.
 #include "amx.h"
+#include "fp8_lines.h"
 
 #include <immintrin.h>
 #include <sys/syscall.h>
@@ -21,7 +22,10 @@ namespace hybridd {
 
 namespace {
 
-#define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,amx-int8,avx512f,avx512bw,avx512vl,avx512dq")))
+// The AVX-512 features too (every AMX CPU has them): the fp8 conversion inlines into the tile loops.
+#define AMX_TARGET                                                                                     \
+  __attribute__((target("amx-tile,amx-bf16,amx-int8,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16," \
+                        "avx512vbmi,avx512vnni,gfni")))
 
 constexpr int kArchReqXcompPerm = 0x1023;
 constexpr int kXfeatureXtiledata = 18;
@@ -338,11 +342,12 @@ AMX_TARGET void pack_rows(const uint8_t* src, int64_t stride, int n, int k0, int
 }
 
 // C[block][tile] for one or two row blocks x one or two tiles, added to over `steps` k steps: zeroed first
-// when `fresh`, else loaded from the outputs, and stored back (fp32 [16 rows][16] at c0/c1 (+ 256)).
-// b(s, lines) sets the two tiles' B operands of k step s.
+// when `fresh`, else loaded from the outputs, and stored back (fp32 [16 rows][16] at c0/c1 (+ 256)). The
+// second row block's A operands sit `ablock` bytes after the first's; b(s, lines) sets the two tiles' B
+// operands of k step s.
 template <bool kTwoN, bool kTwoM, typename B>
-AMX_TARGET void span_block(const uint8_t* a0, int steps, bool fresh, float* c0, float* c1, B b) {
-  const uint8_t* a1 = a0 + int64_t(steps) * 1024;
+AMX_TARGET void span_block(const uint8_t* a0, int64_t ablock, int steps, bool fresh, float* c0, float* c1, B b) {
+  const uint8_t* a1 = a0 + ablock;
   if (fresh) {
     _tile_zero(0);
     if constexpr (kTwoN) _tile_zero(1);
@@ -362,20 +367,21 @@ AMX_TARGET void span_block(const uint8_t* a0, int steps, bool fresh, float* c0, 
 }
 
 template <typename B>
-AMX_TARGET void span_blocks(bool two_n, bool two_m, const uint8_t* a0, int steps, bool fresh, float* c0, float* c1,
-                            B b) {
-  if (two_n && two_m) span_block<true, true>(a0, steps, fresh, c0, c1, b);
-  else if (two_m) span_block<false, true>(a0, steps, fresh, c0, c1, b);
-  else if (two_n) span_block<true, false>(a0, steps, fresh, c0, c1, b);
-  else span_block<false, false>(a0, steps, fresh, c0, c1, b);
+AMX_TARGET void span_blocks(bool two_n, bool two_m, const uint8_t* a0, int64_t ablock, int steps, bool fresh,
+                            float* c0, float* c1, B b) {
+  if (two_n && two_m) span_block<true, true>(a0, ablock, steps, fresh, c0, c1, b);
+  else if (two_m) span_block<false, true>(a0, ablock, steps, fresh, c0, c1, b);
+  else if (two_n) span_block<true, false>(a0, ablock, steps, fresh, c0, c1, b);
+  else span_block<false, false>(a0, ablock, steps, fresh, c0, c1, b);
 }
 
 // Column step by column step: the rows' columns packed once, then every pair of tiles runs all row blocks
 // against them, adding into the outputs. Each pair's weight lines come from memory once, in the first row
 // block (contiguous kilobytes: the hardware prefetchers keep up; an L2 prefetch of the next pair while one
-// computes measured no different); later row blocks find them in cache. fp8 tiles become scaled bf16 lines:
-// for one or two row blocks a k step at a time into L1, interleaved with the tile products that read them;
-// for more, the pair's whole column step at once, reused by every row block.
+// computes measured no different); later row blocks find them in cache. fp8 tiles become bf16 lines: for one
+// or two row blocks unscaled (4 instead of 16 vector operations per 64 codes), a k step at a time into L1
+// interleaved with the tile products that read them, and every fp8 block's sums scaled as they are added;
+// for more, scaled lines of the pair's whole column step at once, reused by every row block.
 AMX_TARGET void tile_span(Format f, const Tile* t, int nt, int block_k, const Act& a, const int* rows, int n,
                           float* const* out) {
   const int kp = t[0].kp, cols = span_columns(f, kp, n, block_k), blocks = (n + kRows - 1) / kRows;
@@ -386,6 +392,7 @@ AMX_TARGET void tile_span(Format f, const Tile* t, int nt, int block_k, const Ac
   const size_t line_bytes = std::max<size_t>(4096, size_t(2) * cols * kRows * 2);
   uint16_t* lines = reinterpret_cast<uint16_t*>(aligned_bytes(lines_buf, line_bytes));
   const uint8_t* src = reinterpret_cast<const uint8_t*>(a.bf + int64_t(rows[0]) * a.kp);
+  const Fp8Fast conv = fp8_fast();
   load_config(64);
   for (int k0 = 0; k0 < kp; k0 += cols) {
     const int klen = std::min(cols, kp - k0), steps = klen / 32;
@@ -396,16 +403,25 @@ AMX_TARGET void tile_span(Format f, const Tile* t, int nt, int block_k, const Ac
       const bool fresh = k0 == 0;
       float* c1 = two_n ? out[j + 1] : nullptr;
       if (stepwise) {
-        // Two alternating 2 KB buffers: step s + 1 converts while step s's tiles may still be loading.
-        const auto convert_step = [&](int s, const uint8_t** b) {
-          uint16_t* l = lines + (s & 1) * 2 * 512;
-          for (int h = 0; h < (two_n ? 2 : 1); ++h) {
-            convert_fp8_tile(fp8_columns(t[j + h], k0 + 32 * s, 32), scales[h] + s * 32 / block_k, block_k,
-                             l + h * 512);
-            b[h] = reinterpret_cast<const uint8_t*>(l + h * 512);
-          }
-        };
-        span_blocks(two_n, blocks == 2, packed, steps, fresh, out[j], c1, convert_step);
+        // Unscaled lines, a k step at a time into two alternating 2 KB buffers (step s + 1 converts while step
+        // s's tiles may still be loading); each fp8 block's sums are added to the outputs times its scale.
+        for (int h = 0; fresh && h < (two_n ? 2 : 1); ++h)
+          std::memset(out[j + h], 0, sizeof(float) * blocks * kRows * kRows);
+        for (int kb = 0; kb < klen; kb += block_k) {
+          const auto convert_step = [&](int s, const uint8_t** b) AMX_TARGET {
+            uint16_t* l = lines + (s & 1) * 2 * 512;
+            for (int h = 0; h < (two_n ? 2 : 1); ++h) {
+              fp8_fast_lines(conv, fp8_columns(t[j + h], k0 + kb + 32 * s, 32), l + h * 512);
+              b[h] = reinterpret_cast<const uint8_t*>(l + h * 512);
+            }
+          };
+          alignas(64) float c[2][2 * kRows * kRows];
+          span_blocks(two_n, blocks == 2, packed + kb / 32 * 1024, int64_t(steps) * 1024, block_k / 32, true, c[0],
+                      c[1], convert_step);
+          for (int h = 0; h < (two_n ? 2 : 1); ++h)
+            finish({Epilogue::kAdd, scales[h][kb / block_k] * kFp8LineScale, nullptr, nullptr}, a, rows, c[h],
+                   out[j + h], blocks * kRows);
+        }
         continue;
       }
       const uint8_t* b[2] = {};
@@ -423,8 +439,9 @@ AMX_TARGET void tile_span(Format f, const Tile* t, int nt, int block_k, const Ac
         lb[1] = two_n ? b[1] + s * 1024 : nullptr;
       };
       for (int m0 = 0; m0 < blocks * kRows; m0 += 2 * kRows)
-        span_blocks(two_n, blocks * kRows - m0 > kRows, packed + int64_t(m0 / kRows) * steps * 1024, steps, fresh,
-                    out[j] + m0 * kRows, two_n ? c1 + m0 * kRows : nullptr, in_place);
+        span_blocks(two_n, blocks * kRows - m0 > kRows, packed + int64_t(m0 / kRows) * steps * 1024,
+                    int64_t(steps) * 1024, steps, fresh, out[j] + m0 * kRows, two_n ? c1 + m0 * kRows : nullptr,
+                    in_place);
     }
   }
   _tile_release();

@@ -1,6 +1,7 @@
 #include "moe.h"
 
 #include "amx.h"
+#include "fp8_lines.h"
 #include "simd_math.h"
 
 #include <immintrin.h>
@@ -24,16 +25,6 @@ constexpr int kMaxTokenBlock = 8;
 // kernel also unpacks the nibbles and pays a dequantizing epilogue per group, and wins from 12.
 inline int amx_min_rows(Format f) { return f == Format::kINT4 ? 12 : (f == Format::kINT8 ? 8 : 4); }
 
-// Prefetch for the loops that stream weights from memory, called once per 64-byte line: into L2 16 KB ahead
-// and into L1 2 KB ahead. Measured on Emerald Rapids, one thread of the fp8 decode loop over 1 GB: 0.90 of
-// the read bandwidth with both, 0.80 with L1 prefetches 4 KB ahead alone, 0.48 with none (the hardware
-// prefetchers do not run far enough ahead of a loop this dense).
-inline void stream_prefetch(const void* line) {
-  const char* p = static_cast<const char*>(line);
-  _mm_prefetch(p + 16384, _MM_HINT_T2);
-  _mm_prefetch(p + 2048, _MM_HINT_T0);
-}
-
 // e4m3fn: bias 7, no infinities, S.1111.111 is NaN; exp 0 is subnormal (m / 8 * 2^-6).
 float e4m3_to_f32(uint8_t v) {
   const int sign = v >> 7, exp = (v >> 3) & 0xf, man = v & 7;
@@ -42,34 +33,6 @@ float e4m3_to_f32(uint8_t v) {
   else if (exp == 0) mag = std::ldexp(static_cast<float>(man), -9);
   else mag = std::ldexp(1.0f + man / 8.0f, exp - 7);
   return sign ? -mag : mag;
-}
-
-// fp8 lines from fp8_pair hold each code's value times 2^-8; the block scales applied to them are multiplied
-// by this to undo it.
-constexpr float kFp8LineScale = 256.0f;
-
-struct Fp8Tables {
-  float f32[256];
-  alignas(64) uint8_t hi[128];  // bf16 high byte of the code's magnitude (sign added separately)
-  alignas(64) uint8_t lo[128];
-  alignas(64) uint8_t hi_scaled[128];  // the same for the magnitude / kFp8LineScale
-  alignas(64) uint8_t lo_scaled[128];
-  Fp8Tables() {
-    for (int v = 0; v < 256; ++v) f32[v] = e4m3_to_f32(static_cast<uint8_t>(v));
-    for (int v = 0; v < 128; ++v) {
-      // Every finite e4m3 value is exact in bf16 (3 mantissa bits, exponents 2^-9..2^8), also over 256.
-      const uint16_t b = (v == 0x7f) ? 0x7fc0 : static_cast<uint16_t>(f32_to_bf16(f32[v]));
-      const uint16_t bs = (v == 0x7f) ? 0x7fc0 : static_cast<uint16_t>(f32_to_bf16(f32[v] / kFp8LineScale));
-      hi[v] = static_cast<uint8_t>(b >> 8);
-      lo[v] = static_cast<uint8_t>(b & 0xff);
-      hi_scaled[v] = static_cast<uint8_t>(bs >> 8);
-      lo_scaled[v] = static_cast<uint8_t>(bs & 0xff);
-    }
-  }
-};
-const Fp8Tables& fp8_tables() {
-  static const Fp8Tables t;
-  return t;
 }
 
 inline float silu_mul(float g, float u) { return g / (1.0f + std::exp(-g)) * u; }
@@ -291,10 +254,6 @@ AVX2_TARGET void tile_dot_avx2(Format f, const Tile& t, int block_k, const Act& 
 // ---------------------------------------------------------------------------------------------------------
 // AVX-512 BF16 + VBMI + VNNI kernels (Zen 4, Sapphire Rapids and later). TB tokens share each weight load.
 
-#define AVX512_TARGET \
-  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vbmi,avx512vnni,gfni")))
-
-AVX512_TARGET inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh>(v); }
 AVX512_TARGET inline __m512i bcast32(const void* p) {
   return _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(p));
 }
@@ -327,100 +286,6 @@ AVX512_TARGET void dot_bf16(const Tile& t, const uint16_t* const* x, float* out)
     }
     for (int i = 0; i < TB; ++i) _mm512_storeu_ps(out + i * kRows, acc[i]);
   }
-}
-
-struct Fp8Regs {
-  __m512i lo0, lo1, hi0, hi1, sign;
-};
-
-AVX512_TARGET inline Fp8Regs fp8_regs(bool scaled = false) {
-  const auto& tab = fp8_tables();
-  const uint8_t* lo = scaled ? tab.lo_scaled : tab.lo;
-  const uint8_t* hi = scaled ? tab.hi_scaled : tab.hi;
-  return {_mm512_load_si512(lo), _mm512_load_si512(lo + 64), _mm512_load_si512(hi), _mm512_load_si512(hi + 64),
-          _mm512_set1_epi8(static_cast<char>(0x80))};
-}
-
-// 64 e4m3 bytes -> two bf16 lines (k pairs 2c and 2c + 1 of 16 rows), exact for every code.
-AVX512_TARGET inline void fp8_line(const Fp8Regs& r, const uint8_t* p, __m512bh& first, __m512bh& second) {
-  const __m512i v = _mm512_loadu_si512(p);
-  const __m512i lo = _mm512_permutex2var_epi8(r.lo0, v, r.lo1);
-  __m512i hi = _mm512_permutex2var_epi8(r.hi0, v, r.hi1);
-  hi = _mm512_ternarylogic_epi32(hi, v, r.sign, 0xF8);  // hi | (v & 0x80)
-  first = as_bh(_mm512_unpacklo_epi8(lo, hi));
-  second = as_bh(_mm512_unpackhi_epi8(lo, hi));
-}
-
-// gf2p8affine matrix whose output bit i is input bit from[i] (-1: zero); row i sits in byte 7 - i.
-constexpr int64_t gf2_bit_map(const int (&from)[8]) {
-  uint64_t m = 0;
-  for (int i = 0; i < 8; ++i)
-    if (from[i] >= 0) m |= uint64_t(1) << (8 * (7 - i) + from[i]);
-  return static_cast<int64_t>(m);
-}
-
-// The conversion of the few-token loops and of prefill's scaled lines. A code s.eeee.mmm with e > 0 is
-// 2^(e-7) * 1.mmm, and the bf16 word s.0111eeee.mmm0000 is that times 2^-8: its high byte is s | 0x38 | e3e2e1
-// and its low byte e0.mmm.0000, each one GF(2) affine map of the code's bits, two instructions for 64 codes
-// where the tables take two three-uop byte permutes and a blend. Zero, subnormal and NaN codes do not fit the
-// pattern: a line pair holding one, flagged when it was packed (fp8_code_needs_tables), is converted by the
-// tables, scaled alike. Testing the codes here instead cost ~18 % of the decode loop.
-struct Fp8Fast {
-  __m512i hi_map, lo_map;
-  Fp8Regs exact;
-};
-
-AVX512_TARGET inline Fp8Fast fp8_fast() {
-  constexpr int64_t kHi = gf2_bit_map({4, 5, 6, -1, -1, -1, -1, 7});
-  constexpr int64_t kLo = gf2_bit_map({-1, -1, -1, -1, 0, 1, 2, 3});
-  return {_mm512_set1_epi64(kHi), _mm512_set1_epi64(kLo), fp8_regs(true)};
-}
-
-// The flags of line pairs [pair, pair + count) of t (count <= 32), the first in bit 0.
-AVX512_TARGET inline uint64_t pair_flags(const Tile& t, int pair, int count) {
-  const int64_t p = int64_t(t.pair0) + pair;
-  const int first = static_cast<int>(p & 7), bytes = (first + count + 7) / 8;  // at most 5
-  uint64_t v = 0;
-  for (int i = 0; i < 5; ++i)
-    if (i < bytes) v |= uint64_t(t.flags[(p >> 3) + i]) << (8 * i);
-  return (v >> first) & ((uint64_t(1) << count) - 1);
-}
-
-// body(c, tables) for the line pairs c = begin, begin + 2, .., end - 2 of t (begin even), tables for the flagged
-// ones; the runs of pairs between flagged ones go without a test per pair.
-template <typename Body>
-AVX512_TARGET inline void for_line_pairs(const Tile& t, int begin, int end, Body&& body) {
-  for (int g = begin; g < end; g += 64) {
-    const int stop = std::min(end, g + 64);
-    uint64_t flags = pair_flags(t, g / 2, (stop - g) / 2);
-    int c = g;
-    for (; flags; flags &= flags - 1) {
-      const int flagged = g + 2 * __builtin_ctzll(flags);
-      for (; c < flagged; c += 2) body(c, false);
-      body(c, true);
-      c += 2;
-    }
-    for (; c < stop; c += 2) body(c, false);
-  }
-}
-
-// Lines p and p + 64 (a flagged pair when `tables`) -> out[0..4): bf16 lines of k pairs 2c, 2c + 1 of the
-// first line, then of the second, holding the codes' values / kFp8LineScale.
-AVX512_TARGET inline void fp8_pair(const Fp8Fast& r, const uint8_t* p, bool tables, __m512bh* out) {
-  if (__builtin_expect(tables, 0)) {
-    fp8_line(r.exact, p, out[0], out[1]);
-    fp8_line(r.exact, p + 64, out[2], out[3]);
-    return;
-  }
-  const __m512i v = _mm512_loadu_si512(p), w = _mm512_loadu_si512(p + 64);
-  const __m512i hv = _mm512_gf2p8affine_epi64_epi8(v, r.hi_map, 0x38);
-  const __m512i lv = _mm512_gf2p8affine_epi64_epi8(v, r.lo_map, 0);
-  const __m512i hw = _mm512_gf2p8affine_epi64_epi8(w, r.hi_map, 0x38);
-  const __m512i lw = _mm512_gf2p8affine_epi64_epi8(w, r.lo_map, 0);
-  out[0] = as_bh(_mm512_unpacklo_epi8(lv, hv));
-  out[1] = as_bh(_mm512_unpackhi_epi8(lv, hv));
-  out[2] = as_bh(_mm512_unpacklo_epi8(lw, hw));
-  out[3] = as_bh(_mm512_unpackhi_epi8(lw, hw));
 }
 
 template <int TB>
@@ -895,6 +760,24 @@ void check_flags(Format f, const PackedMatrices& m) {
 }
 
 }  // namespace
+
+Fp8Tables::Fp8Tables() {
+  for (int v = 0; v < 256; ++v) f32[v] = e4m3_to_f32(static_cast<uint8_t>(v));
+  for (int v = 0; v < 128; ++v) {
+    // Every finite e4m3 value is exact in bf16 (3 mantissa bits, exponents 2^-9..2^8), also over 256.
+    const uint16_t b = (v == 0x7f) ? 0x7fc0 : static_cast<uint16_t>(f32_to_bf16(f32[v]));
+    const uint16_t bs = (v == 0x7f) ? 0x7fc0 : static_cast<uint16_t>(f32_to_bf16(f32[v] / kFp8LineScale));
+    hi[v] = static_cast<uint8_t>(b >> 8);
+    lo[v] = static_cast<uint8_t>(b & 0xff);
+    hi_scaled[v] = static_cast<uint8_t>(bs >> 8);
+    lo_scaled[v] = static_cast<uint8_t>(bs & 0xff);
+  }
+}
+
+const Fp8Tables& fp8_tables() {
+  static const Fp8Tables t;
+  return t;
+}
 
 void convert_fp8_tile(const Tile& t, const float* scales, int block_k, uint16_t* lines) {
   if (scales) fp8_tile_to_scaled_lines(t, scales, block_k, lines);
