@@ -91,8 +91,8 @@ def interleaved(probe: BandwidthProbe, block: Callable[[int], float], rounds: in
     return Interleaved(rates, probes)
 
 
-# Blocks of calls last about BLOCK_S seconds: long enough to average over calls, short next to the minutes
-# over which the bandwidth of a shared host drifts.
+# Blocks of calls last about BLOCK_S seconds: long enough to average over calls, short next to the seconds
+# over which the bandwidth of a shared host moves.
 BLOCK_S = 0.15
 
 
