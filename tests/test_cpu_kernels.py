@@ -23,10 +23,10 @@ from cpu_kernels.moe import (
 )
 from cpu_kernels.pack import (
     Format,
-    pack_matrix,
-    padded_k,
     fp8_pair_flags,
     fp8_pair_flags_reference,
+    pack_matrix,
+    padded_k,
     quantize_fp8_blocks,
     tile_lines,
     tile_lines_reference,
