@@ -134,13 +134,22 @@ AVX512_TARGET inline void fp8_pair(const Fp8Fast& r, const uint8_t* p, bool tabl
   out[3] = as_bh(_mm512_unpackhi_epi8(lw, hw));
 }
 
-// Columns of an fp8 tile as bf16 lines in the bf16 tile layout, exact: every code's value / kFp8LineScale.
-AVX512_TARGET inline void fp8_fast_lines(const Fp8Fast& r, const Tile& t, uint16_t* lines) {
+// body(c, quad) for every line pair c of a whole tile streamed from memory, quad its four bf16 lines (k pairs
+// 2c .. 2c + 3) of the codes' values / kFp8LineScale: the conversion loop of the stored-lines kernels.
+template <typename Body>
+AVX512_TARGET inline void for_converted_pairs(const Fp8Fast& r, const Tile& t, Body&& body) {
   for_line_pairs(t, 0, t.kp / 4, [&](int c, bool tables) AVX512_TARGET {
     stream_prefetch(t.data + c * 64);
     stream_prefetch(t.data + c * 64 + 64);
     __m512bh quad[4];
     fp8_pair(r, t.data + c * 64, tables, quad);
+    body(c, quad);
+  });
+}
+
+// Columns of an fp8 tile as bf16 lines in the bf16 tile layout, exact: every code's value / kFp8LineScale.
+AVX512_TARGET inline void fp8_fast_lines(const Fp8Fast& r, const Tile& t, uint16_t* lines) {
+  for_converted_pairs(r, t, [&](int c, const __m512bh* quad) AVX512_TARGET {
     for (int h = 0; h < 4; ++h) _mm512_storeu_si512(lines + (2 * c + h) * 32, reinterpret_cast<__m512i>(quad[h]));
   });
 }

@@ -462,11 +462,7 @@ AVX512_TARGET void fp8_tile_to_scaled_lines(const Tile& t, const float* scales, 
   const Fp8Fast conv = fp8_fast();
   const __m512i zero = _mm512_setzero_si512(), order = _mm512_set_epi64(7, 3, 6, 2, 5, 1, 4, 0);
   // kp is a multiple of 16: whole line pairs
-  for_line_pairs(t, 0, t.kp / 4, [&](int c, bool tables) AVX512_TARGET {
-    stream_prefetch(t.data + c * 64);
-    stream_prefetch(t.data + c * 64 + 64);
-    __m512bh quad[4];
-    fp8_pair(conv, t.data + c * 64, tables, quad);
+  for_converted_pairs(conv, t, [&](int c, const __m512bh* quad) AVX512_TARGET {
     const __m512 s = _mm512_set1_ps(scales[(4 * c) / block_k] * kFp8LineScale);
     for (int h = 0; h < 4; ++h) {
       // Words 0-3 and 4-7 of each 128-bit lane widened in place; the packed result's qwords come back in
