@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <new>
 #include <numeric>
 #include <stdexcept>
 #include <string>
@@ -954,10 +955,25 @@ void MoeRunner::run_expert_tiles(const std::vector<int>& active, int tiles, int 
   });
 }
 
+// Allocations on 64-byte boundaries: the AMX kernels load and store their accumulators as 16 rows of 64 bytes
+// in place, each row one cache line instead of two.
+template <typename T>
+struct CacheAligned {
+  using value_type = T;
+  CacheAligned() = default;
+  template <typename U>
+  CacheAligned(const CacheAligned<U>&) {}
+  T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64))); }
+  void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t(64)); }
+  bool operator==(const CacheAligned&) const { return true; }
+  bool operator!=(const CacheAligned&) const { return false; }
+};
+using TileResults = std::vector<std::vector<float, CacheAligned<float>>>;
+
 // Per-thread scratch of one task: row ids, the results of its tiles (at least four) and fp8 conversion lines.
 struct TaskBuffers {
   std::vector<int> rows;
-  std::vector<std::vector<float>> ys;
+  TileResults ys;
   std::vector<uint16_t> scratch;
 
   // m rows of `tiles` results, in whole 16-row blocks (tile_span_amx writes the rows past m).
@@ -979,7 +995,7 @@ TaskBuffers& task_buffers() {
 // one) at a time; store(y, tile) takes each result, in tile order.
 template <typename Store>
 void tile_range(Isa isa, Format f, const PackedMatrices& m, int expert, int t0, int t1, int block_k, int group,
-                const Act& a, const int* rows, int n, std::vector<std::vector<float>>& ys, uint16_t* scratch,
+                const Act& a, const int* rows, int n, TileResults& ys, uint16_t* scratch,
                 Store store) {
   if (isa == Isa::kAmx && n >= amx_min_rows(f) && amx_spans(f, a, block_k, m.kp)) {
     std::vector<Tile> tiles;
