@@ -6,6 +6,7 @@
 // fp32 activations against fp8 tiles run up to four tiles over the full K per call (tile_dotn). An
 // accumulator is 16 tokens x 16 output rows, the [token][row] order of the callers' results.
 #include "amx.h"
+#include "cache_aligned.h"
 #include "fp8_lines.h"
 
 #include <immintrin.h>
@@ -67,8 +68,9 @@ enum class Dot { kBf16, kU8S8, kS8S8 };
     else _tile_dpbssd(c, a, b);                         \
   } while (0)
 
-// An A operand; kStream: loaded with the hint that it is not reused soon (tileloaddt1), so that it does not
-// push the B lines that the next row blocks reuse out of L1.
+// An A operand into tmm4 or tmm5; kStream: loaded with the hint that it is not reused soon (tileloaddt1), so
+// that it does not push the B lines that the next row blocks reuse out of L1. (GCC's tile intrinsics paste the
+// register number into the instruction: it must be a literal, not a template parameter.)
 template <bool kStream>
 AMX_TARGET inline void load_a(int tmm, const uint8_t* p, int64_t stride) {
   if constexpr (kStream) {
@@ -325,8 +327,7 @@ AMX_TARGET void tile_dotn(Format f, const Tile* t, int nt, int block_k, int grou
 // Columns per step of tile_span: the step's packed activation rows (n x columns bf16, at most kSpanRowBytes)
 // stay in L2 while every tile's lines of those columns stream past them.
 constexpr int kSpanColumns = 1024;
-// k steps of a tile pair's B lines (32 KB) that every row block runs before the next ones: they stay in L1
-// for all row blocks (A streaming past them), where whole column steps (64 KB) came from L2 for each.
+// k steps of a tile pair (32 KB of its lines) that all row blocks run before the next ones (see tile_span).
 constexpr int kSpanChunkSteps = 16;
 constexpr int64_t kSpanRowBytes = 512 << 10;
 
@@ -335,12 +336,6 @@ AMX_TARGET int span_columns(Format f, int kp, int n, int block_k) {
   int cols = static_cast<int>(std::max<int64_t>(256, std::min<int64_t>(kSpanColumns, fit))) / 32 * 32;
   if (f == Format::kFP8) cols = std::max(block_k, cols / block_k * block_k);
   return std::min(kp, cols);
-}
-
-// `bytes` of v from a 64-byte boundary, so that every 64-byte operand line is one cache line.
-uint8_t* aligned_bytes(std::vector<uint8_t>& v, size_t bytes) {
-  v.resize(bytes + 64);
-  return reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(v.data()) + 63) & ~uintptr_t(63));
 }
 
 // Columns [k0, k0 + cols) of the n rows as A operands: [ceil(n / 16)][cols / 32][16 rows][64 bytes], rows past
@@ -405,11 +400,14 @@ AMX_TARGET void tile_span(Format f, const Tile* t, int nt, int block_k, const Ac
                           float* const* out) {
   const int kp = t[0].kp, cols = span_columns(f, kp, n, block_k), blocks = (n + kRows - 1) / kRows;
   const bool stepwise = f == Format::kFP8 && blocks <= 2;
-  thread_local std::vector<uint8_t> packed_buf, lines_buf;
-  uint8_t* packed = aligned_bytes(packed_buf, size_t(blocks) * kRows * cols * 2);
+  // 64-byte aligned, so that every 64-byte operand line is one cache line.
+  thread_local AlignedVector<uint8_t> packed_buf, lines_buf;
+  packed_buf.resize(size_t(blocks) * kRows * cols * 2);
+  uint8_t* packed = packed_buf.data();
   // fp8 lines: two tiles' column step, or (stepwise) two alternating k steps of two tiles, 4 KB.
   const size_t line_bytes = std::max<size_t>(4096, size_t(2) * cols * kRows * 2);
-  uint16_t* lines = reinterpret_cast<uint16_t*>(aligned_bytes(lines_buf, line_bytes));
+  lines_buf.resize(line_bytes);
+  uint16_t* lines = reinterpret_cast<uint16_t*>(lines_buf.data());
   const uint8_t* src = reinterpret_cast<const uint8_t*>(a.bf + int64_t(rows[0]) * a.kp);
   const Fp8Fast conv = fp8_fast();
   load_config(64);
@@ -459,9 +457,10 @@ AMX_TARGET void tile_span(Format f, const Tile* t, int nt, int block_k, const Ac
           lb[1] = two_n ? b[1] + (s0 + s) * 1024 : nullptr;
         };
         for (int m0 = 0; m0 < blocks * kRows; m0 += 2 * kRows)
-          span_blocks<true>(two_n, blocks * kRows - m0 > kRows, packed + (int64_t(m0 / kRows) * steps + s0) * 1024,
-                      int64_t(steps) * 1024, std::min(kSpanChunkSteps, steps - s0), fresh && s0 == 0,
-                      out[j] + m0 * kRows, two_n ? c1 + m0 * kRows : nullptr, in_place);
+          span_blocks<true>(two_n, blocks * kRows - m0 > kRows,
+                            packed + (int64_t(m0 / kRows) * steps + s0) * 1024, int64_t(steps) * 1024,
+                            std::min(kSpanChunkSteps, steps - s0), fresh && s0 == 0, out[j] + m0 * kRows,
+                            two_n ? c1 + m0 * kRows : nullptr, in_place);
       }
     }
   }

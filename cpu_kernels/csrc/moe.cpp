@@ -1,6 +1,7 @@
 #include "moe.h"
 
 #include "amx.h"
+#include "cache_aligned.h"
 #include "fp8_lines.h"
 #include "simd_math.h"
 
@@ -10,7 +11,6 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
-#include <new>
 #include <numeric>
 #include <stdexcept>
 #include <string>
@@ -955,20 +955,8 @@ void MoeRunner::run_expert_tiles(const std::vector<int>& active, int tiles, int 
   });
 }
 
-// Allocations on 64-byte boundaries: the AMX kernels load and store their accumulators as 16 rows of 64 bytes
-// in place, each row one cache line instead of two.
-template <typename T>
-struct CacheAligned {
-  using value_type = T;
-  CacheAligned() = default;
-  template <typename U>
-  CacheAligned(const CacheAligned<U>&) {}
-  T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64))); }
-  void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t(64)); }
-  bool operator==(const CacheAligned&) const { return true; }
-  bool operator!=(const CacheAligned&) const { return false; }
-};
-using TileResults = std::vector<std::vector<float, CacheAligned<float>>>;
+// The AMX kernels write their accumulators into these in place.
+using TileResults = std::vector<AlignedVector<float>>;
 
 // Per-thread scratch of one task: row ids, the results of its tiles (at least four) and fp8 conversion lines.
 struct TaskBuffers {
