@@ -324,7 +324,7 @@ AMX_TARGET void tile_dotn(Format f, const Tile* t, int nt, int block_k, int grou
   _tile_release();
 }
 
-// Columns per step of tile_span: the step's packed activation rows (n x columns bf16, at most kSpanRowBytes)
+// Columns per step of tile_span: the step's activation operands (n x columns bf16, at most kSpanRowBytes)
 // stay in L2 while every tile's lines of those columns stream past them.
 constexpr int kSpanColumns = 1024;
 // k steps of a tile pair (32 KB of its lines) that all row blocks run before the next ones (see tile_span).
@@ -336,20 +336,6 @@ AMX_TARGET int span_columns(Format f, int kp, int n, int block_k) {
   int cols = static_cast<int>(std::max<int64_t>(256, std::min<int64_t>(kSpanColumns, fit))) / 32 * 32;
   if (f == Format::kFP8) cols = std::max(block_k, cols / block_k * block_k);
   return std::min(kp, cols);
-}
-
-// Columns [k0, k0 + cols) of the n rows as A operands: [ceil(n / 16)][cols / 32][16 rows][64 bytes], rows past
-// n zero. One contiguous kilobyte per operand: rows read in place sit a row stride apart, which for 4 KB
-// strides (kp = 2048) maps all 16 onto one cache set.
-AMX_TARGET void pack_rows(const uint8_t* src, int64_t stride, int n, int k0, int cols, uint8_t* dst) {
-  const int steps = cols / 32, blocks = (n + kRows - 1) / kRows;
-  for (int r = 0; r < blocks * kRows; ++r) {
-    uint8_t* d = dst + (int64_t(r / kRows) * steps * kRows + r % kRows) * 64;
-    const uint8_t* row = src + r * stride + int64_t(k0) * 2;
-    for (int s = 0; s < steps; ++s)
-      _mm512_store_si512(d + int64_t(s) * kRows * 64,
-                         r < n ? _mm512_loadu_si512(row + s * 64) : _mm512_setzero_si512());
-  }
 }
 
 // C[block][tile] for one or two row blocks x one or two tiles, added to over `steps` k steps: zeroed first
@@ -386,8 +372,8 @@ AMX_TARGET void span_blocks(bool two_n, bool two_m, const uint8_t* a0, int64_t a
   else span_block<false, false, kStreamA>(a0, ablock, steps, fresh, c0, c1, b);
 }
 
-// Column step by column step: the rows' columns packed once, then every pair of tiles runs all row blocks
-// against them, adding into the outputs, kSpanChunkSteps k steps at a time: the pair's 32 KB of lines stay in
+// Column step by column step over the rows' A operands (packed once per call, see pack_amx_block): every
+// pair of tiles runs all row blocks against the step's columns, adding into the outputs, kSpanChunkSteps k steps at a time: the pair's 32 KB of lines stay in
 // L1 for all row blocks while their A operands stream past (tileloaddt1). Whole column steps (64 KB of lines)
 // came from L2 for every row block: a loop of this shape with 8 row blocks ran 1.10-1.15x faster chunked on
 // Emerald Rapids. Each pair's weight lines come from memory once, in the first row block (contiguous
@@ -396,24 +382,23 @@ AMX_TARGET void span_blocks(bool two_n, bool two_m, const uint8_t* a0, int64_t a
 // unscaled (4 instead of 16 vector operations per 64 codes), a k step at a time into L1 interleaved with the
 // tile products that read them, and every fp8 block's sums scaled as they are added; for more, scaled lines
 // of the pair's whole column step at once, reused by every row block.
-AMX_TARGET void tile_span(Format f, const Tile* t, int nt, int block_k, const Act& a, const int* rows, int n,
-                          float* const* out) {
+AMX_TARGET void tile_span(Format f, const Tile* t, int nt, int block_k, const Act& a, const uint8_t* packed,
+                          int n, float* const* out) {
   const int kp = t[0].kp, cols = span_columns(f, kp, n, block_k), blocks = (n + kRows - 1) / kRows;
   const bool stepwise = f == Format::kFP8 && blocks <= 2;
+  // A operands of row block b, k step s at packed + (b * ksteps + s) * 1 KB.
+  const int ksteps = kp / 32;
+  const int64_t ablock = int64_t(ksteps) * 1024;
   // 64-byte aligned, so that every 64-byte operand line is one cache line.
-  thread_local AlignedVector<uint8_t> packed_buf, lines_buf;
-  packed_buf.resize(size_t(blocks) * kRows * cols * 2);
-  uint8_t* packed = packed_buf.data();
+  thread_local AlignedVector<uint8_t> lines_buf;
   // fp8 lines: two tiles' column step, or (stepwise) two alternating k steps of two tiles, 4 KB.
   const size_t line_bytes = std::max<size_t>(4096, size_t(2) * cols * kRows * 2);
   lines_buf.resize(line_bytes);
   uint16_t* lines = reinterpret_cast<uint16_t*>(lines_buf.data());
-  const uint8_t* src = reinterpret_cast<const uint8_t*>(a.bf + int64_t(rows[0]) * a.kp);
   const Fp8Fast conv = fp8_fast();
   load_config(64);
   for (int k0 = 0; k0 < kp; k0 += cols) {
     const int klen = std::min(cols, kp - k0), steps = klen / 32;
-    pack_rows(src, a.kp * 2, n, k0, klen, packed);
     for (int j = 0; j < nt; j += 2) {
       const bool two_n = j + 1 < nt;
       const float* scales[2] = {t[j].scales + k0 / block_k, two_n ? t[j + 1].scales + k0 / block_k : nullptr};
@@ -433,10 +418,10 @@ AMX_TARGET void tile_span(Format f, const Tile* t, int nt, int block_k, const Ac
             }
           };
           alignas(64) float c[2][2 * kRows * kRows];
-          span_blocks(two_n, blocks == 2, packed + kb / 32 * 1024, int64_t(steps) * 1024, block_k / 32, true, c[0],
-                      c[1], convert_step);
+          span_blocks(two_n, blocks == 2, packed + (k0 + kb) / 32 * 1024, ablock, block_k / 32, true, c[0], c[1],
+                      convert_step);
           for (int h = 0; h < (two_n ? 2 : 1); ++h)
-            finish({Epilogue::kAdd, scales[h][kb / block_k] * kFp8LineScale, nullptr, nullptr}, a, rows, c[h],
+            finish({Epilogue::kAdd, scales[h][kb / block_k] * kFp8LineScale, nullptr, nullptr}, a, nullptr, c[h],
                    out[j + h], blocks * kRows);
         }
         continue;
@@ -458,7 +443,7 @@ AMX_TARGET void tile_span(Format f, const Tile* t, int nt, int block_k, const Ac
         };
         for (int m0 = 0; m0 < blocks * kRows; m0 += 2 * kRows)
           span_blocks<true>(two_n, blocks * kRows - m0 > kRows,
-                            packed + (int64_t(m0 / kRows) * steps + s0) * 1024, int64_t(steps) * 1024,
+                            packed + (int64_t(m0 / kRows) * ksteps + k0 / 32 + s0) * 1024, ablock,
                             std::min(kSpanChunkSteps, steps - s0), fresh && s0 == 0, out[j] + m0 * kRows,
                             two_n ? c1 + m0 * kRows : nullptr, in_place);
       }
@@ -500,16 +485,26 @@ void tile_dotn_amx(Format f, const Tile* tiles, int nt, int block_k, int group, 
   tile_dotn(f, tiles, nt, block_k, group, a, rows, n, out, scratch);
 }
 
-bool amx_spans(Format f, const Act& a, int block_k, int kp) {
-  return a.bf && kp % 32 == 0 && (f == Format::kBF16 || (f == Format::kFP8 && !a.exact && block_k % 32 == 0));
+bool amx_spans(Format f, bool exact, int block_k, int kp) {
+  return kp % 32 == 0 && (f == Format::kBF16 || (f == Format::kFP8 && !exact && block_k % 32 == 0));
 }
 
 void tile_span_amx(Format f, const Tile* tiles, int nt, int block_k, const Act& a, const int* rows, int n,
                    float* const* out) {
+  if (!a.amx_packed) throw std::logic_error("tile_span_amx reads activation rows packed by pack_amx_block");
   for (int i = 1; i < n; ++i)
     if (rows[i] != rows[0] + i) throw std::logic_error("the AMX kernels read contiguous activation rows");
   calls.fetch_add(1, std::memory_order_relaxed);
-  tile_span(f, tiles, nt, block_k, a, rows, n, out);
+  tile_span(f, tiles, nt, block_k, a, reinterpret_cast<const uint8_t*>(a.bf + int64_t(rows[0]) * a.kp), n, out);
+}
+
+void pack_amx_block(const uint16_t* const* src, int n, int kp, uint16_t* dst) {
+  for (int r = 0; r < kRows; ++r)
+    for (int c = 0; c < kp; c += 32) {
+      uint16_t* d = dst + amx_operand_index(kp, r, c);
+      if (r < n) std::memcpy(d, src[r] + c, 64);
+      else std::memset(d, 0, 64);
+    }
 }
 
 int64_t amx_calls() { return calls.load(std::memory_order_relaxed); }

@@ -890,17 +890,32 @@ Act MoeRunner::prepare_input(Format f, int group, const void* x, bool f32_io, in
   return xa;
 }
 
-Act MoeRunner::sort_rows(const Act& a, const std::vector<int>& tok, int R) {
+Act MoeRunner::sort_rows(const Act& a, const std::vector<int>& tok, const std::vector<int>& count,
+                         const std::vector<int>& active, int R, const SortedRows& sorted) {
   const int used = static_cast<int>(tok.size());
   Act s = a;
   s.padded = true;
   const size_t kp = size_t(a.kp);
   if (a.bf) {
-    sortbf_.resize((size_t(used) * R + kRows) * kp);
-    run(used, int64_t(used) * R * a.kp, [&](int r, int) {
-      std::memcpy(&sortbf_[size_t(r) * R * kp], a.bf + size_t(tok[r]) * R * kp, sizeof(uint16_t) * R * kp);
+    std::vector<std::pair<int, int>> blocks;  // (expert, first row) of every expert's 16-row blocks
+    for (int e : active)
+      for (int p = 0; p < (count[e + 1] - count[e]) * R; p += kRows) blocks.push_back({e, p});
+    sortbf_.resize((size_t(sorted.rows) + kRows) * kp);
+    run(static_cast<int>(blocks.size()), int64_t(used) * R * a.kp, [&](int b, int) {
+      const auto [e, p0] = blocks[b];
+      const int m = std::min(kRows, (count[e + 1] - count[e]) * R - p0);
+      const uint16_t* src[kRows];
+      for (int i = 0; i < m; ++i) {
+        const int p = p0 + i;
+        src[i] = a.bf + (size_t(tok[count[e] + p / R]) * R + p % R) * kp;
+      }
+      uint16_t* dst = &sortbf_[(size_t(sorted.first[e]) + p0) * kp];
+      if (sorted.packed[e]) pack_amx_block(src, m, a.kp, dst);
+      else
+        for (int i = 0; i < m; ++i) std::memcpy(dst + i * kp, src[i], sizeof(uint16_t) * kp);
     });
     s.bf = sortbf_.data();
+    s.amx_packed = true;
     return s;
   }
   sortq_.resize((size_t(used) + kRows) * kp);
@@ -979,13 +994,35 @@ TaskBuffers& task_buffers() {
   return buffers;
 }
 
+// Whether tile_range runs an n-row product of bf16 activation rows (hi + lo pairs when exact) on
+// tile_span_amx, which reads them packed as its operands.
+bool spans_rows(Isa isa, Format f, bool exact, int block_k, int kp, int n) {
+  return isa == Isa::kAmx && n >= amx_min_rows(f) && amx_spans(f, exact, block_k, kp);
+}
+
+// Where the sorted rows of the active experts go when the products of those of spans(m) rows (R per slot)
+// read them packed.
+template <typename Spans>
+SortedRows sorted_rows(const std::vector<int>& count, const std::vector<int>& active, int R, Spans spans) {
+  SortedRows s;
+  s.first.assign(count.size() - 1, 0);
+  s.packed.assign(count.size() - 1, 0);
+  for (int e : active) {
+    const int m = (count[e + 1] - count[e]) * R;
+    s.first[e] = s.rows;
+    s.packed[e] = spans(m);
+    s.rows += s.packed[e] ? (m + kRows - 1) / kRows * kRows : m;
+  }
+  return s;
+}
+
 // Runs tiles [t0, t1) of one matrix: all at once on tile_span_amx where it applies, else four (then two, then
 // one) at a time; store(y, tile) takes each result, in tile order.
 template <typename Store>
 void tile_range(Isa isa, Format f, const PackedMatrices& m, int expert, int t0, int t1, int block_k, int group,
                 const Act& a, const int* rows, int n, TileResults& ys, uint16_t* scratch,
                 Store store) {
-  if (isa == Isa::kAmx && n >= amx_min_rows(f) && amx_spans(f, a, block_k, m.kp)) {
+  if (a.bf && spans_rows(isa, f, a.exact, block_k, m.kp, n)) {
     std::vector<Tile> tiles;
     std::vector<float*> outs;
     for (int ti = t0; ti < t1; ++ti) {
@@ -1018,10 +1055,21 @@ void MoeRunner::linear(Format f, const PackedMatrices& w, int n, int k, int bloc
   const bool int_fmt = f == Format::kINT8 || f == Format::kINT4;
   const int R = (f32_io && !int_fmt) ? 2 : 1;
   const int m = T * R;
-  const Act xa = prepare_input(f, group, x, f32_io, T, k, w.kp, R, isa);
+  Act xa = prepare_input(f, group, x, f32_io, T, k, w.kp, R, isa);
+  if (xa.bf && spans_rows(isa, f, xa.exact, block_k, w.kp, m)) {
+    const int blocks = (m + kRows - 1) / kRows;
+    xpacked_.resize(size_t(blocks) * kRows * w.kp);
+    run(blocks, int64_t(m) * w.kp, [&](int b, int) {
+      const int n = std::min(kRows, m - b * kRows);
+      const uint16_t* src[kRows];
+      for (int i = 0; i < n; ++i) src[i] = xa.bf + size_t(b * kRows + i) * w.kp;
+      pack_amx_block(src, n, w.kp, &xpacked_[size_t(b) * kRows * w.kp]);
+    });
+    xa.bf = xpacked_.data();
+    xa.amx_packed = true;
+  }
   std::vector<int> rows(m);
   std::iota(rows.begin(), rows.end(), 0);
-  // Tasks are pairs of row tiles over all tokens; small batches split finer so both cores stay busy.
   // Tasks are runs of row tiles over all tokens; small batches split finer so both cores stay busy.
   const int per_task = std::max(1, std::min(16, w.tiles / (8 * num_threads())));
   const int tasks = (w.tiles + per_task - 1) / per_task;
@@ -1085,20 +1133,31 @@ void MoeRunner::forward(const ExpertLayer& L, const void* x, bool f32_io, int T,
 
   // Gate/up inputs: R bf16 rows per token padded to kp1, or quantized rows for the int formats.
   Act xa = prepare_input(f, L.group, x, f32_io, T, H, kp1, R, isa);
-  // AMX reads 16 activation rows per operand in place: give every expert its rows contiguously.
+  // AMX reads 16 activation rows per operand in place: give every expert its rows contiguously, as tile
+  // operands where tile_span_amx reads them.
   int most = 0;
   for (int e : active) most = std::max(most, count[e + 1] - count[e]);
   const bool sorted = isa == Isa::kAmx && most * R >= amx_min_rows(f);
-  if (sorted) xa = sort_rows(xa, tok, R);
+  const SortedRows in_rows = sorted_rows(count, active, R, [&](int m) {
+    return xa.bf && spans_rows(isa, f, xa.exact, L.block_k, kp1, m);
+  });
+  if (sorted) xa = sort_rows(xa, tok, count, active, R, in_rows);
+  const SortedRows act_rows = sorted_rows(count, active, R, [&](int m) {
+    return !int_fmt && spans_rows(isa, f, R == 2, L.block_k, kp2, m);
+  });
 
   // Phase A: act[r] = silu(gate) * up for every sorted slot r, tiles of 16 intermediate rows.
   if (int_fmt) actf_.assign(size_t(rows) * kp2, 0.0f);
-  else actbf_.assign((size_t(rows) * R + kRows) * kp2, 0);
+  else actbf_.assign((size_t(act_rows.rows) + kRows) * kp2, 0);
   run_expert_tiles(active, itiles, most == 1 ? 24 : 16, [&](int e, int t0, int t1) {
     const int begin = count[e], n = count[e + 1] - count[e], m = n * R;
     TaskBuffers& buf = task_buffers();
     buf.prepare(m, kp1, 2 * (t1 - t0));
-    for (int i = 0; i < m; ++i) buf.rows[i] = (sorted ? begin + i / R : tok[begin + i / R]) * R + i % R;
+    for (int i = 0; i < m; ++i) buf.rows[i] = sorted ? in_rows.first[e] + i : tok[begin + i / R] * R + i % R;
+    uint16_t* const act_base = int_fmt ? nullptr : &actbf_[size_t(act_rows.first[e]) * kp2];
+    const auto act_at = [&](int p, size_t col) {
+      return act_base + (act_rows.packed[e] ? amx_operand_index(kp2, p, static_cast<int>(col)) : int64_t(p) * kp2 + col);
+    };
     // Tiles 2ti (gate) and 2ti + 1 (up) arrive in order, and the even-length range is run all at once or
     // four or two tiles at a time, so a gate's result buffer is still intact when its up tile is stored.
     float* pending_gate = nullptr;
@@ -1121,8 +1180,7 @@ void MoeRunner::forward(const ExpertLayer& L, const void* x, bool f32_io, int T,
         } else {
           float act[kRows];
           silu_mul_row(isa, g, u, act);
-          uint16_t* hi = &actbf_[r * R * kp2 + col];
-          split_bf16(isa, act, kRows, hi, R == 2 ? hi + kp2 : nullptr);
+          split_bf16(isa, act, kRows, act_at(i * R, col), R == 2 ? act_at(i * R + 1, col) : nullptr);
         }
       }
     };
@@ -1148,6 +1206,7 @@ void MoeRunner::forward(const ExpertLayer& L, const void* x, bool f32_io, int T,
     aa.gsum = actgsum_.data();
   } else {
     aa.bf = actbf_.data();
+    aa.amx_packed = true;
   }
 
   // Phase B: y[r] = act[r] @ W2^T for each expert, tiles of 16 hidden rows.
@@ -1157,7 +1216,7 @@ void MoeRunner::forward(const ExpertLayer& L, const void* x, bool f32_io, int T,
     const int begin = count[e], n = count[e + 1] - count[e], m = n * R;
     TaskBuffers& buf = task_buffers();
     buf.prepare(m, kp2, t1 - t0);
-    for (int i = 0; i < m; ++i) buf.rows[i] = (begin + i / R) * R + i % R;
+    for (int i = 0; i < m; ++i) buf.rows[i] = act_rows.first[e] + i;
     const auto store = [&](const float* y, int ti) {
       for (int i = 0; i < n; ++i) {
         const float* src = y + size_t(i) * R * kRows;

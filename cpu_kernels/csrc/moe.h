@@ -16,6 +16,7 @@
 #include <mutex>
 #include <vector>
 
+#include "cache_aligned.h"
 #include "thread_pool.h"
 
 namespace hybridd {
@@ -82,6 +83,7 @@ struct Act {
   int ngroups = 0;
   bool exact = false;            // rows are bf16 hi + lo pairs of fp32 values: weights must stay unrounded
   bool padded = false;           // 16 more rows past any row are readable (AMX reads a partial block in place)
+  bool amx_packed = false;       // the rows of products that tile_span_amx runs are packed as its operands
 };
 
 // An fp8 tile's columns as bf16 lines in the bf16 tile layout (AVX-512 VBMI); with `scales`, each block_k
@@ -97,6 +99,15 @@ void fp8_to_bf16_lines(const uint8_t* src, int64_t lines, uint16_t* dst, Isa isa
 const char* isa_name(Isa isa);
 
 struct PagedAttention;  // attention.h
+
+// Where each active expert's activation rows sit once sorted by expert: R rows per slot from row first[e].
+// The rows of a packed[e] expert (those tile_span_amx reads) are its A operands (pack_amx_block), padded to
+// whole 16-row blocks.
+struct SortedRows {
+  std::vector<int> first;
+  std::vector<char> packed;
+  int rows = 0;  // padding included
+};
 
 class MoeRunner {
  public:
@@ -121,17 +132,19 @@ class MoeRunner {
   // every thread gets several tasks; with several NUMA nodes a node always gets the same chunks of every expert.
   void run_expert_tiles(const std::vector<int>& active, int tiles, int longest,
                         const std::function<void(int, int, int)>& fn);
-  // The rows of the sorted slots (R per slot, slot r taking token tok[r]'s), contiguous per expert.
-  Act sort_rows(const Act& a, const std::vector<int>& tok, int rows_per_token);
+  // The rows of the sorted slots (R per slot, slot r taking token tok[r]'s), where `sorted` puts them (bf16
+  // rows; int rows of slot r at row r); expert e's slots are [count[e], count[e + 1]).
+  Act sort_rows(const Act& a, const std::vector<int>& tok, const std::vector<int>& count,
+                const std::vector<int>& active, int rows_per_token, const SortedRows& sorted);
 
   ThreadPool pool_;
   std::mutex mutex_;
   std::vector<float> ybuf_, actf_;
-  std::vector<uint16_t> xbf_, actbf_;
+  std::vector<uint16_t> xbf_;
+  AlignedVector<uint16_t> xpacked_, actbf_, sortbf_;
   std::vector<int8_t> xq_, actq_;
   std::vector<float> xscale_, actscale_;
   std::vector<int32_t> xgsum_, actgsum_;
-  std::vector<uint16_t> sortbf_;
   std::vector<int8_t> sortq_;
   std::vector<float> sortscale_;
   std::vector<int32_t> sortgsum_;
