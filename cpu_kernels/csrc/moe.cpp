@@ -628,11 +628,14 @@ AVX512_TARGET void put_avx512(const float* hi, const float* lo, int n, float sca
   }
 }
 
-AVX512_TARGET void axpy_avx512(float w, const float* y, int n, float* acc) {
+AVX512_TARGET void axpy_tiles_avx512(float w, const float* hi, const float* lo, size_t stride, int n, float* acc) {
   const __m512 wv = _mm512_set1_ps(w);
-  for (int i = 0; i < n; i += 16) {
+  for (int i = 0; i < n; i += kRows) {
     const __mmask16 m = first(n - i);
-    _mm512_mask_storeu_ps(acc + i, m, _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(m, y + i), _mm512_maskz_loadu_ps(m, acc + i)));
+    const size_t at = i / kRows * stride;
+    __m512 y = _mm512_maskz_loadu_ps(m, hi + at);
+    if (lo) y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(m, lo + at));
+    _mm512_mask_storeu_ps(acc + i, m, _mm512_fmadd_ps(wv, y, _mm512_maskz_loadu_ps(m, acc + i)));
   }
 }
 
@@ -662,9 +665,14 @@ void put(Isa isa, const float* hi, const float* lo, int n, float scale, bool f32
   }
 }
 
-void axpy(Isa isa, float w, const float* y, int n, float* acc) {
-  if (avx512(isa)) return axpy_avx512(w, y, n, acc);
-  for (int i = 0; i < n; ++i) acc[i] += w * y[i];
+// acc[0..n) += w * y, for y held 16 values per tile, consecutive tiles `stride` floats apart; y = hi + lo
+// when lo is given.
+void axpy_tiles(Isa isa, float w, const float* hi, const float* lo, size_t stride, int n, float* acc) {
+  if (avx512(isa)) return axpy_tiles_avx512(w, hi, lo, stride, n, acc);
+  for (int i = 0; i < n; ++i) {
+    const size_t at = i / kRows * stride + i % kRows;
+    acc[i] += w * (lo ? hi[at] + lo[at] : hi[at]);
+  }
 }
 
 void tile_dot(Isa isa, Format f, const Tile& t, int block_k, int group, const Act& a, const int* rows, int n,
@@ -973,7 +981,7 @@ void MoeRunner::run_expert_tiles(const std::vector<int>& active, int tiles, int 
 // The AMX kernels write their accumulators into these in place.
 using TileResults = std::vector<AlignedVector<float>>;
 
-// Per-thread scratch of one task: row ids, the results of its tiles (at least four) and fp8 conversion lines.
+// Per-thread scratch of one task: row ids, the results of its tiles and fp8 conversion lines.
 struct TaskBuffers {
   std::vector<int> rows;
   TileResults ys;
@@ -982,9 +990,8 @@ struct TaskBuffers {
   // m rows of `tiles` results, in whole 16-row blocks (tile_span_amx writes the rows past m).
   void prepare(int m, int kp, int tiles) {
     rows.resize(m);
-    const size_t used = std::max(tiles, 4);
-    ys.resize(std::max(ys.size(), used));
-    for (size_t j = 0; j < used; ++j) ys[j].resize(size_t(m + kRows - 1) / kRows * kRows * kRows);
+    ys.resize(std::max(ys.size(), size_t(tiles)));
+    for (int j = 0; j < tiles; ++j) ys[j].resize(size_t(m + kRows - 1) / kRows * kRows * kRows);
     scratch.resize(size_t(4) * kp * kRows);
   }
 };
@@ -1016,21 +1023,21 @@ SortedRows sorted_rows(const std::vector<int>& count, const std::vector<int>& ac
   return s;
 }
 
-// Runs tiles [t0, t1) of one matrix: all at once on tile_span_amx where it applies, else four (then two, then
-// one) at a time; store(y, tile) takes each result, in tile order.
-template <typename Store>
+// Runs tiles [t0, t1) of one matrix into out(tile) ([rows][16] fp32, whole 16-row blocks where tile_span_amx
+// runs): all at once on tile_span_amx where it applies, else four (then two, then one) at a time; store(y,
+// tile) takes each result, in tile order.
+template <typename Out, typename Store>
 void tile_range(Isa isa, Format f, const PackedMatrices& m, int expert, int t0, int t1, int block_k, int group,
-                const Act& a, const int* rows, int n, TileResults& ys, uint16_t* scratch,
-                Store store) {
+                const Act& a, const int* rows, int n, uint16_t* scratch, Out out, Store store) {
   if (a.bf && spans_rows(isa, f, a.exact, block_k, m.kp, n)) {
     std::vector<Tile> tiles;
     std::vector<float*> outs;
     for (int ti = t0; ti < t1; ++ti) {
       tiles.push_back(tile_of(m, expert, ti, f, block_k, group));
-      outs.push_back(ys[ti - t0].data());
+      outs.push_back(out(ti));
     }
     tile_span_amx(f, tiles.data(), t1 - t0, block_k, a, rows, n, outs.data());
-    for (int ti = t0; ti < t1; ++ti) store(ys[ti - t0].data(), ti);
+    for (int ti = t0; ti < t1; ++ti) store(out(ti), ti);
     return;
   }
   for (int ti = t0; ti < t1;) {
@@ -1039,10 +1046,10 @@ void tile_range(Isa isa, Format f, const PackedMatrices& m, int expert, int t0, 
     float* outs[4];
     for (int j = 0; j < nt; ++j) {
       tiles[j] = tile_of(m, expert, ti + j, f, block_k, group);
-      outs[j] = ys[j].data();
+      outs[j] = out(ti + j);
     }
     tile_dot_multi(isa, f, tiles, nt, block_k, group, a, rows, n, outs, scratch);
-    for (int j = 0; j < nt; ++j) store(ys[j].data(), ti + j);
+    for (int j = 0; j < nt; ++j) store(outs[j], ti + j);
     ti += nt;
   }
 }
@@ -1084,8 +1091,9 @@ void MoeRunner::linear(Format f, const PackedMatrices& w, int n, int k, int bloc
         put(isa, src, R == 2 ? src + kRows : nullptr, cols, 1.0f, f32_io, dst);
       }
     };
-    tile_range(isa, f, w, 0, task * per_task, std::min(w.tiles, (task + 1) * per_task), block_k, group, xa,
-               rows.data(), m, buf.ys, buf.scratch.data(), store);
+    const int t0 = task * per_task;
+    tile_range(isa, f, w, 0, t0, std::min(w.tiles, t0 + per_task), block_k, group, xa, rows.data(), m,
+               buf.scratch.data(), [&](int ti) { return buf.ys[ti - t0].data(); }, store);
   });
 }
 
@@ -1158,8 +1166,7 @@ void MoeRunner::forward(const ExpertLayer& L, const void* x, bool f32_io, int T,
     const auto act_at = [&](int p, size_t col) {
       return act_base + (act_rows.packed[e] ? amx_operand_index(kp2, p, static_cast<int>(col)) : int64_t(p) * kp2 + col);
     };
-    // Tiles 2ti (gate) and 2ti + 1 (up) arrive in order, and the even-length range is run all at once or
-    // four or two tiles at a time, so a gate's result buffer is still intact when its up tile is stored.
+    // Tiles 2ti (gate) and 2ti + 1 (up) arrive in order, each in its own result buffer.
     float* pending_gate = nullptr;
     const auto store = [&](float* y, int tile) {
       if (tile % 2 == 0) {
@@ -1184,8 +1191,8 @@ void MoeRunner::forward(const ExpertLayer& L, const void* x, bool f32_io, int T,
         }
       }
     };
-    tile_range(isa, f, L.w13, e, 2 * t0, 2 * t1, L.block_k, L.group, xa, buf.rows.data(), m, buf.ys,
-               buf.scratch.data(), store);
+    tile_range(isa, f, L.w13, e, 2 * t0, 2 * t1, L.block_k, L.group, xa, buf.rows.data(), m, buf.scratch.data(),
+               [&](int ti) { return buf.ys[ti - 2 * t0].data(); }, store);
   });
 
   Act aa;
@@ -1209,22 +1216,17 @@ void MoeRunner::forward(const ExpertLayer& L, const void* x, bool f32_io, int T,
     aa.amx_packed = true;
   }
 
-  // Phase B: y[r] = act[r] @ W2^T for each expert, tiles of 16 hidden rows.
-  const int hp = htiles * kRows;
-  ybuf_.resize(size_t(rows) * hp);
+  // Phase B: y = act @ W2^T for each expert, tiles of 16 hidden rows, each tile's results of every row in
+  // one block of ybuf_: [tile][act_rows.rows][16], written in place (tile_span_amx's padding rows included).
+  const size_t yrows = act_rows.rows;
+  ybuf_.resize(size_t(htiles) * yrows * kRows);
   run_expert_tiles(active, htiles, most == 1 ? 64 : 32, [&](int e, int t0, int t1) {
-    const int begin = count[e], n = count[e + 1] - count[e], m = n * R;
+    const int n = count[e + 1] - count[e], m = n * R;
     TaskBuffers& buf = task_buffers();
-    buf.prepare(m, kp2, t1 - t0);
+    buf.prepare(m, kp2, 0);  // results go to ybuf_
     for (int i = 0; i < m; ++i) buf.rows[i] = act_rows.first[e] + i;
-    const auto store = [&](const float* y, int ti) {
-      for (int i = 0; i < n; ++i) {
-        const float* src = y + size_t(i) * R * kRows;
-        put(isa, src, R == 2 ? src + kRows : nullptr, kRows, 1.0f, true, &ybuf_[size_t(begin + i) * hp + size_t(ti) * kRows]);
-      }
-    };
-    tile_range(isa, f, L.w2, e, t0, t1, L.block_k, L.group, aa, buf.rows.data(), m, buf.ys, buf.scratch.data(),
-               store);
+    tile_range(isa, f, L.w2, e, t0, t1, L.block_k, L.group, aa, buf.rows.data(), m, buf.scratch.data(),
+               [&](int ti) { return &ybuf_[(ti * yrows + act_rows.first[e]) * kRows]; }, [](const float*, int) {});
   });
 
   // Phase C: out[t] = scale * sum over its experts (ascending id) of weight * y, rounded once.
@@ -1240,7 +1242,9 @@ void MoeRunner::forward(const ExpertLayer& L, const void* x, bool f32_io, int T,
     for (int j : js) {
       const int s = t * topk + j;
       if (slot_row[s] < 0) continue;
-      axpy(isa, weights[s], &ybuf_[size_t(slot_row[s]) * hp + h0], h1 - h0, acc);
+      const int e = ids[s];
+      const float* y = &ybuf_[(h0 / kRows * yrows + act_rows.first[e] + size_t(slot_row[s] - count[e]) * R) * kRows];
+      axpy_tiles(isa, weights[s], y, R == 2 ? y + kRows : nullptr, yrows * kRows, h1 - h0, acc);
     }
     put(isa, acc, nullptr, h1 - h0, scale, f32_io,
         static_cast<uint8_t*>(out) + (size_t(t) * H + h0) * (f32_io ? 4 : 2));

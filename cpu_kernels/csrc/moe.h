@@ -139,7 +139,8 @@ class MoeRunner {
 
   ThreadPool pool_;
   std::mutex mutex_;
-  std::vector<float> ybuf_, actf_;
+  AlignedVector<float> ybuf_;
+  std::vector<float> actf_;
   std::vector<uint16_t> xbf_;
   AlignedVector<uint16_t> xpacked_, actbf_, sortbf_;
   std::vector<int8_t> xq_, actq_;
