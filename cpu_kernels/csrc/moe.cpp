@@ -1229,11 +1229,12 @@ void MoeRunner::forward(const ExpertLayer& L, const void* x, bool f32_io, int T,
                [&](int ti) { return &ybuf_[(ti * yrows + act_rows.first[e]) * kRows]; }, [](const float*, int) {});
   });
 
-  // Phase C: out[t] = scale * sum over its experts (ascending id) of weight * y, rounded once.
+  // Phase C: out[t] = scale * sum over its experts (ascending id) of weight * y, rounded once. Tasks go
+  // token by token through one chunk of columns: the chunk's blocks of ybuf_ stay in cache.
   constexpr int kChunk = 256;
   const int hchunks = (H + kChunk - 1) / kChunk;
   run(T * hchunks, int64_t(nslots) * H, [&](int task, int) {
-    const int t = task / hchunks, h0 = (task % hchunks) * kChunk, h1 = std::min(H, h0 + kChunk);
+    const int t = task % T, h0 = task / T * kChunk, h1 = std::min(H, h0 + kChunk);
     std::vector<int> js(topk);
     std::iota(js.begin(), js.end(), 0);
     std::sort(js.begin(), js.end(), [&](int a, int b) { return ids[t * topk + a] < ids[t * topk + b]; });
