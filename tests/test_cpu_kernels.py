@@ -45,7 +45,7 @@ INT_BOUND = 3e-2
 
 
 def amx_rows(fmt: str, dtype: torch.dtype, tokens: int) -> bool:
-    """Whether a block of `tokens` rows goes to the AMX kernels (csrc/moe.cpp amx_min_rows); fp32 inputs to
+    """Whether a block of `tokens` rows goes to the AMX kernels (csrc/moe.cpp amx_rows); fp32 inputs to
     bf16/fp8 weights travel as two rows each."""
     rows = tokens * (2 if dtype == torch.float32 and fmt in ("bf16", "fp8") else 1)
     return rows >= {"int4": 12, "int8": 8}.get(fmt, 4)

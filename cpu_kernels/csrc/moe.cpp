@@ -20,11 +20,14 @@ namespace hybridd {
 namespace {
 
 constexpr int kMaxTokenBlock = 8;
-// Row blocks at least this tall go to the AMX kernels on the amx path (measured end to end on Emerald Rapids,
-// where one vdpbf16ps issues about every second cycle). bf16 / fp8 (tile_span) win from 4 rows: fp8 12-25 %
-// faster than AVX-512 at 2-8 rows per expert on average, even at 1-2 (DeepSeek T=8); int8 wins from 8; int4's
-// kernel also unpacks the nibbles and pays a dequantizing epilogue per group, and wins from 12.
-inline int amx_min_rows(Format f) { return f == Format::kINT4 ? 12 : (f == Format::kINT8 ? 8 : 4); }
+// Whether a block of n rows goes to the AMX kernels: on the amx path, from these heights (measured end to end
+// on Emerald Rapids, where one vdpbf16ps issues about every second cycle). bf16 / fp8 (tile_span) win from 4
+// rows: fp8 12-25 % faster than AVX-512 at 2-8 rows per expert on average, even at 1-2 (DeepSeek T=8); int8
+// wins from 8; int4's kernel also unpacks the nibbles and pays a dequantizing epilogue per group, and wins
+// from 12.
+inline bool amx_rows(Isa isa, Format f, int n) {
+  return isa == Isa::kAmx && n >= (f == Format::kINT4 ? 12 : (f == Format::kINT8 ? 8 : 4));
+}
 
 // e4m3fn: bias 7, no infinities, S.1111.111 is NaN; exp 0 is subnormal (m / 8 * 2^-6).
 float e4m3_to_f32(uint8_t v) {
@@ -684,7 +687,7 @@ void tile_dot(Isa isa, Format f, const Tile& t, int block_k, int group, const Ac
 
 void tile_dot_multi(Isa isa, Format f, const Tile* tiles, int nt, int block_k, int group, const Act& a,
                     const int* rows, int n, float* const* outs, uint16_t* scratch) {
-  if (isa == Isa::kAmx && n >= amx_min_rows(f) && amx_handles(f, block_k, group, tiles[0].kp)) {
+  if (amx_rows(isa, f, n) && amx_handles(f, block_k, group, tiles[0].kp)) {
     tile_dotn_amx(f, tiles, nt, block_k, group, a, rows, n, outs, scratch);
     return;
   }
@@ -1004,7 +1007,7 @@ TaskBuffers& task_buffers() {
 // Whether tile_range runs an n-row product of bf16 activation rows (hi + lo pairs when exact) on
 // tile_span_amx, which reads them packed as its operands.
 bool spans_rows(Isa isa, Format f, bool exact, int block_k, int kp, int n) {
-  return isa == Isa::kAmx && n >= amx_min_rows(f) && amx_spans(f, exact, block_k, kp);
+  return amx_rows(isa, f, n) && amx_spans(f, exact, block_k, kp);
 }
 
 // Where the sorted rows of the active experts go when the products of those of spans(m) rows (R per slot)
@@ -1145,7 +1148,7 @@ void MoeRunner::forward(const ExpertLayer& L, const void* x, bool f32_io, int T,
   // operands where tile_span_amx reads them.
   int most = 0;
   for (int e : active) most = std::max(most, count[e + 1] - count[e]);
-  const bool sorted = isa == Isa::kAmx && most * R >= amx_min_rows(f);
+  const bool sorted = amx_rows(isa, f, most * R);
   const SortedRows in_rows = sorted_rows(count, active, R, [&](int m) {
     return xa.bf && spans_rows(isa, f, xa.exact, L.block_k, kp1, m);
   });
