@@ -631,6 +631,17 @@ AVX512_TARGET void put_avx512(const float* hi, const float* lo, int n, float sca
   }
 }
 
+AVX512_TARGET void put_tile_avx512(const float* y, int R, int rows, int cols, bool f32, void* dst, size_t stride) {
+  const __mmask16 m = first(cols);
+  for (int t = 0; t < rows; ++t) {
+    const float* src = y + size_t(t) * R * kRows;
+    __m512 v = _mm512_loadu_ps(src);
+    if (R == 2) v = _mm512_add_ps(v, _mm512_loadu_ps(src + kRows));
+    if (f32) _mm512_mask_storeu_ps(static_cast<float*>(dst) + t * stride, m, v);
+    else _mm256_mask_storeu_epi16(static_cast<uint16_t*>(dst) + t * stride, m, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+  }
+}
+
 AVX512_TARGET void axpy_tiles_avx512(float w, const float* hi, const float* lo, size_t stride, int n, float* acc) {
   const __m512 wv = _mm512_set1_ps(w);
   for (int i = 0; i < n; i += kRows) {
@@ -665,6 +676,17 @@ void put(Isa isa, const float* hi, const float* lo, int n, float scale, bool f32
     const float v = (lo ? hi[i] + lo[i] : hi[i]) * scale;
     if (f32) static_cast<float*>(dst)[i] = v;
     else static_cast<uint16_t*>(dst)[i] = f32_to_bf16(v);
+  }
+}
+
+// Row t < rows of a tile's results y ([rows][R][16], R == 2: hi + lo summed), its first `cols` values, to
+// dst + t * stride (fp32, or rounded to bf16).
+void put_tile(Isa isa, const float* y, int R, int rows, int cols, bool f32, void* dst, size_t stride) {
+  if (avx512(isa)) return put_tile_avx512(y, R, rows, cols, f32, dst, stride);
+  for (int t = 0; t < rows; ++t) {
+    const float* src = y + size_t(t) * R * kRows;
+    put(isa, src, R == 2 ? src + kRows : nullptr, cols, 1.0f, f32,
+        static_cast<uint8_t*>(dst) + t * stride * (f32 ? 4 : 2));
   }
 }
 
@@ -1087,12 +1109,8 @@ void MoeRunner::linear(Format f, const PackedMatrices& w, int n, int k, int bloc
     TaskBuffers& buf = task_buffers();
     buf.prepare(m, w.kp, per_task);
     const auto store = [&](const float* y, int ti) {
-      const int cols = std::min(kRows, n - ti * kRows);
-      for (int t = 0; t < T; ++t) {
-        const float* src = y + size_t(t) * R * kRows;
-        void* dst = static_cast<uint8_t*>(out) + (size_t(t) * n + size_t(ti) * kRows) * (f32_io ? 4 : 2);
-        put(isa, src, R == 2 ? src + kRows : nullptr, cols, 1.0f, f32_io, dst);
-      }
+      put_tile(isa, y, R, T, std::min(kRows, n - ti * kRows), f32_io,
+               static_cast<uint8_t*>(out) + size_t(ti) * kRows * (f32_io ? 4 : 2), n);
     };
     const int t0 = task * per_task;
     tile_range(isa, f, w, 0, t0, std::min(w.tiles, t0 + per_task), block_k, group, xa, rows.data(), m,
