@@ -1026,8 +1026,8 @@ TaskBuffers& task_buffers() {
   return buffers;
 }
 
-// Whether tile_range runs an n-row product of bf16 activation rows (hi + lo pairs when exact) on
-// tile_span_amx, which reads them packed as its operands.
+// Whether tile_range runs an n-row product on tile_span_amx, which reads the activation rows packed as its
+// operands (only the bf16 and fp8 formats qualify, whose rows are bf16: hi + lo pairs when exact).
 bool spans_rows(Isa isa, Format f, bool exact, int block_k, int kp, int n) {
   return amx_rows(isa, f, n) && amx_spans(f, exact, block_k, kp);
 }
@@ -1054,7 +1054,7 @@ SortedRows sorted_rows(const std::vector<int>& count, const std::vector<int>& ac
 template <typename Out, typename Store>
 void tile_range(Isa isa, Format f, const PackedMatrices& m, int expert, int t0, int t1, int block_k, int group,
                 const Act& a, const int* rows, int n, uint16_t* scratch, Out out, Store store) {
-  if (a.bf && spans_rows(isa, f, a.exact, block_k, m.kp, n)) {
+  if (spans_rows(isa, f, a.exact, block_k, m.kp, n)) {
     std::vector<Tile> tiles;
     std::vector<float*> outs;
     for (int ti = t0; ti < t1; ++ti) {
@@ -1088,7 +1088,7 @@ void MoeRunner::linear(Format f, const PackedMatrices& w, int n, int k, int bloc
   const int R = (f32_io && !int_fmt) ? 2 : 1;
   const int m = T * R;
   Act xa = prepare_input(f, group, x, f32_io, T, k, w.kp, R, isa);
-  if (xa.bf && spans_rows(isa, f, xa.exact, block_k, w.kp, m)) {
+  if (spans_rows(isa, f, xa.exact, block_k, w.kp, m)) {
     const int blocks = (m + kRows - 1) / kRows;
     xpacked_.resize(size_t(blocks) * kRows * w.kp);
     run(blocks, int64_t(m) * w.kp, [&](int b, int) {
@@ -1167,13 +1167,11 @@ void MoeRunner::forward(const ExpertLayer& L, const void* x, bool f32_io, int T,
   int most = 0;
   for (int e : active) most = std::max(most, count[e + 1] - count[e]);
   const bool sorted = amx_rows(isa, f, most * R);
-  const SortedRows in_rows = sorted_rows(count, active, R, [&](int m) {
-    return xa.bf && spans_rows(isa, f, xa.exact, L.block_k, kp1, m);
-  });
+  const SortedRows in_rows =
+      sorted_rows(count, active, R, [&](int m) { return spans_rows(isa, f, xa.exact, L.block_k, kp1, m); });
   if (sorted) xa = sort_rows(xa, tok, count, active, R, in_rows);
-  const SortedRows act_rows = sorted_rows(count, active, R, [&](int m) {
-    return !int_fmt && spans_rows(isa, f, R == 2, L.block_k, kp2, m);
-  });
+  const SortedRows act_rows =
+      sorted_rows(count, active, R, [&](int m) { return spans_rows(isa, f, R == 2, L.block_k, kp2, m); });
 
   // Phase A: act[r] = silu(gate) * up for every sorted slot r, tiles of 16 intermediate rows.
   if (int_fmt) actf_.assign(size_t(rows) * kp2, 0.0f);
