@@ -403,7 +403,8 @@ struct NextLines {
 // cache. fp8 tiles become bf16 lines: for one or two row blocks unscaled (4 instead of 16 vector operations
 // per 64 codes), a k step at a time into L1 interleaved with the tile products that read them, and every fp8
 // block's sums scaled as they are added; for more, scaled lines of the pair's whole column step at once,
-// reused by every row block.
+// reused by every row block. (Qwen3-30B-A3B shapes at T=512, ~32 rows per expert: scaled lines from one row
+// block on ran 0.89-0.91x as fast, stepwise up to four blocks 0.73x; DeepSeek-V3 at T=128 0.76x.)
 AMX_TARGET void tile_span(Format f, const Tile* t, int nt, int block_k, const Act& a, const uint8_t* packed,
                           int n, float* const* out) {
   const int kp = t[0].kp, cols = span_columns(f, kp, n, block_k), blocks = (n + kRows - 1) / kRows;
