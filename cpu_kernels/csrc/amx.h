@@ -2,7 +2,7 @@
 // its packed weight tiles, for prefill and batched decode. Few-token blocks stay on the AVX-512 kernels,
 // which already stream weights at the memory-bandwidth limit. (An fp8 kernel for 1-3 rows on the tile unit,
 // A and C tiles of that many rows, each k step converted one step ahead of its products, ran 1.5x the AVX-512
-// loop's rate from L1 on Emerald Rapids, but 0.93-0.98x of it over expert weights streamed from memory.)
+// loop's rate from L1 on Emerald Rapids, but 0.90-0.97x of it over expert weights streamed from memory.)
 #pragma once
 
 #include "moe.h"
