@@ -9,10 +9,12 @@ import pytest
 import torch
 
 from cpu_kernels import _C
+from cpu_kernels.cpu_features import best_path
 from cpu_kernels.linear import PackedLinear, linear, linear_reference
 from cpu_kernels.moe import (
     ISA_AMX,
     ISA_AVX2,
+    ISA_AVX512,
     ISA_AVX512_BF16,
     ISA_GENERIC,
     fp8_lines_to_bf16,
@@ -34,8 +36,8 @@ from cpu_kernels.pack import (
 )
 
 FORMATS = ["bf16", "fp8", "int8", "int4"]
-# Every path this CPU can run: generic, hand-written AVX2, AVX-512 BF16 and AMX.
-ISAS = [isa for isa in (ISA_GENERIC, ISA_AVX2, ISA_AVX512_BF16, ISA_AMX) if _C.isa_supported(isa)]
+# Every path this CPU can run: generic, hand-written AVX2, AVX-512 F, AVX-512 BF16 and AMX.
+ISAS = [isa for isa in (ISA_GENERIC, ISA_AVX2, ISA_AVX512, ISA_AVX512_BF16, ISA_AMX) if _C.isa_supported(isa)]
 # Relative L2 error bounds. bf16/fp8 weights are exact in the kernels, so with fp32 activations (carried as
 # bf16 hi + lo) only summation order differs; bf16 activations round inputs and the SiLU product to bf16.
 # int8/int4 quantize activations per token to int8 (weights are compared after their own quantization).
@@ -335,6 +337,26 @@ def test_inconsistent_packed_layers_are_refused():
                        (dict(w2_data=p.w2_data[:, :, :-64].contiguous()), "expected K")]:
         with pytest.raises(ValueError, match=match):
             type(p)(**{**fields, **bad})
+
+
+@pytest.mark.parametrize("flags,path", [
+    ({"avx2", "fma", "avx512f", "avx512cd", "avx512bw", "avx512vl", "avx512dq"}, "avx512"),  # Skylake-SP
+    ({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vbmi", "avx512_vnni", "gfni"},
+     "avx512"),  # Ice Lake: no BF16
+    ({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vbmi", "avx512_vnni", "gfni",
+      "avx512_bf16"}, "avx512_bf16"),  # Zen 4
+    ({"avx2", "fma", "avx512f", "avx512cd"}, "avx2"),  # Knights Landing: no BW
+    ({"avx2", "fma"}, "avx2"),
+    ({"sse4_2"}, "generic"),
+], ids=["skylake-sp", "ice-lake", "zen4", "knl", "zen3", "old"])
+def test_best_path_for_known_cpus(flags, path):
+    assert best_path(frozenset(flags)) == path
+
+
+def test_python_and_cpp_choose_the_same_path():
+    cpp = _C.isa_name(_C.best_isa())
+    # Linux may refuse the AMX tile state, which /proc/cpuinfo cannot tell
+    assert cpp == best_path() or (cpp, best_path()) == ("avx512_bf16", "amx")
 
 
 def test_module_entry_point_reports_features():

@@ -19,8 +19,6 @@ namespace hybridd {
 
 namespace {
 
-#define ATTN_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
-
 // Decode rows split their context into slices of >= kSliceTokens so that about kTasksPerThread tasks per
 // thread exist (a single long sequence then uses every core); a batch that already has that many takes none.
 constexpr int kSliceTokens = 256;
@@ -95,15 +93,15 @@ void attend_generic(const PagedAttention& a, const Task& t, float* part) {
   }
 }
 
-ATTN_AVX512 inline __m512 load16(const void* base, int64_t i, bool f32) {
+AVX512F_TARGET inline __m512 load16(const void* base, int64_t i, bool f32) {
   if (f32) return _mm512_loadu_ps(static_cast<const float*>(base) + i);
   return widen_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + i)));
 }
 
-ATTN_AVX512 inline __m512d pd(__m512 v) { return _mm512_castps_pd(v); }
+AVX512F_TARGET inline __m512d pd(__m512 v) { return _mm512_castps_pd(v); }
 
 // r[i][j] -> r[j][i] for 16 x 16 floats: pairs, then quads within 128-bit lanes, then lanes.
-ATTN_AVX512 inline void transpose16(__m512* r) {
+AVX512F_TARGET inline void transpose16(__m512* r) {
   __m512 t[16], u[16];
   for (int i = 0; i < 8; ++i) {
     t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
@@ -129,7 +127,8 @@ ATTN_AVX512 inline void transpose16(__m512* r) {
 
 // acc[0, 16W) = acc * corr + sum_i p[i] * v[i][0, 16W), W registers of accumulators.
 template <int W>
-ATTN_AVX512 inline void weighted_sum(float* acc, __m512 corr, const float* p, const float* const* v, int off, int n) {
+AVX512F_TARGET inline void weighted_sum(float* acc, __m512 corr, const float* p, const float* const* v, int off,
+                                         int n) {
   __m512 r[W];
   for (int j = 0; j < W; ++j) r[j] = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * j), corr);
   for (int i = 0; i < n; ++i) {
@@ -141,7 +140,7 @@ ATTN_AVX512 inline void weighted_sum(float* acc, __m512 corr, const float* p, co
 
 // Scores of `m` (<= 8) rows against the 16 transposed keys kt [d][16].
 template <int M>
-ATTN_AVX512 inline void score_rows(const float* q, int d, const float* kt, __m512* s) {
+AVX512F_TARGET inline void score_rows(const float* q, int d, const float* kt, __m512* s) {
   for (int r = 0; r < M; ++r) s[r] = _mm512_setzero_ps();
   for (int c = 0; c < d; ++c) {
     const __m512 k = _mm512_load_ps(kt + c * 16);
@@ -150,7 +149,7 @@ ATTN_AVX512 inline void score_rows(const float* q, int d, const float* kt, __m51
 }
 
 // head_dim and v_head_dim multiples of 16.
-ATTN_AVX512 void attend_avx512(const PagedAttention& a, const Task& t, float* part) {
+AVX512F_TARGET void attend_avx512(const PagedAttention& a, const Task& t, float* part) {
   const int group = group_of(a), d = a.head_dim, dv = a.v_head_dim, rows = t.nq * group;
   thread_local std::vector<float> q, vbuf, ktbuf;
   q.resize(size_t(rows) * d);

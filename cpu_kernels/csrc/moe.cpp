@@ -4,6 +4,7 @@
 #include "cache_aligned.h"
 #include "fp8_lines.h"
 #include "simd_math.h"
+#include "tile_dot_avx512f.h"
 
 #include <immintrin.h>
 
@@ -60,7 +61,7 @@ inline Tile tile_of(const PackedMatrices& m, int expert, int tile, Format f, int
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// Generic kernels: plain C++ over the same layouts, for CPUs without AVX-512 BF16/VBMI/VNNI.
+// Generic kernels: plain C++ over the same layouts, for CPUs without AVX-512 or AVX2 (and int4 on AVX2).
 
 __attribute__((target_clones("avx512f", "avx2", "default")))
 void tile_dot_generic(Format f, const Tile& t, int block_k, int group, const Act& a, const int* rows, int n,
@@ -582,7 +583,7 @@ AVX512_TARGET void tile_dotn_avx512(Format f, const Tile* t, int block_k, const 
 void tile_dot_multi(Isa isa, Format f, const Tile* tiles, int nt, int block_k, int group, const Act& a,
                     const int* rows, int n, float* const* outs, uint16_t* scratch);
 
-AVX512_TARGET void silu_mul_avx512(const float* g, const float* u, float* out) {
+AVX512F_TARGET void silu_mul_avx512(const float* g, const float* u, float* out) {
   const __m512 gv = _mm512_loadu_ps(g);
   const __m512 den = _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv)));
   _mm512_storeu_ps(out, _mm512_div_ps(_mm512_mul_ps(gv, _mm512_loadu_ps(u)), den));
@@ -599,9 +600,10 @@ void silu_mul_row(Isa isa, const float* g, const float* u, float* out) {
 
 // Row conversions around the dot kernels (n values each), vectorized on the AVX-512 paths: the rest of the
 // library is compiled for baseline x86-64, where these loops cost as much as the AMX dot products they follow.
-AVX512_TARGET inline __mmask16 first(int n) { return n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1); }
+// Those that round to bf16 use vcvtneps2bf16 (AVX-512 BF16); the avx512 path rounds in scalar code.
+AVX512F_TARGET inline __mmask16 first(int n) { return n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1); }
 
-AVX512_TARGET void to_f32_avx512(const void* src, bool f32, int n, float* dst) {
+AVX512F_TARGET void to_f32_avx512(const void* src, bool f32, int n, float* dst) {
   for (int i = 0; i < n; i += 16) {
     const __mmask16 m = first(n - i);
     const __m512 v = f32 ? _mm512_maskz_loadu_ps(m, static_cast<const float*>(src) + i)
@@ -642,7 +644,7 @@ AVX512_TARGET void put_tile_avx512(const float* y, int R, int rows, int cols, bo
   }
 }
 
-AVX512_TARGET void axpy_tiles_avx512(float w, const float* hi, const float* lo, size_t stride, int n, float* acc) {
+AVX512F_TARGET void axpy_tiles_avx512(float w, const float* hi, const float* lo, size_t stride, int n, float* acc) {
   const __m512 wv = _mm512_set1_ps(w);
   for (int i = 0; i < n; i += kRows) {
     const __mmask16 m = first(n - i);
@@ -662,7 +664,7 @@ void to_f32(Isa isa, const void* src, bool f32, int n, float* dst) {
 
 // hi = bf16(v) and, when lo is given, lo = bf16(v - hi): the pair that carries fp32 accuracy.
 void split_bf16(Isa isa, const float* v, int n, uint16_t* hi, uint16_t* lo) {
-  if (avx512(isa)) return split_bf16_avx512(v, n, hi, lo);
+  if (avx512_bf16(isa)) return split_bf16_avx512(v, n, hi, lo);
   for (int i = 0; i < n; ++i) {
     hi[i] = f32_to_bf16(v[i]);
     if (lo) lo[i] = f32_to_bf16(v[i] - bf16_to_f32(hi[i]));
@@ -671,7 +673,7 @@ void split_bf16(Isa isa, const float* v, int n, uint16_t* hi, uint16_t* lo) {
 
 // dst = (hi (+ lo when given)) * scale, as fp32 or rounded to bf16.
 void put(Isa isa, const float* hi, const float* lo, int n, float scale, bool f32, void* dst) {
-  if (avx512(isa)) return put_avx512(hi, lo, n, scale, f32, dst);
+  if (avx512_bf16(isa)) return put_avx512(hi, lo, n, scale, f32, dst);
   for (int i = 0; i < n; ++i) {
     const float v = (lo ? hi[i] + lo[i] : hi[i]) * scale;
     if (f32) static_cast<float*>(dst)[i] = v;
@@ -682,7 +684,7 @@ void put(Isa isa, const float* hi, const float* lo, int n, float scale, bool f32
 // Row t < rows of a tile's results y ([rows][R][16], R == 2: hi + lo summed), its first `cols` values, to
 // dst + t * stride (fp32, or rounded to bf16).
 void put_tile(Isa isa, const float* y, int R, int rows, int cols, bool f32, void* dst, size_t stride) {
-  if (avx512(isa)) return put_tile_avx512(y, R, rows, cols, f32, dst, stride);
+  if (avx512_bf16(isa)) return put_tile_avx512(y, R, rows, cols, f32, dst, stride);
   for (int t = 0; t < rows; ++t) {
     const float* src = y + size_t(t) * R * kRows;
     put(isa, src, R == 2 ? src + kRows : nullptr, cols, 1.0f, f32,
@@ -702,7 +704,8 @@ void axpy_tiles(Isa isa, float w, const float* hi, const float* lo, size_t strid
 
 void tile_dot(Isa isa, Format f, const Tile& t, int block_k, int group, const Act& a, const int* rows, int n,
               float* out) {
-  if (avx512(isa)) tile_dot_avx512(f, t, block_k, group, a, rows, n, out);
+  if (avx512_bf16(isa)) tile_dot_avx512(f, t, block_k, group, a, rows, n, out);
+  else if (isa == Isa::kAvx512) tile_dot_avx512f(f, t, block_k, group, a, rows, n, out);
   else if (isa == Isa::kAvx2 && f != Format::kINT4) tile_dot_avx2(f, t, block_k, a, rows, n, out);
   else tile_dot_generic(f, t, block_k, group, a, rows, n, out);
 }
@@ -713,7 +716,7 @@ void tile_dot_multi(Isa isa, Format f, const Tile* tiles, int nt, int block_k, i
     tile_dotn_amx(f, tiles, nt, block_k, group, a, rows, n, outs, scratch);
     return;
   }
-  if (avx512(isa) && (f == Format::kBF16 || f == Format::kFP8) && n > kMaxTokenBlock) {
+  if (avx512_bf16(isa) && (f == Format::kBF16 || f == Format::kFP8) && n > kMaxTokenBlock) {
     if (nt == 4) tile_dotn_avx512<4>(f, tiles, block_k, a, rows, n, outs, scratch);
     else if (nt == 2) tile_dotn_avx512<2>(f, tiles, block_k, a, rows, n, outs, scratch);
     else tile_dotn_avx512<1>(f, tiles, block_k, a, rows, n, outs, scratch);
@@ -746,7 +749,7 @@ void quantize_row_generic(const float* v, int k, int kp, Format f, int group, in
 }
 
 // The same arithmetic 16 lanes at a time (cvtps rounds to nearest even like nearbyint); kp % 16 == 0.
-AVX512_TARGET void quantize_row_avx512(const float* v, int k, int kp, Format f, int group, int8_t* q, float* scale,
+AVX512F_TARGET void quantize_row_avx512(const float* v, int k, int kp, Format f, int group, int8_t* q, float* scale,
                                        int32_t* gsum) {
   __m512 amax = _mm512_setzero_ps();
   for (int i = 0; i < k; i += 16) {
@@ -816,7 +819,7 @@ void convert_fp8_tile(const Tile& t, const float* scales, int block_k, uint16_t*
 
 void fp8_to_bf16_lines(const uint8_t* src, int64_t lines, uint16_t* dst, Isa isa) {
   check_isa(isa);
-  if (avx512(isa)) {
+  if (avx512_bf16(isa)) {
     Tile t{src, nullptr, nullptr, static_cast<int>(lines * 4)};
     fp8_tile_to_lines(t, dst);
     return;
@@ -838,11 +841,13 @@ bool isa_supported(Isa isa) {
     case Isa::kGeneric: return true;
     case Isa::kAvx2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     case Isa::kAmx: return isa_supported(Isa::kAvx512Bf16) && amx_usable();
-    case Isa::kAvx512Bf16:
+    case Isa::kAvx512:
       return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-             __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vbmi") &&
-             __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("gfni");
+             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+    case Isa::kAvx512Bf16:
+      return isa_supported(Isa::kAvx512) && __builtin_cpu_supports("avx512bf16") &&
+             __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512vnni") &&
+             __builtin_cpu_supports("gfni");
   }
   return false;
 }
@@ -855,12 +860,14 @@ void check_isa(Isa isa) {
 Isa best_isa() {
   if (isa_supported(Isa::kAmx)) return Isa::kAmx;
   if (isa_supported(Isa::kAvx512Bf16)) return Isa::kAvx512Bf16;
+  if (isa_supported(Isa::kAvx512)) return Isa::kAvx512;
   return isa_supported(Isa::kAvx2) ? Isa::kAvx2 : Isa::kGeneric;
 }
 
 const char* isa_name(Isa isa) {
   switch (isa) {
     case Isa::kAvx512Bf16: return "avx512_bf16";
+    case Isa::kAvx512: return "avx512";
     case Isa::kAmx: return "amx";
     case Isa::kAvx2: return "avx2";
     default: return "generic";

@@ -22,10 +22,13 @@
 namespace hybridd {
 
 enum class Format : int { kBF16 = 0, kFP8 = 1, kINT8 = 2, kINT4 = 3 };
-// kAmx: the AVX-512 BF16 kernels, with AMX tile kernels for blocks of many tokens per expert.
-enum class Isa : int { kGeneric = 0, kAvx512Bf16 = 1, kAvx2 = 2, kAmx = 3 };
+// kAmx: the AVX-512 BF16 kernels, with AMX tile kernels for blocks of many tokens per expert. kAvx512: AVX-512
+// F/BW/VL/DQ only (tile_dot_avx512f.h).
+enum class Isa : int { kGeneric = 0, kAvx512Bf16 = 1, kAvx2 = 2, kAmx = 3, kAvx512 = 4 };
 // The amx path runs the AVX-512 BF16 kernels wherever it does not run AMX ones.
-inline bool avx512(Isa isa) { return isa == Isa::kAvx512Bf16 || isa == Isa::kAmx; }
+inline bool avx512_bf16(Isa isa) { return isa == Isa::kAvx512Bf16 || isa == Isa::kAmx; }
+// Paths whose CPUs run AVX512F_TARGET code (simd_math.h).
+inline bool avx512(Isa isa) { return isa == Isa::kAvx512 || avx512_bf16(isa); }
 
 constexpr int kRows = 16;  // output rows per packed tile
 

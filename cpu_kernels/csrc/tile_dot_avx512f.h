@@ -1,0 +1,13 @@
+// Tile dot products of the avx512 path: CPUs with AVX-512 F/BW/VL/DQ but without the BF16, VBMI, VNNI or
+// GFNI extensions the avx512_bf16 path needs (Skylake-SP, Cascade Lake, Ice Lake).
+#pragma once
+
+#include "moe.h"
+
+namespace hybridd {
+
+// out[i * 16 + r] = row r of t . activation row rows[i], for i < n, every format.
+void tile_dot_avx512f(Format f, const Tile& t, int block_k, int group, const Act& a, const int* rows, int n,
+                      float* out);
+
+}  // namespace hybridd
