@@ -8,6 +8,7 @@
 #include "amx.h"
 #include "cache_aligned.h"
 #include "fp8_lines.h"
+#include "simd_math.h"
 
 #include <immintrin.h>
 #include <sys/syscall.h>
@@ -247,14 +248,15 @@ AMX_TARGET void run_int4(const uint8_t* const b[2], const Tile* t, int group, in
 // group holds k = 8c..8c+3 in its low nibbles and 8c+4..8c+7 in its high ones); the scale lines are skipped.
 AMX_TARGET void unpack_int4_tile(const Tile& t, int group, uint8_t* lines) {
   const int chunks = group / 8;
-  const __m512i nib = _mm512_set1_epi8(0x0f), bias = _mm512_set1_epi8(8);
+  const __m512i bias = _mm512_set1_epi8(8);
   for (int g = 0; g < t.kp / group; ++g) {
     const uint8_t* src = t.data + int64_t(g) * (chunks + 1) * 64;
     for (int c = 0; c < chunks; ++c) {
-      const __m512i v = _mm512_loadu_si512(src + c * 64);
+      __m512i lo, hi;
+      nibbles(src + c * 64, lo, hi);
       uint8_t* dst = lines + (int64_t(g) * chunks + c) * 128;
-      _mm512_storeu_si512(dst, _mm512_sub_epi8(_mm512_and_si512(v, nib), bias));
-      _mm512_storeu_si512(dst + 64, _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(v, 4), nib), bias));
+      _mm512_storeu_si512(dst, _mm512_sub_epi8(lo, bias));
+      _mm512_storeu_si512(dst + 64, _mm512_sub_epi8(hi, bias));
     }
   }
 }

@@ -354,13 +354,11 @@ AVX512_TARGET void dot_int8(const Tile& t, const Act& a, const int* rows, float*
 template <int TB>
 AVX512_TARGET inline void int4_group(const uint8_t* lines, int chunks, int k, const int8_t* const* x, __m512i* lo_acc,
                                      __m512i* hi_acc) {
-  const __m512i nib = _mm512_set1_epi8(0x0f);
   for (int c = 0; c < chunks; ++c) {
     const uint8_t* line = lines + c * 64;
     if constexpr (TB <= 2) stream_prefetch(line);
-    const __m512i v = _mm512_loadu_si512(line);
-    const __m512i lo = _mm512_and_si512(v, nib);
-    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+    __m512i lo, hi;
+    nibbles(line, lo, hi);
     for (int i = 0; i < TB; ++i) {
       lo_acc[i] = _mm512_dpbusd_epi32(lo_acc[i], lo, bcast32(x[i] + k + 8 * c));
       hi_acc[i] = _mm512_dpbusd_epi32(hi_acc[i], hi, bcast32(x[i] + k + 8 * c + 4));

@@ -1,4 +1,4 @@
-// Number helpers shared by the kernels: bf16 <-> fp32 conversions and the AVX-512 exp.
+// Number helpers shared by the kernels: bf16 <-> fp32 conversions, the AVX-512 exp and int4 nibbles.
 #pragma once
 
 #include <immintrin.h>
@@ -47,6 +47,13 @@ __attribute__((target("avx512f"))) inline __m512 exp512(__m512 x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
   return _mm512_scalef_ps(p, n);
+}
+
+// The 64 bytes at p split into their low and their high nibbles, one per byte (int4 weight lines).
+AVX512F_TARGET inline void nibbles(const uint8_t* p, __m512i& lo, __m512i& hi) {
+  const __m512i v = _mm512_loadu_si512(p), nib = _mm512_set1_epi8(0x0f);
+  lo = _mm512_and_si512(v, nib);
+  hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
 }
 
 }  // namespace hybridd

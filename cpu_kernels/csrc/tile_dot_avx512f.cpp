@@ -1,6 +1,6 @@
 // The avx512 path's tile dot products: weights widened in registers to fp32 (bf16, fp8) or int16 (int8, int4)
 // and multiplied with AVX-512 Foundation/BW instructions only. The activation rows of a call are widened
-// once into a per-thread buffer, so every weight line costs its conversion and one FMA per token.
+// once into a per-thread buffer, so a weight line costs its conversion once and its multiply-adds per token.
 #include "tile_dot_avx512f.h"
 
 #include "fp8_lines.h"
@@ -174,7 +174,7 @@ template <int TB>
 AVX512F_TARGET void dot_int4(const Tile& t, int group, const Act& a, const int* rows, float* out) {
   const int chunks = group / 8, groups = t.kp / group;
   const int64_t stride = int64_t(chunks + 1) * 64;
-  const __m512i nib = _mm512_set1_epi8(0x0f), ones = _mm512_set1_epi16(1);
+  const __m512i ones = _mm512_set1_epi16(1);
   __m512 acc[TB];
   const int8_t* x[TB];
   for (int i = 0; i < TB; ++i) {
@@ -188,14 +188,13 @@ AVX512F_TARGET void dot_int4(const Tile& t, int group, const Act& a, const int* 
     for (int c = 0; c < chunks; ++c) {
       const uint8_t* line = lines + c * 64;
       if constexpr (TB <= 4) stream_prefetch(line);
-      const __m512i v = _mm512_loadu_si512(line);
-      const __m512i lo = _mm512_and_si512(v, nib);
-      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+      __m512i lo, hi;
+      nibbles(line, lo, hi);
       const int k = g * group + 8 * c;
       for (int i = 0; i < TB; ++i) {
-        const __m512i pairs =
-            _mm512_add_epi16(_mm512_maddubs_epi16(lo, _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x[i] + k))),
-                             _mm512_maddubs_epi16(hi, _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x[i] + k + 4))));
+        const __m512i xlo = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x[i] + k));
+        const __m512i xhi = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x[i] + k + 4));
+        const __m512i pairs = _mm512_add_epi16(_mm512_maddubs_epi16(lo, xlo), _mm512_maddubs_epi16(hi, xhi));
         sum[i] = _mm512_add_epi32(sum[i], _mm512_madd_epi16(pairs, ones));
       }
     }
