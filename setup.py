@@ -18,6 +18,7 @@ setup(
                 "cpu_kernels/csrc/moe.cpp",
                 "cpu_kernels/csrc/slot_channel.cpp",
                 "cpu_kernels/csrc/thread_pool.cpp",
+                "cpu_kernels/csrc/tile_dot_avx2.cpp",
                 "cpu_kernels/csrc/tile_dot_avx512f.cpp",
                 "cpu_kernels/csrc/tile_layout.cpp",
             ],

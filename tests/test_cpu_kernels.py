@@ -161,6 +161,27 @@ def test_every_fp8_code_through_the_bit_map_conversion(tokens):
             assert torch.equal(out[~nan], want[~nan].to(torch.bfloat16).float()), (isa, c0)
 
 
+@pytest.mark.parametrize("magnitude", [2.0 ** 40, 2.0 ** 100, 2.0 ** -100])
+def test_fp8_products_of_huge_and_tiny_activations_are_exact(magnitude):
+    # The avx2 path meets raw weights (values * 2^-120) with activations scaled by 2^96 unless a row holds a
+    # value of 2^32 or more, where it scales the weights instead; either way one-hot tokens read each weight
+    # times the activation exactly, subnormal codes included.
+    g = torch.Generator().manual_seed(7)
+    codes = torch.randint(0, 256, (32, 256), generator=g, dtype=torch.uint8)
+    codes[codes & 0x7F == 0x7F] = 0x01
+    w8 = codes.view(torch.float8_e4m3fn)
+    p = PackedLinear.pack(w8, "fp8", scale_inv=torch.tensor([[1.0, 0.5]]))
+    w = w8.float() * torch.tensor([1.0, 0.5]).repeat_interleave(128)
+    for tokens in (1, 2, 3):
+        for c in (0, 77, 200):
+            x = torch.zeros(tokens, 256, dtype=torch.bfloat16)
+            x[:, c] = magnitude
+            x[1:, (c + 5) % 256] = 1.0
+            want = (x.float() @ w.t()).to(torch.bfloat16).float()
+            for isa in ISAS:
+                assert torch.equal(linear(p, x, isa=isa).float(), want), (isa, tokens, c)
+
+
 @pytest.mark.parametrize("tokens", [1, 3, 5, 20, 40])
 def test_flagged_fp8_line_pairs_anywhere_in_long_rows(tokens):
     # The packer flags each line pair holding a zero / subnormal / NaN code; the kernels read those flags at

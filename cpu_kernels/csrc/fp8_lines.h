@@ -28,6 +28,16 @@ inline void stream_prefetch(const void* line) {
 // by this to undo it.
 constexpr float kFp8LineScale = 256.0f;
 
+// The avx512 and avx2 paths' fp8 kernels sum products of each code's value times 2^-24; the block scales
+// applied to those sums are multiplied by this to undo it.
+constexpr float kFp8Rebias = 16777216.0f;
+
+// Whether line pair `pair` of a tile holds a code the fast conversions get wrong (fp8_code_needs_tables).
+inline bool pair_flagged(const Tile& t, int pair) {
+  const int64_t p = int64_t(t.pair0) + pair;
+  return (t.flags[p >> 3] >> (p & 7)) & 1;
+}
+
 struct Fp8Tables {
   float f32[256];
   alignas(64) uint8_t hi[128];  // bf16 high byte of the code's magnitude (sign added separately)

@@ -4,6 +4,7 @@
 #include "cache_aligned.h"
 #include "fp8_lines.h"
 #include "simd_math.h"
+#include "tile_dot_avx2.h"
 #include "tile_dot_avx512f.h"
 
 #include <immintrin.h>
@@ -11,7 +12,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <limits>
 #include <numeric>
 #include <stdexcept>
 #include <string>
@@ -61,7 +61,7 @@ inline Tile tile_of(const PackedMatrices& m, int expert, int tile, Format f, int
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// Generic kernels: plain C++ over the same layouts, for CPUs without AVX-512 or AVX2 (and int4 on AVX2).
+// Generic kernels: plain C++ over the same layouts, for CPUs without AVX-512 or AVX2.
 
 __attribute__((target_clones("avx512f", "avx2", "default")))
 void tile_dot_generic(Format f, const Tile& t, int block_k, int group, const Act& a, const int* rows, int n,
@@ -117,142 +117,6 @@ void tile_dot_generic(Format f, const Tile& t, int block_k, int group, const Act
       }
     }
     std::memcpy(out + i * kRows, acc, sizeof(acc));
-  }
-}
-
-// ---------------------------------------------------------------------------------------------------------
-// AVX2 + FMA kernels (Zen 2/3, Haswell and later) for bf16, fp8 and int8; int4 stays on the generic path.
-// One tile row half (8 rows) per 256-bit register; TB tokens share each weight load.
-
-#define AVX2_TARGET __attribute__((target("avx2,fma")))
-
-// Even (low) and odd (high) bf16 halves of 8 packed pairs, widened to fp32.
-AVX2_TARGET inline __m256 bf16_lo(__m256i v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
-AVX2_TARGET inline __m256 bf16_hi(__m256i v) {
-  return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(int(0xffff0000u))));
-}
-
-template <int TB>
-AVX2_TARGET void dot_bf16_avx2(const Tile& t, const uint16_t* const* x, float* out) {
-  __m256 acc[TB][2];
-  for (int i = 0; i < TB; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-  const uint16_t* w = reinterpret_cast<const uint16_t*>(t.data);
-  for (int p = 0; p < t.kp / 2; ++p) {
-    const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 32));
-    const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 32 + 16));
-    const __m256 e0 = bf16_lo(l0), o0 = bf16_hi(l0), e1 = bf16_lo(l1), o1 = bf16_hi(l1);
-    for (int i = 0; i < TB; ++i) {
-      const __m256i xv = _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(x[i] + 2 * p));
-      const __m256 xe = bf16_lo(xv), xo = bf16_hi(xv);
-      acc[i][0] = _mm256_fmadd_ps(o0, xo, _mm256_fmadd_ps(e0, xe, acc[i][0]));
-      acc[i][1] = _mm256_fmadd_ps(o1, xo, _mm256_fmadd_ps(e1, xe, acc[i][1]));
-    }
-  }
-  for (int i = 0; i < TB; ++i) {
-    _mm256_storeu_ps(out + i * kRows, acc[i][0]);
-    _mm256_storeu_ps(out + i * kRows + 8, acc[i][1]);
-  }
-}
-
-// e4m3 codes in the low byte of 8 int32 lanes -> fp32, exact for every code: normals by moving the
-// exponent/mantissa bits into place and rebiasing, subnormals as m * 2^-9, the two NaN codes as NaN.
-AVX2_TARGET inline __m256 e4m3_to_f32(__m256i v) {
-  const __m256i em = _mm256_and_si256(v, _mm256_set1_epi32(0x7f));
-  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0x80)), 24);
-  const __m256 normal = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(em, 20), _mm256_set1_epi32(120 << 23)));
-  const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(em), _mm256_set1_ps(1.0f / 512.0f));
-  __m256 r = _mm256_blendv_ps(normal, sub, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(8), em)));
-  r = _mm256_blendv_ps(r, _mm256_set1_ps(std::numeric_limits<float>::quiet_NaN()),
-                       _mm256_castsi256_ps(_mm256_cmpeq_epi32(em, _mm256_set1_epi32(0x7f))));
-  return _mm256_or_ps(r, _mm256_castsi256_ps(sign));
-}
-
-// Byte shuffles that gather, in each 16-byte lane (4 rows), the codes of pair h, element e into 32-bit lanes.
-AVX2_TARGET inline __m256i fp8_pick(int h, int e) {
-  alignas(32) int8_t m[32];
-  for (int half = 0; half < 2; ++half)
-    for (int ri = 0; ri < 4; ++ri)
-      for (int b = 0; b < 4; ++b) m[half * 16 + ri * 4 + b] = b == 0 ? int8_t(8 * h + 2 * ri + e) : int8_t(-128);
-  return _mm256_load_si256(reinterpret_cast<const __m256i*>(m));
-}
-
-template <int TB>
-AVX2_TARGET void dot_fp8_avx2(const Tile& t, int block_k, const uint16_t* const* x, float* out) {
-  __m256i pick[4];
-  for (int j = 0; j < 4; ++j) pick[j] = fp8_pick(j / 2, j % 2);
-  __m256 acc[TB][2];
-  for (int i = 0; i < TB; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-  for (int k0 = 0; k0 < t.kp; k0 += block_k) {
-    __m256 part[TB][2];
-    for (int i = 0; i < TB; ++i) part[i][0] = part[i][1] = _mm256_setzero_ps();
-    for (int c = k0 / 4; c < (k0 + block_k) / 4; ++c) {
-      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.data + c * 64));
-      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.data + c * 64 + 32));
-      for (int j = 0; j < 4; ++j) {  // k = 4c + 2h + e with h = j / 2, e = j % 2
-        const __m256 w0 = e4m3_to_f32(_mm256_shuffle_epi8(a, pick[j]));
-        const __m256 w1 = e4m3_to_f32(_mm256_shuffle_epi8(b, pick[j]));
-        for (int i = 0; i < TB; ++i) {
-          const __m256 xv = _mm256_set1_ps(bf16_to_f32(x[i][4 * c + j]));
-          part[i][0] = _mm256_fmadd_ps(w0, xv, part[i][0]);
-          part[i][1] = _mm256_fmadd_ps(w1, xv, part[i][1]);
-        }
-      }
-    }
-    const __m256 s = _mm256_set1_ps(t.scales[k0 / block_k]);
-    for (int i = 0; i < TB; ++i) {
-      acc[i][0] = _mm256_fmadd_ps(part[i][0], s, acc[i][0]);
-      acc[i][1] = _mm256_fmadd_ps(part[i][1], s, acc[i][1]);
-    }
-  }
-  for (int i = 0; i < TB; ++i) {
-    _mm256_storeu_ps(out + i * kRows, acc[i][0]);
-    _mm256_storeu_ps(out + i * kRows + 8, acc[i][1]);
-  }
-}
-
-// u8 activations x s8 weights, widened to int16 so the pair sums of vpmaddwd are exact (vpmaddubsw saturates).
-template <int TB>
-AVX2_TARGET void dot_int8_avx2(const Tile& t, const Act& a, const int* rows, float* out) {
-  __m256i acc[TB][4];
-  for (int i = 0; i < TB; ++i)
-    for (int q = 0; q < 4; ++q) acc[i][q] = _mm256_setzero_si256();
-  for (int c = 0; c < t.kp / 4; ++c) {
-    __m256i w[4];
-    for (int q = 0; q < 4; ++q)
-      w[q] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t.data + c * 64 + q * 16)));
-    for (int i = 0; i < TB; ++i) {
-      const uint8_t* xp = reinterpret_cast<const uint8_t*>(a.q) + int64_t(rows[i]) * a.kp + 4 * c;
-      const __m256i xv = _mm256_cvtepu8_epi16(_mm_set1_epi32(*reinterpret_cast<const int32_t*>(xp)));
-      for (int q = 0; q < 4; ++q) acc[i][q] = _mm256_add_epi32(acc[i][q], _mm256_madd_epi16(w[q], xv));
-    }
-  }
-  for (int i = 0; i < TB; ++i) {
-    alignas(32) int32_t pairs[32];
-    for (int q = 0; q < 4; ++q) _mm256_store_si256(reinterpret_cast<__m256i*>(pairs + q * 8), acc[i][q]);
-    for (int r = 0; r < kRows; ++r)
-      out[i * kRows + r] = float(pairs[2 * r] + pairs[2 * r + 1] - t.comp[r]) * t.scales[r] * a.scale[rows[i]];
-  }
-}
-
-template <int TB>
-AVX2_TARGET void tile_dot_block_avx2(Format f, const Tile& t, int block_k, const Act& a, const int* rows,
-                                     float* out) {
-  const uint16_t* x[TB];
-  for (int i = 0; i < TB; ++i) x[i] = a.bf ? a.bf + int64_t(rows[i]) * a.kp : nullptr;
-  if (f == Format::kBF16) dot_bf16_avx2<TB>(t, x, out);
-  else if (f == Format::kFP8) dot_fp8_avx2<TB>(t, block_k, x, out);
-  else dot_int8_avx2<TB>(t, a, rows, out);
-}
-
-AVX2_TARGET void tile_dot_avx2(Format f, const Tile& t, int block_k, const Act& a, const int* rows, int n,
-                               float* out) {
-  int i = 0;
-  for (; i + 4 <= n; i += 4) tile_dot_block_avx2<4>(f, t, block_k, a, rows + i, out + i * kRows);
-  switch (n - i) {
-    case 3: tile_dot_block_avx2<3>(f, t, block_k, a, rows + i, out + i * kRows); break;
-    case 2: tile_dot_block_avx2<2>(f, t, block_k, a, rows + i, out + i * kRows); break;
-    case 1: tile_dot_block_avx2<1>(f, t, block_k, a, rows + i, out + i * kRows); break;
-    default: break;
   }
 }
 
@@ -704,7 +568,7 @@ void tile_dot(Isa isa, Format f, const Tile& t, int block_k, int group, const Ac
               float* out) {
   if (avx512_bf16(isa)) tile_dot_avx512(f, t, block_k, group, a, rows, n, out);
   else if (isa == Isa::kAvx512) tile_dot_avx512f(f, t, block_k, group, a, rows, n, out);
-  else if (isa == Isa::kAvx2 && f != Format::kINT4) tile_dot_avx2(f, t, block_k, a, rows, n, out);
+  else if (isa == Isa::kAvx2) tile_dot_avx2(f, t, block_k, group, a, rows, n, out);
   else tile_dot_generic(f, t, block_k, group, a, rows, n, out);
 }
 

@@ -11,6 +11,8 @@ namespace hybridd {
 // AVX-512 Foundation with the byte/word, vector-length and dword/qword extensions: Skylake-SP and every later
 // AVX-512 CPU. Code under this target runs on all of the avx512, avx512_bf16 and amx paths.
 #define AVX512F_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
+// AVX2 with FMA: Haswell, Zen 1 and every later x86-64 CPU but the Atom-derived ones.
+#define AVX2_TARGET __attribute__((target("avx2,fma")))
 
 inline float bf16_to_f32(uint16_t h) {
   uint32_t u = static_cast<uint32_t>(h) << 16;

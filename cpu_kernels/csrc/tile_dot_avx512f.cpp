@@ -5,6 +5,7 @@
 
 #include "fp8_lines.h"
 #include "simd_math.h"
+#include "wide_rows.h"
 
 #include <immintrin.h>
 
@@ -17,20 +18,17 @@ namespace {
 
 constexpr int kTokenBlock = 8;
 
-// fp8 lines hold each code's value times 2^-24 (exponent rebiased by OR-ing bits in); block scales undo it.
-constexpr float kFp8Rebias = 16777216.0f;
-
 // An fp8 line's 16-bit word w of 128-bit lane L holds the codes of row 4L + w % 4 at k = 4c + 2 * (w / 4) + e,
 // e = 0 in its low byte and 1 in its high byte (moe.h). Converted in place, without moving codes across words:
 // out[2e + p] holds, in 32-bit lane q of lane L, the value of row 4L + 2 * (q % 2) + p at k = 4c + 2 * (q / 2) + e,
 // times 2^-24. A code s.eeee.mmm in the high byte of a word, shifted right arithmetically by 4, is
 // s (5 times).eeee.mmm; in the high half of a 32-bit lane, keeping bit 31, clearing 30-27 and everything
 // below 20 and setting 29-28 gives the fp32 s.0110eeee.mmm0.. = 2^(e + 96 - 127) * 1.mmm. Zero, subnormal and
-// NaN codes (flagged line pairs) are read from the exact table instead.
-AVX512F_TARGET inline void fp8_line_f32(const uint8_t* line, bool tables, __m512* out) {
+// NaN codes (flagged line pairs) are read from the exact table f32 (fp8_tables().f32, looked up before the
+// caller's loop: a call in the loop keeps its accumulators in memory).
+AVX512F_TARGET inline void fp8_line_f32(const uint8_t* line, const float* f32, bool tables, __m512* out) {
   const __m512i v = _mm512_loadu_si512(line);
   if (__builtin_expect(tables, 0)) {
-    const float* f32 = fp8_tables().f32;
     const __m512i byte = _mm512_set1_epi32(0xff);
     for (int b = 0; b < 4; ++b) {  // byte b = 2p + e of each 32-bit lane
       const __m512i code = _mm512_and_si512(_mm512_srli_epi32(v, 8 * b), byte);
@@ -69,11 +67,6 @@ AVX512F_TARGET inline __m512 fp8_rows(__m512 even, __m512 odd) {
   return _mm512_unpacklo_ps(e, o);
 }
 
-inline bool pair_flagged(const Tile& t, int pair) {
-  const int64_t p = int64_t(t.pair0) + pair;
-  return (t.flags[p >> 3] >> (p & 7)) & 1;
-}
-
 template <int TB>
 AVX512F_TARGET void dot_bf16(const Tile& t, const float* const* x, float* out) {
   const uint16_t* w = reinterpret_cast<const uint16_t*>(t.data);
@@ -106,6 +99,7 @@ template <int TB>
 AVX512F_TARGET void dot_fp8(const Tile& t, int block_k, const float* const* x, float* out) {
   constexpr int kChains = TB == 1 ? 4 : 2;  // by 2e + p at one token, else by p
   const int lines_per_block = block_k / 4;
+  const float* f32 = fp8_tables().f32;
   __m512 acc[TB][2];
   for (int i = 0; i < TB; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
   for (int kb = 0; kb < t.kp / block_k; ++kb) {
@@ -116,7 +110,7 @@ AVX512F_TARGET void dot_fp8(const Tile& t, int block_k, const float* const* x, f
       const uint8_t* line = t.data + int64_t(c) * 64;
       if constexpr (TB <= 4) stream_prefetch(line);
       __m512 w[4];
-      fp8_line_f32(line, pair_flagged(t, c / 2), w);
+      fp8_line_f32(line, f32, pair_flagged(t, c / 2), w);
       for (int i = 0; i < TB; ++i)
         for (int e = 0; e < 2; ++e) {
           const __m512 xv = _mm512_broadcast_f32x4(_mm_loadu_ps(x[i] + 8 * c + 4 * e));
@@ -209,35 +203,10 @@ AVX512F_TARGET void dot_int4(const Tile& t, int group, const Act& a, const int* 
   for (int i = 0; i < TB; ++i) _mm512_storeu_ps(out + i * kRows, acc[i]);
 }
 
-// The widened activation rows of one token block (kp % 16 == 0): fp32 for bf16 tiles, fp32 in widen_fp8_row's
-// order for fp8 tiles, int16 for int8.
-struct WideRows {
-  std::vector<float> f32;
-  std::vector<int16_t> i16;
-};
-
-AVX512F_TARGET void widen_rows(Format f, const Act& a, const int* rows, int n, WideRows& wide) {
-  const int64_t kp = a.kp;
-  if (f == Format::kINT8) {
-    wide.i16.resize(size_t(n) * kp);
-    for (int i = 0; i < n; ++i) {
-      const uint8_t* src = reinterpret_cast<const uint8_t*>(a.q) + int64_t(rows[i]) * kp;
-      for (int64_t k = 0; k < kp; k += 16)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(&wide.i16[i * kp + k]),
-                            _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + k))));
-    }
-  } else if (f == Format::kFP8) {
-    wide.f32.resize(size_t(n) * 2 * kp);
-    for (int i = 0; i < n; ++i) widen_fp8_row(a.bf + int64_t(rows[i]) * kp, kp, &wide.f32[i * 2 * kp]);
-  } else if (f == Format::kBF16) {
-    wide.f32.resize(size_t(n) * kp);
-    for (int i = 0; i < n; ++i) {
-      const uint16_t* src = a.bf + int64_t(rows[i]) * kp;
-      for (int64_t k = 0; k < kp; k += 16)
-        _mm512_storeu_ps(&wide.f32[i * kp + k],
-                         widen_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + k))));
-    }
-  }
+// A bf16 activation row widened to fp32 (kp % 16 == 0).
+AVX512F_TARGET void widen_bf16_row(const uint16_t* src, int64_t kp, float* dst) {
+  for (int64_t k = 0; k < kp; k += 16)
+    _mm512_storeu_ps(dst + k, widen_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + k))));
 }
 
 template <int TB>
@@ -265,7 +234,7 @@ void tile_dot_avx512f(Format f, const Tile& t, int block_k, int group, const Act
   thread_local WideRows wide;
   for (int b = 0; b < n; b += kTokenBlock) {
     const int m = std::min(kTokenBlock, n - b);
-    widen_rows(f, a, rows + b, m, wide);
+    widen_rows(f, a, rows + b, m, wide, widen_fp8_row, widen_bf16_row);
     float* o = out + b * kRows;
     const int* r = rows + b;
     switch (m) {

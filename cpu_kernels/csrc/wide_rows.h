@@ -1,0 +1,48 @@
+// The activation rows a tile dot product call of the avx512 and avx2 paths widens once into a per-thread
+// buffer: fp32 for bf16 and fp8 tiles (each path in its own order), int16 for int8.
+#pragma once
+
+#include "moe.h"
+#include "simd_math.h"
+
+#include <immintrin.h>
+
+#include <vector>
+
+namespace hybridd {
+
+struct WideRows {
+  std::vector<float> f32;
+  std::vector<int16_t> i16;
+};
+
+// wide.i16[i * kp + k] = u8 activation k of row rows[i] (a.kp % 16 == 0).
+AVX2_TARGET inline void widen_u8_rows(const Act& a, const int* rows, int n, WideRows& wide) {
+  const int64_t kp = a.kp;
+  wide.i16.resize(size_t(n) * kp);
+  int16_t* dst = wide.i16.data();
+  for (int i = 0; i < n; ++i) {
+    const uint8_t* src = reinterpret_cast<const uint8_t*>(a.q) + int64_t(rows[i]) * kp;
+    for (int64_t k = 0; k < kp; k += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i * kp + k),
+                          _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + k))));
+  }
+}
+
+using WidenRow = void (*)(const uint16_t* src, int64_t kp, float* dst);
+
+// Rows rows[0..n) of a widened into wide: int8 by widen_u8_rows, fp8 (2 * kp floats a row) and bf16 (kp floats)
+// by the path's own row functions. The buffers' starts are taken once: a thread-local buffer's element
+// addresses cost a lookup each inside a loop.
+inline void widen_rows(Format f, const Act& a, const int* rows, int n, WideRows& wide, WidenRow fp8_row,
+                       WidenRow bf16_row) {
+  if (f == Format::kINT8) return widen_u8_rows(a, rows, n, wide);
+  if (f != Format::kFP8 && f != Format::kBF16) return;
+  const int64_t per_row = f == Format::kFP8 ? 2 * a.kp : a.kp;
+  wide.f32.resize(size_t(n) * per_row);
+  float* dst = wide.f32.data();
+  const WidenRow row = f == Format::kFP8 ? fp8_row : bf16_row;
+  for (int i = 0; i < n; ++i) row(a.bf + int64_t(rows[i]) * a.kp, a.kp, dst + i * per_row);
+}
+
+}  // namespace hybridd
