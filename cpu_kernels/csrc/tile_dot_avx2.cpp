@@ -12,7 +12,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <vector>
 
 namespace hybridd {
 
@@ -29,7 +28,7 @@ AVX2_TARGET inline __m256 widen_bf16x8(const uint16_t* p) {
 }
 
 // 2^96: fp8_half_raw's values times this are the codes' values times 2^-24 (1 / kFp8Rebias).
-constexpr float kRawToRebias = 79228162514264337593543950336.0f;
+constexpr float kRawToRebias = 0x1p96f;
 
 // Half h (bytes 32h..32h + 31, rows 8h..8h + 7) of an fp8 line, converted without moving codes across 16-bit
 // words: out[2e + p] holds, in 32-bit lane q of 128-bit lane L, row 8h + 4L + 2 * (q % 2) + p at
@@ -318,7 +317,7 @@ template <int TB>
 AVX2_TARGET void dot_int4(const Tile& t, int group, const Act& a, const int* rows, float* out) {
   const int chunks = group / 8, groups = t.kp / group;
   const int64_t stride = int64_t(chunks + 1) * 64;
-  const __m256i ones = _mm256_set1_epi16(1), nib = _mm256_set1_epi8(0x0f);
+  const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[TB][2];
   const int8_t* x[TB];
   for (int i = 0; i < TB; ++i) {
@@ -334,8 +333,8 @@ AVX2_TARGET void dot_int4(const Tile& t, int group, const Act& a, const int* row
       stream_prefetch(line);
       const int k = g * group + 8 * c;
       for (int h = 0; h < 2; ++h) {
-        const __m256i v = load256(line + 32 * h);
-        const __m256i lo = _mm256_and_si256(v, nib), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+        __m256i lo, hi;
+        nibbles(line + 32 * h, lo, hi);
         for (int i = 0; i < TB; ++i) {
           const __m256i xlo = _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(x[i] + k));
           const __m256i xhi = _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(x[i] + k + 4));
