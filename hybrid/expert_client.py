@@ -12,6 +12,7 @@ import atexit
 import json
 import os
 import select
+import shutil
 import subprocess
 import sys
 import time
@@ -23,6 +24,7 @@ import zmq
 
 from cpu_kernels.thread_pool import unpin_child
 from gpu.host_staging import HostStaging
+from hybrid.expert_server import RUN_DIR_PREFIX
 from hybrid.expert_slots import CLIENT_SPIN_US, DTYPE_CODES, STATUS, ExpertSlots, SlotLayout
 from hybrid.models.experts import Experts
 
@@ -86,6 +88,13 @@ class ExpertServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        self._remove_run_dir()
+
+    def _remove_run_dir(self) -> None:
+        """The run directory of a process that was killed: one that exits cleanly removes its own."""
+        run_dir = Path(self.control.removeprefix("ipc://")).parent
+        if self.control.startswith("ipc://") and run_dir.name.startswith(RUN_DIR_PREFIX):
+            shutil.rmtree(run_dir, ignore_errors=True)
 
 
 class ExpertHandle:

@@ -30,6 +30,8 @@ from hybrid.expert_pack import load_pack
 from hybrid.expert_slots import SPIN_US, ExpertSlots, SlotLayout
 from hybrid.models.experts import KernelExperts
 
+RUN_DIR_PREFIX = "hybridd-experts-"  # the temporary directory holding an expert process's ipc socket
+
 
 @dataclass
 class ClientState:
@@ -136,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     config = ModelConfig.from_dir(a.model)
     experts = KernelExperts(load_pack(a.pack, config), a.threads)
-    run_dir = Path(tempfile.mkdtemp(prefix="hybridd-experts-"))
+    run_dir = Path(tempfile.mkdtemp(prefix=RUN_DIR_PREFIX))
     control = a.control or f"ipc://{run_dir}/control"
     server = ExpertServer(experts, config.hidden_size)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))

@@ -158,13 +158,17 @@ def test_a_killed_expert_process_fails_the_request_fast_and_a_new_start_works(mo
     engine = llm.engine
     engine.add_request(prompt_ids(9, seed=1), GREEDY)
     engine.step()
-    os.kill(engine.runner.experts.client.process.pid, signal.SIGKILL)
+    process = engine.runner.experts.client.process
+    run_dir = Path(process.control.removeprefix("ipc://")).parent
+    assert run_dir.is_dir()
+    os.kill(process.pid, signal.SIGKILL)
     start = time.monotonic()
     with pytest.raises(ExpertServerError, match="died"):
         while engine.has_unfinished():
             engine.step()
     assert time.monotonic() - start < 5
     llm.close()
+    assert not run_dir.exists(), "a killed expert process's socket directory is left in /tmp"
     again = LLM(model, experts="process")
     try:
         assert len(again.generate(prompt_ids(9, seed=1), GREEDY)[0].token_ids) == GREEDY.max_tokens
