@@ -98,7 +98,7 @@ AVX512_TARGET inline Fp8Fast fp8_fast() {
 }
 
 // The flags of line pairs [pair, pair + count) of t (count <= 32), the first in bit 0.
-AVX512_TARGET inline uint64_t pair_flags(const Tile& t, int pair, int count) {
+inline uint64_t pair_flags(const Tile& t, int pair, int count) {
   const int64_t p = int64_t(t.pair0) + pair;
   const int first = static_cast<int>(p & 7), bytes = (first + count + 7) / 8;  // at most 5
   uint64_t v = 0;

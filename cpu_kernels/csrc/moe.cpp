@@ -568,7 +568,6 @@ void tile_dot(Isa isa, Format f, const Tile& t, int block_k, int group, const Ac
               float* out) {
   if (avx512_bf16(isa)) tile_dot_avx512(f, t, block_k, group, a, rows, n, out);
   else if (isa == Isa::kAvx512) tile_dot_avx512f(f, t, block_k, group, a, rows, n, out);
-  else if (isa == Isa::kAvx2) tile_dot_avx2(f, t, block_k, group, a, rows, n, out);
   else tile_dot_generic(f, t, block_k, group, a, rows, n, out);
 }
 
@@ -931,6 +930,19 @@ void tile_range(Isa isa, Format f, const PackedMatrices& m, int expert, int t0, 
       outs.push_back(out(ti));
     }
     tile_span_amx(f, tiles.data(), t1 - t0, block_k, a, rows, n, outs.data());
+    for (int ti = t0; ti < t1; ++ti) store(out(ti), ti);
+    return;
+  }
+  if (isa == Isa::kAvx2) {  // each block of rows widened once, then met by every tile of the range
+    thread_local WideRows wide;
+    const int block = avx2_row_block(f, m.kp);
+    for (int b = 0; b < n; b += block) {
+      const int rb = std::min(block, n - b);
+      widen_rows_avx2(f, a, rows + b, rb, wide);
+      for (int ti = t0; ti < t1; ++ti)
+        tile_dot_avx2(f, tile_of(m, expert, ti, f, block_k, group), block_k, group, a, rows + b, rb, wide,
+                      out(ti) + b * kRows);
+    }
     for (int ti = t0; ti < t1; ++ti) store(out(ti), ti);
     return;
   }

@@ -1,7 +1,7 @@
 // The avx2 path's tile dot products: weights widened in registers to fp32 (bf16, fp8) or int16 (int8), int4
 // nibbles multiplied with s8 activations by vpmaddubsw; 256-bit FMA and integer multiply-adds. The activation
-// rows of a call are widened once into a per-thread buffer, so a weight line costs its conversion once per
-// token block and its multiply-adds per token.
+// rows are widened once per tile range (widen_rows_avx2, called by tile_range), so a weight line costs its
+// conversion once per token group and its multiply-adds per token.
 #include "tile_dot_avx2.h"
 
 #include "fp8_lines.h"
@@ -17,8 +17,6 @@ namespace hybridd {
 
 namespace {
 
-constexpr int kTokenBlock = 12;
-
 AVX2_TARGET inline __m256i load256(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
 
 // 8 bf16 values widened to fp32 (exact).
@@ -27,53 +25,45 @@ AVX2_TARGET inline __m256 widen_bf16x8(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
 }
 
-// 2^96: fp8_half_raw's values times this are the codes' values times 2^-24 (1 / kFp8Rebias).
+// 2^96: fp8_bytes_raw's values times this are the codes' values times 2^-24 (1 / kFp8Rebias).
 constexpr float kRawToRebias = 0x1p96f;
 
-// Half h (bytes 32h..32h + 31, rows 8h..8h + 7) of an fp8 line, converted without moving codes across 16-bit
-// words: out[2e + p] holds, in 32-bit lane q of 128-bit lane L, row 8h + 4L + 2 * (q % 2) + p at
-// k = 4c + 2 * (q / 2) + e (moe.h's line layout), as the fp32 whose sign, exponent and mantissa bits are the
-// code's: s.0000eeee.mmm0.. = the code's value times 2^-120, subnormal codes included (as fp32 subnormals).
-// A code in the high byte of a word, shifted right arithmetically by 4 and masked, lands there; the low byte is
+// Byte e of every 16-bit word of v (half h of an fp8 line: bytes 32h..32h + 31, rows 8h..8h + 7), converted
+// without moving codes across words: w[p] holds, in 32-bit lane q of 128-bit lane L, row 8h + 4L + 2 * (q % 2) + p
+// at k = 4c + 2 * (q / 2) + e (moe.h's line layout), as the fp32 whose sign, exponent and mantissa bits are the
+// code's: s.0000eeee.mmm0.. = the code's value times 2^-120, subnormal codes included (as fp32 subnormals). A
+// code in the high byte of a word, shifted right arithmetically by 4 and masked, lands there; the low byte is
 // first moved up. Only the NaN codes come out wrong (as finite values): fix_fp8_pair corrects them.
-AVX2_TARGET inline void fp8_half_raw(const uint8_t* half, __m256* out) {
-  const __m256i v = load256(half);
-  const __m256i keep = _mm256_set1_epi16(int16_t(0x87f0)), high = _mm256_set1_epi32(int(0xffff0000u));
-  const __m256i even = _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(v, 8), 4), keep);
-  const __m256i odd = _mm256_and_si256(_mm256_srai_epi16(v, 4), keep);
-  out[0] = _mm256_castsi256_ps(_mm256_slli_epi32(even, 16));
-  out[1] = _mm256_castsi256_ps(_mm256_and_si256(even, high));
-  out[2] = _mm256_castsi256_ps(_mm256_slli_epi32(odd, 16));
-  out[3] = _mm256_castsi256_ps(_mm256_and_si256(odd, high));
+AVX2_TARGET inline void fp8_bytes_raw(__m256i v, int e, __m256i keep, __m256i high, __m256* w) {
+  const __m256i codes = _mm256_and_si256(_mm256_srai_epi16(e ? v : _mm256_slli_epi16(v, 8), 4), keep);
+  w[0] = _mm256_castsi256_ps(_mm256_slli_epi32(codes, 16));
+  w[1] = _mm256_castsi256_ps(_mm256_and_si256(codes, high));
 }
 
-// fp8_half_raw's outputs as the codes' values times 2^-24, exact for every code: read from the table f32
-// (fp8_tables().f32).
-AVX2_TARGET inline void fp8_half_exact(const uint8_t* half, const float* f32, __m256* out) {
-  const __m256i v = load256(half), byte = _mm256_set1_epi32(0xff);
-  for (int b = 0; b < 4; ++b) {  // byte b = 2p + e of each 32-bit lane
-    const __m256i code = _mm256_and_si256(_mm256_srli_epi32(v, 8 * b), byte);
-    out[2 * (b % 2) + b / 2] = _mm256_mul_ps(_mm256_i32gather_ps(f32, code, 4), _mm256_set1_ps(1.0f / kFp8Rebias));
-  }
-}
-
-// Activations for fp8 lines: per line c, the 128-bit patterns x[4c + e], x[4c + e], x[4c + 2 + e], x[4c + 2 + e]
-// for e = 0, 1 (8 floats per 4 columns), so that one 128-bit broadcast meets out[2e + p] of fp8_half_raw.
-AVX2_TARGET void widen_fp8_row(const uint16_t* src, int64_t kp, float* dst) {
+// Activations for fp8 lines, times `scale`: per line c, the 128-bit patterns x[4c + e], x[4c + e], x[4c + 2 + e],
+// x[4c + 2 + e] for e = 0, 1 (8 floats per 4 columns), so that one 128-bit broadcast meets fp8_bytes_raw's
+// outputs for byte e. A power-of-two scale keeps the values exact.
+AVX2_TARGET void widen_fp8_row(const uint16_t* src, int64_t kp, float scale, float* dst) {
   const __m256i first = _mm256_setr_epi32(0, 0, 2, 2, 1, 1, 3, 3);
   const __m256i second = _mm256_add_epi32(first, _mm256_set1_epi32(4));
+  const __m256 s = _mm256_set1_ps(scale);
   for (int64_t k = 0; k < kp; k += 8) {
-    const __m256 z = widen_bf16x8(src + k);
+    const __m256 z = _mm256_mul_ps(widen_bf16x8(src + k), s);
     _mm256_storeu_ps(dst + 2 * k, _mm256_permutevar8x32_ps(z, first));
     _mm256_storeu_ps(dst + 2 * k + 8, _mm256_permutevar8x32_ps(z, second));
   }
 }
 
+// The activation pattern fp8_bytes_raw's outputs for byte e of line c meet (widen_fp8_row's layout), broadcast to both
+// 128-bit lanes. An asm load, so that GCC neither merges the loads of one pattern nor hoists a line's loads
+// ahead of their use: patterns held in registers push accumulators onto the stack.
 AVX2_TARGET inline __m256 fp8_x(const float* x, int c, int e) {
-  return _mm256_broadcast_ps(reinterpret_cast<const __m128*>(x + 8 * c + 4 * e));
+  __m256 v;
+  asm volatile("vbroadcastf128 %1, %0" : "=x"(v) : "m"(*reinterpret_cast<const __m128*>(x + 8 * c + 4 * e)));
+  return v;
 }
 
-// Rows 8h..8h + 7 in order from accumulators laid out as fp8_half_raw's outputs: acc[p] lanes q and q + 2 of
+// Rows 8h..8h + 7 in order from accumulators laid out as fp8_bytes_raw's outputs: acc[p] lanes q and q + 2 of
 // each 128-bit lane L both belong to row 4L + 2 * (q % 2) + p.
 AVX2_TARGET inline __m256 fp8_rows(__m256 even, __m256 odd) {
   const __m256 e = _mm256_add_ps(even, _mm256_permute_ps(even, 0x4E));  // lanes (2, 3, 0, 1)
@@ -81,14 +71,14 @@ AVX2_TARGET inline __m256 fp8_rows(__m256 even, __m256 odd) {
   return _mm256_unpacklo_ps(e, o);
 }
 
-// o[0..8) += s * (the rows of accumulators laid out as fp8_half_raw's outputs + fix[0..8)) (values, not an
+// o[0..8) += s * (the rows of accumulators laid out as fp8_bytes_raw's outputs + fix[0..8)) (values, not an
 // array: an array passed by reference keeps the loop's accumulators in memory).
 AVX2_TARGET inline void add_fp8_rows(__m256 even, __m256 odd, const float* fix, __m256 s, float* o) {
   const __m256 rows = _mm256_add_ps(fp8_rows(even, odd), _mm256_loadu_ps(fix));
   _mm256_storeu_ps(o, _mm256_fmadd_ps(rows, s, _mm256_loadu_ps(o)));
 }
 
-// fp8_half_raw's value of code c.
+// fp8_bytes_raw's value of code c.
 inline float fp8_raw_value(uint8_t c) {
   const uint32_t bits = (uint32_t(c & 0x80) << 24) | (uint32_t(c & 0x7f) << 20);
   float f;
@@ -147,65 +137,62 @@ AVX2_TARGET void dot_bf16(const Tile& t, const float* const* x, float* out) {
                        kParity == 2 ? _mm256_add_ps(acc[i][h][0], acc[i][h][kParity - 1]) : acc[i][h][0]);
 }
 
-// fp8_x's patterns straight from a bf16 activation row: the 4 values of line c broadcast, each moved into the
-// high half of the 32-bit lanes that need it (picks[e], e = 0, 1). Reading 8 bytes per line instead of 32 keeps
-// the row in L1 (a widened 7168-column row is 57 KB).
-AVX2_TARGET inline void fp8_x_picks(__m256i* picks) {
-  for (int e = 0; e < 2; ++e) {
-    const int8_t a = int8_t(2 * e), b = int8_t(4 + 2 * e);
-    picks[e] = _mm256_setr_epi8(-1, -1, a, a + 1, -1, -1, a, a + 1, -1, -1, b, b + 1, -1, -1, b, b + 1,
-                                -1, -1, a, a + 1, -1, -1, a, a + 1, -1, -1, b, b + 1, -1, -1, b, b + 1);
-  }
-}
-
-// One or two tokens: each line converted in registers and multiplied at once, four accumulators per token (row
-// half x p), each block's sums added to out. The raw weights meet activations scaled by 2^96 (kScaledX) or,
-// where an activation is 2^32 or more and that would overflow, are scaled themselves (8 more multiplies per
-// line); the products are the same either way. The loop over a block's lines tests no flags: the flagged pairs'
-// odd codes are corrected afterwards (fix_fp8_pair). Sixteen registers hold exactly one token's loop: more
-// accumulators, sums kept across blocks, or a table lookup (or call) inside the loop spill accumulators to the
-// stack, whose store-to-load latency then binds the loop.
+// TB tokens (1 to 4) against an fp8 tile: each line converted in registers and multiplied at once, four
+// accumulators per token (row half x p), each block's sums added to out. The raw weights meet activations
+// widened with the scale 2^96 (kScaledX) or, where an activation is 2^32 or more and that would overflow, are
+// scaled themselves (more multiplies); the products are the same either way. The loop over a block's lines tests
+// no flags: the flagged pairs' odd codes are corrected afterwards (fix_fp8_pair). One or two tokens go through
+// a block line by line (each accumulator meets two FMAs a line, so the loop is bound by their latency: more
+// chains per token would not fit in registers at two tokens); three or four go through it one row half at a
+// time, so that 2 * TB accumulators, two weight vectors, the codes and one pattern fit in sixteen registers.
 template <int TB, bool kScaledX>
-AVX2_TARGET void dot_fp8_few(const Tile& t, int block_k, const uint16_t* const* x, float* out) {
-  const int pairs_per_block = block_k / 8;
-  const float* f32 = fp8_tables().f32;
-  const __m256 scale = _mm256_set1_ps(kRawToRebias);
-  __m256i picks[2];
-  fp8_x_picks(picks);
+AVX2_TARGET void dot_fp8(const Tile& t, int block_k, const float* const* xw, const uint16_t* const* xb, float* out) {
+  constexpr bool kByHalf = TB > 2;
+  const int lines_per_block = block_k / 4;
+  const __m256i keep = _mm256_set1_epi16(int16_t(0x87f0)), high = _mm256_set1_epi32(int(0xffff0000u));
   std::fill(out, out + TB * kRows, 0.0f);
   for (int kb = 0; kb < t.kp / block_k; ++kb) {
     __m256 part[TB][2][2];
     for (int i = 0; i < TB; ++i)
       for (int h = 0; h < 2; ++h) part[i][h][0] = part[i][h][1] = _mm256_setzero_ps();
-    const int c0 = kb * 2 * pairs_per_block, c1 = c0 + 2 * pairs_per_block;
-    for (int c = c0; c < c1; ++c) {
-      const uint8_t* line = t.data + int64_t(c) * 64;
-      stream_prefetch(line);
-      __m256 xv[TB][2];
-      for (int i = 0; i < TB; ++i) {
-        const __m256i q = _mm256_set1_epi64x(*reinterpret_cast<const int64_t*>(x[i] + 4 * c));
-        for (int e = 0; e < 2; ++e) {
-          xv[i][e] = _mm256_castsi256_ps(_mm256_shuffle_epi8(q, picks[e]));
-          if constexpr (kScaledX) xv[i][e] = _mm256_mul_ps(xv[i][e], scale);
+    const int c0 = kb * lines_per_block, c1 = c0 + lines_per_block;
+#pragma GCC unroll 2
+    for (int pass = 0; pass < (kByHalf ? 2 : 1); ++pass) {
+      for (int c = c0; c < c1; ++c) {
+        const uint8_t* line = t.data + int64_t(c) * 64;
+        if (pass == 0) stream_prefetch(line);
+        for (int h = kByHalf ? pass : 0; h < (kByHalf ? pass + 1 : 2); ++h) {
+          const __m256i v = load256(line + 32 * h);
+          for (int e = 0; e < 2; ++e) {
+            __m256 w[2];
+            fp8_bytes_raw(v, e, keep, high, w);
+            if constexpr (!kScaledX)
+              for (int p = 0; p < 2; ++p) w[p] = _mm256_mul_ps(w[p], _mm256_set1_ps(kRawToRebias));
+            for (int i = 0; i < TB; ++i) {
+              const __m256 xv = fp8_x(xw[i], c, e);
+              part[i][h][0] = _mm256_fmadd_ps(w[0], xv, part[i][h][0]);
+              part[i][h][1] = _mm256_fmadd_ps(w[1], xv, part[i][h][1]);
+            }
+          }
         }
       }
-      for (int h = 0; h < 2; ++h) {
-        __m256 w[4];
-        fp8_half_raw(line + 32 * h, w);
-        if constexpr (!kScaledX)
-          for (int j = 0; j < 4; ++j) w[j] = _mm256_mul_ps(w[j], scale);
-        for (int i = 0; i < TB; ++i)
-          for (int e = 0; e < 2; ++e)
-            for (int p = 0; p < 2; ++p) part[i][h][p] = _mm256_fmadd_ps(w[2 * e + p], xv[i][e], part[i][h][p]);
-      }
     }
-    float fix[TB][kRows] = {};
-    for (int c = c0; c < c1; c += 2)
-      if (pair_flagged(t, c / 2)) fix_fp8_pair<TB>(t.data + int64_t(c) * 64, c, f32, x, fix);
     const __m256 s = _mm256_set1_ps(t.scales[kb] * kFp8Rebias);
+    const int pairs = lines_per_block / 2;
+    constexpr float kNoFix[kRows] = {};
+    float fix[TB][kRows];
+    bool fixed = false;
+    for (int q = 0; q < pairs; q += 32)
+      for (uint64_t flagged = pair_flags(t, c0 / 2 + q, std::min(32, pairs - q)); flagged; flagged &= flagged - 1) {
+        if (!fixed) std::fill(&fix[0][0], &fix[0][0] + TB * kRows, 0.0f);
+        fixed = true;
+        const int c = c0 + 2 * (q + __builtin_ctzll(flagged));
+        fix_fp8_pair<TB>(t.data + int64_t(c) * 64, c, fp8_tables().f32, xb, fix);
+      }
     for (int i = 0; i < TB; ++i)
       for (int h = 0; h < 2; ++h)
-        add_fp8_rows(part[i][h][0], part[i][h][1], fix[i] + 8 * h, s, out + i * kRows + 8 * h);
+        add_fp8_rows(part[i][h][0], part[i][h][1], (fixed ? fix[i] : kNoFix) + 8 * h, s,
+                     out + i * kRows + 8 * h);
   }
 }
 
@@ -218,64 +205,6 @@ AVX2_TARGET bool has_huge(const uint16_t* x, int64_t kp) {
     any = _mm256_or_si256(any, _mm256_andnot_si256(_mm256_cmpgt_epi16(m, inf), _mm256_cmpgt_epi16(m, least)));
   }
   return !_mm256_testz_si256(any, any);
-}
-
-// TB tokens' sums over converted lines (8 fp32 vectors per line, fp8_half_raw's outputs of both halves), scaled
-// by s and added to out.
-template <int TB>
-AVX2_TARGET void fp8_block_from_lines(const float* lines, int c0, int nlines, const float* const* x, __m256 s,
-                                      float* out) {
-  __m256 part[TB][2][2];
-  for (int i = 0; i < TB; ++i)
-    for (int h = 0; h < 2; ++h) part[i][h][0] = part[i][h][1] = _mm256_setzero_ps();
-  for (int l = 0; l < nlines; ++l)
-    for (int h = 0; h < 2; ++h)
-      for (int e = 0; e < 2; ++e) {
-        const __m256 w0 = _mm256_load_ps(lines + l * 64 + 32 * h + 16 * e);
-        const __m256 w1 = _mm256_load_ps(lines + l * 64 + 32 * h + 16 * e + 8);
-        for (int i = 0; i < TB; ++i) {
-          const __m256 xv = fp8_x(x[i], c0 + l, e);
-          part[i][h][0] = _mm256_fmadd_ps(w0, xv, part[i][h][0]);
-          part[i][h][1] = _mm256_fmadd_ps(w1, xv, part[i][h][1]);
-        }
-      }
-  constexpr float kNoFix[kRows] = {};
-  for (int i = 0; i < TB; ++i)
-    for (int h = 0; h < 2; ++h) add_fp8_rows(part[i][h][0], part[i][h][1], kNoFix + 8 * h, s, out + i * kRows + 8 * h);
-}
-
-// Three or more tokens: each block of block_k columns is converted once into an L1-resident buffer of fp32
-// lines, then multiplied by three tokens at a time (12 accumulators), so prefill runs at the FMA rate.
-AVX2_TARGET void dot_fp8_many(const Tile& t, int block_k, const float* const* x, int n, float* out) {
-  thread_local AlignedVector<float> buffer;
-  const int lines_per_block = block_k / 4;
-  buffer.resize(size_t(lines_per_block) * 64);
-  float* lines = buffer.data();
-  const float* f32 = fp8_tables().f32;
-  std::fill(out, out + n * kRows, 0.0f);
-  for (int kb = 0; kb < t.kp / block_k; ++kb) {
-    const int c0 = kb * lines_per_block;
-    for (int l = 0; l < lines_per_block; ++l) {
-      const uint8_t* line = t.data + int64_t(c0 + l) * 64;
-      stream_prefetch(line);
-      const bool exact = pair_flagged(t, (c0 + l) / 2);
-      for (int h = 0; h < 2; ++h) {
-        __m256 w[4];
-        if (exact) {
-          fp8_half_exact(line + 32 * h, f32, w);
-        } else {
-          fp8_half_raw(line + 32 * h, w);
-          for (int j = 0; j < 4; ++j) w[j] = _mm256_mul_ps(w[j], _mm256_set1_ps(kRawToRebias));
-        }
-        for (int j = 0; j < 4; ++j) _mm256_store_ps(lines + l * 64 + 32 * h + 8 * j, w[j]);
-      }
-    }
-    const __m256 s = _mm256_set1_ps(t.scales[kb] * kFp8Rebias);
-    int i = 0;
-    for (; i + 3 <= n; i += 3) fp8_block_from_lines<3>(lines, c0, lines_per_block, x + i, s, out + i * kRows);
-    if (n - i == 2) fp8_block_from_lines<2>(lines, c0, lines_per_block, x + i, s, out + i * kRows);
-    else if (n - i == 1) fp8_block_from_lines<1>(lines, c0, lines_per_block, x + i, s, out + i * kRows);
-  }
 }
 
 // u8 activations (widened to int16) x s8 weights (widened per line): vpmaddwd pair sums are exact, where
@@ -378,43 +307,64 @@ void in_blocks(int n, Kernel&& kernel) {
   }
 }
 
-AVX2_TARGET void tile_dot_rows(Format f, const Tile& t, int block_k, int group, const Act& a, const int* rows, int n,
-                               const WideRows& wide, float* out) {
-  if (f == Format::kINT4) {
-    in_blocks<2>(n, [&]<int TB>(int i) { dot_int4<TB>(t, group, a, rows + i, out + i * kRows); });
-  } else if (f == Format::kINT8) {
-    const int16_t* x[kTokenBlock];
-    for (int i = 0; i < n; ++i) x[i] = wide.i16.data() + int64_t(i) * a.kp;
-    in_blocks<2>(n, [&]<int TB>(int i) { dot_int8<TB>(t, a, rows + i, x + i, out + i * kRows); });
-  } else {
-    const int64_t stride = f == Format::kFP8 ? 2 * a.kp : a.kp;
-    const float* x[kTokenBlock];
-    for (int i = 0; i < n; ++i) x[i] = wide.f32.data() + i * stride;
-    if (f == Format::kBF16) in_blocks<4>(n, [&]<int TB>(int i) { dot_bf16<TB>(t, x + i, out + i * kRows); });
-    else dot_fp8_many(t, block_k, x, n, out);
-  }
-}
-
 }  // namespace
 
-void tile_dot_avx2(Format f, const Tile& t, int block_k, int group, const Act& a, const int* rows, int n,
-                   float* out) {
-  if (f == Format::kFP8 && n <= 2) {
-    const uint16_t* x[2];
+int avx2_row_block(Format f, int64_t kp) {
+  constexpr int64_t kWideBytes = 320 << 10;  // widened rows of one block: within the L2 of every AVX2 CPU
+  const int64_t row_bytes = f == Format::kFP8 ? 8 * kp : (f == Format::kBF16 ? 4 * kp : 2 * kp);
+  return static_cast<int>(std::clamp<int64_t>(kWideBytes / row_bytes, 6, 48));
+}
+
+void widen_rows_avx2(Format f, const Act& a, const int* rows, int n, WideRows& wide) {
+  wide.scaled = false;
+  if (f == Format::kFP8) {
     bool huge = false;
-    for (int i = 0; i < n; ++i) {
-      x[i] = a.bf + int64_t(rows[i]) * a.kp;
-      huge = huge || has_huge(x[i], a.kp);
-    }
-    if (n == 2) huge ? dot_fp8_few<2, false>(t, block_k, x, out) : dot_fp8_few<2, true>(t, block_k, x, out);
-    else huge ? dot_fp8_few<1, false>(t, block_k, x, out) : dot_fp8_few<1, true>(t, block_k, x, out);
-    return;
+    for (int i = 0; i < n && !huge; ++i) huge = has_huge(a.bf + int64_t(rows[i]) * a.kp, a.kp);
+    wide.scaled = !huge;
   }
-  thread_local WideRows wide;
-  for (int b = 0; b < n; b += kTokenBlock) {
-    const int m = std::min(kTokenBlock, n - b);
-    widen_rows(f, a, rows + b, m, wide, widen_fp8_row, widen_bf16_row);
-    tile_dot_rows(f, t, block_k, group, a, rows + b, m, wide, out + b * kRows);
+  const float scale = wide.scaled ? kRawToRebias : 1.0f;
+  widen_rows(f, a, rows, n, wide, [scale](const uint16_t* src, int64_t kp, float* dst) {
+    widen_fp8_row(src, kp, scale, dst);
+  }, widen_bf16_row);
+}
+
+void tile_dot_avx2(Format f, const Tile& t, int block_k, int group, const Act& a, const int* rows, int n,
+                   const WideRows& wide, float* out) {
+  if (f == Format::kINT4)
+    return in_blocks<2>(n, [&]<int TB>(int i) { dot_int4<TB>(t, group, a, rows + i, out + i * kRows); });
+  if (f == Format::kINT8) {
+    return in_blocks<2>(n, [&]<int TB>(int i) {
+      const int16_t* x[TB];
+      for (int j = 0; j < TB; ++j) x[j] = wide.i16.data() + int64_t(i + j) * a.kp;
+      dot_int8<TB>(t, a, rows + i, x, out + i * kRows);
+    });
+  }
+  if (f == Format::kBF16) {
+    return in_blocks<4>(n, [&]<int TB>(int i) {
+      const float* x[TB];
+      for (int j = 0; j < TB; ++j) x[j] = wide.f32.data() + (i + j) * wide.f32_row;
+      dot_bf16<TB>(t, x, out + i * kRows);
+    });
+  }
+  // fp8: tokens in groups of three or four where there are three or more (balanced: 5 = 3 + 2, 6 = 3 + 3).
+  const auto fp8 = [&]<int TB>(int i) {
+    const float* xw[TB];
+    const uint16_t* xb[TB];
+    for (int j = 0; j < TB; ++j) {
+      xw[j] = wide.f32.data() + (i + j) * wide.f32_row;
+      xb[j] = a.bf + int64_t(rows[i + j]) * a.kp;
+    }
+    if (wide.scaled) dot_fp8<TB, true>(t, block_k, xw, xb, out + i * kRows);
+    else dot_fp8<TB, false>(t, block_k, xw, xb, out + i * kRows);
+  };
+  const int groups = (n + 3) / 4;
+  for (int g = 0, i = 0; g < groups; ++g) {
+    const int size = n / groups + (g < n % groups ? 1 : 0);
+    if (size == 4) fp8.template operator()<4>(i);
+    else if (size == 3) fp8.template operator()<3>(i);
+    else if (size == 2) fp8.template operator()<2>(i);
+    else fp8.template operator()<1>(i);
+    i += size;
   }
 }
 

@@ -3,11 +3,20 @@
 #pragma once
 
 #include "moe.h"
+#include "wide_rows.h"
 
 namespace hybridd {
 
-// out[i * 16 + r] = row r of t . activation row rows[i], for i < n, every format.
+// How many activation rows of format f to widen at a time: their widened copies stay in L2 while every tile of
+// a range meets them.
+int avx2_row_block(Format f, int64_t kp);
+
+// Rows rows[0..n) of a in the form tile_dot_avx2 reads them (fp8, bf16: fp32; int8: int16; int4: none).
+void widen_rows_avx2(Format f, const Act& a, const int* rows, int n, WideRows& wide);
+
+// out[i * 16 + r] = row r of t . activation row rows[i], for i < n, every format; wide holds those rows from
+// widen_rows_avx2.
 void tile_dot_avx2(Format f, const Tile& t, int block_k, int group, const Act& a, const int* rows, int n,
-                   float* out);
+                   const WideRows& wide, float* out);
 
 }  // namespace hybridd

@@ -14,6 +14,8 @@ namespace hybridd {
 struct WideRows {
   std::vector<float> f32;
   std::vector<int16_t> i16;
+  int64_t f32_row = 0;  // floats per row of f32
+  bool scaled = false;  // the avx2 path's fp8 rows: multiplied by 2^96
 };
 
 // wide.i16[i * kp + k] = u8 activation k of row rows[i] (a.kp % 16 == 0).
@@ -29,20 +31,22 @@ AVX2_TARGET inline void widen_u8_rows(const Act& a, const int* rows, int n, Wide
   }
 }
 
-using WidenRow = void (*)(const uint16_t* src, int64_t kp, float* dst);
-
 // Rows rows[0..n) of a widened into wide: int8 by widen_u8_rows, fp8 (2 * kp floats a row) and bf16 (kp floats)
-// by the path's own row functions. The buffers' starts are taken once: a thread-local buffer's element
-// addresses cost a lookup each inside a loop.
-inline void widen_rows(Format f, const Act& a, const int* rows, int n, WideRows& wide, WidenRow fp8_row,
-                       WidenRow bf16_row) {
+// by the path's own row functions, called as row(src, kp, dst). The buffers' starts are taken once: a
+// thread-local buffer's element addresses cost a lookup each inside a loop.
+template <typename Fp8Row, typename Bf16Row>
+inline void widen_rows(Format f, const Act& a, const int* rows, int n, WideRows& wide, Fp8Row fp8_row,
+                       Bf16Row bf16_row) {
   if (f == Format::kINT8) return widen_u8_rows(a, rows, n, wide);
   if (f != Format::kFP8 && f != Format::kBF16) return;
   const int64_t per_row = f == Format::kFP8 ? 2 * a.kp : a.kp;
   wide.f32.resize(size_t(n) * per_row);
+  wide.f32_row = per_row;
   float* dst = wide.f32.data();
-  const WidenRow row = f == Format::kFP8 ? fp8_row : bf16_row;
-  for (int i = 0; i < n; ++i) row(a.bf + int64_t(rows[i]) * a.kp, a.kp, dst + i * per_row);
+  for (int i = 0; i < n; ++i) {
+    if (f == Format::kFP8) fp8_row(a.bf + int64_t(rows[i]) * a.kp, a.kp, dst + i * per_row);
+    else bf16_row(a.bf + int64_t(rows[i]) * a.kp, a.kp, dst + i * per_row);
+  }
 }
 
 }  // namespace hybridd
