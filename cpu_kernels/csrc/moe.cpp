@@ -935,7 +935,7 @@ void tile_range(Isa isa, Format f, const PackedMatrices& m, int expert, int t0, 
   }
   if (isa == Isa::kAvx2) {  // each block of rows widened once, then met by every tile of the range
     thread_local WideRows wide;
-    const int block = avx2_row_block(f, m.kp);
+    const int block = avx2_row_block(f, m.kp, n);
     for (int b = 0; b < n; b += block) {
       const int rb = std::min(block, n - b);
       widen_rows_avx2(f, a, rows + b, rb, wide);

@@ -309,9 +309,10 @@ void in_blocks(int n, Kernel&& kernel) {
 
 }  // namespace
 
-int avx2_row_block(Format f, int64_t kp) {
+int avx2_row_block(Format f, int64_t kp, int n) {
   constexpr int64_t kWideBytes = 320 << 10;  // widened rows of one block: within the L2 of every AVX2 CPU
-  const int64_t row_bytes = f == Format::kFP8 ? 8 * kp : (f == Format::kBF16 ? 4 * kp : 2 * kp);
+  const int64_t row_bytes = widened_row_bytes(f, kp);
+  if (row_bytes == 0) return n;  // nothing widened: no reason to go over the tiles more than once
   return static_cast<int>(std::clamp<int64_t>(kWideBytes / row_bytes, 6, 48));
 }
 

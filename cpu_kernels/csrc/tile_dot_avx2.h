@@ -7,9 +7,9 @@
 
 namespace hybridd {
 
-// How many activation rows of format f to widen at a time: their widened copies stay in L2 while every tile of
-// a range meets them.
-int avx2_row_block(Format f, int64_t kp);
+// How many of n activation rows of format f to widen at a time: their widened copies stay in L2 while every
+// tile of a range meets them (all n where the format widens nothing).
+int avx2_row_block(Format f, int64_t kp, int n);
 
 // Rows rows[0..n) of a in the form tile_dot_avx2 reads them (fp8, bf16: fp32; int8: int16; int4: none).
 void widen_rows_avx2(Format f, const Act& a, const int* rows, int n, WideRows& wide);

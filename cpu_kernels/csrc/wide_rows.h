@@ -1,5 +1,5 @@
-// The activation rows a tile dot product call of the avx512 and avx2 paths widens once into a per-thread
-// buffer: fp32 for bf16 and fp8 tiles (each path in its own order), int16 for int8.
+// The activation rows the avx512 path (per tile dot product call) and the avx2 path (per tile range) widen once
+// into a per-thread buffer: fp32 for bf16 and fp8 tiles (each path in its own order), int16 for int8.
 #pragma once
 
 #include "moe.h"
@@ -17,6 +17,14 @@ struct WideRows {
   int64_t f32_row = 0;  // floats per row of f32
   bool scaled = false;  // the avx2 path's fp8 rows: multiplied by 2^96
 };
+
+// Bytes of one widened row of format f with kp columns; 0 where the kernels read the rows as they are (int4).
+inline int64_t widened_row_bytes(Format f, int64_t kp) {
+  if (f == Format::kFP8) return 2 * kp * int64_t(sizeof(float));
+  if (f == Format::kBF16) return kp * int64_t(sizeof(float));
+  if (f == Format::kINT8) return kp * int64_t(sizeof(int16_t));
+  return 0;
+}
 
 // wide.i16[i * kp + k] = u8 activation k of row rows[i] (a.kp % 16 == 0).
 AVX2_TARGET inline void widen_u8_rows(const Act& a, const int* rows, int n, WideRows& wide) {
@@ -39,7 +47,7 @@ inline void widen_rows(Format f, const Act& a, const int* rows, int n, WideRows&
                        Bf16Row bf16_row) {
   if (f == Format::kINT8) return widen_u8_rows(a, rows, n, wide);
   if (f != Format::kFP8 && f != Format::kBF16) return;
-  const int64_t per_row = f == Format::kFP8 ? 2 * a.kp : a.kp;
+  const int64_t per_row = widened_row_bytes(f, a.kp) / int64_t(sizeof(float));
   wide.f32.resize(size_t(n) * per_row);
   wide.f32_row = per_row;
   float* dst = wide.f32.data();
