@@ -1,10 +1,12 @@
 // Paged causal attention (see attention.h). A task attends one context slice of one KV head for a tile of
 // queries and every query head sharing that KV head: rows r = (query, head). Keys come 16 at a time: their
-// K rows are gathered from the cache blocks, widened to fp32 and transposed so that one FMA scores a row
-// against all 16, then each row folds them into its running max / sum / weighted V sum. Probabilities stay
-// fp32 throughout.
+// K rows are gathered from the cache blocks and widened to fp32; the avx512 kernel transposes them so that
+// one FMA scores a row against all 16, the avx2 kernel holds 8 rows in the lanes of a vector instead and
+// scores them against one key per FMA. Each row folds the keys into its running max / sum / weighted V sum.
+// Probabilities stay fp32 throughout.
 #include "attention.h"
 
+#include "cache_aligned.h"
 #include "simd_math.h"
 
 #include <immintrin.h>
@@ -215,6 +217,143 @@ AVX512F_TARGET void attend_avx512(const PagedAttention& a, const Task& t, float*
   }
 }
 
+AVX2_TARGET inline __m256 load8(const void* base, int64_t i, bool f32) {
+  if (f32) return _mm256_loadu_ps(static_cast<const float*>(base) + i);
+  return widen_bf16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + i)));
+}
+
+// The avx2 kernel keeps rows in vector lanes: lane i of a "lane group" holds row 8g + i, so one FMA scores
+// 8 rows against one key (broadcast from its fp32 row) and the online softmax runs lane-wise, without
+// transposing K. Per lane group: qt [d][8] (scaled queries), then state [2 + dv][8]: max, sum, weighted V sum.
+constexpr int kLanes = 8;
+
+// Scores of a lane group against the 8 keys at k[0..7] (fp32 rows): s[j] lanes = rows.
+AVX2_TARGET inline void score_lanes(const float* qt, int d, const float* const* k, __m256* s) {
+  __m256 acc[kLanes];  // local and unrolled, so that GCC keeps it in registers (see weigh_lanes)
+#pragma GCC unroll 8
+  for (int j = 0; j < kLanes; ++j) acc[j] = _mm256_setzero_ps();
+  for (int c = 0; c < d; ++c) {
+    const __m256 q = _mm256_load_ps(qt + c * kLanes);
+#pragma GCC unroll 8
+    for (int j = 0; j < kLanes; ++j) acc[j] = _mm256_fmadd_ps(q, _mm256_broadcast_ss(k[j] + c), acc[j]);
+  }
+#pragma GCC unroll 8
+  for (int j = 0; j < kLanes; ++j) s[j] = acc[j];
+}
+
+// Columns [c, c + W) of a lane group's weighted V sum: out = out * corr + sum_j prob[j] * v[j][c..].
+// Every loop over `acc` is unrolled by pragma: otherwise GCC keeps the array in memory and stores it on every key.
+template <int W>
+AVX2_TARGET inline void weigh_lanes(float* out, __m256 corr, const float* prob, const float* const* v, int c, int n) {
+  float* o = out + c * kLanes;
+  __m256 acc[W];
+#pragma GCC unroll 16
+  for (int i = 0; i < W; ++i) acc[i] = _mm256_mul_ps(_mm256_load_ps(o + i * kLanes), corr);
+  for (int j = 0; j < n; ++j) {
+    const __m256 p = _mm256_load_ps(prob + j * kLanes);
+    const float* vj = v[j] + c;
+#pragma GCC unroll 16
+    for (int i = 0; i < W; ++i) acc[i] = _mm256_fmadd_ps(p, _mm256_broadcast_ss(vj + i), acc[i]);
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < W; ++i) _mm256_store_ps(o + i * kLanes, acc[i]);
+}
+
+// head_dim and v_head_dim multiples of 8.
+AVX2_TARGET void attend_avx2(const PagedAttention& a, const Task& t, float* part) {
+  const int group = group_of(a), d = a.head_dim, dv = a.v_head_dim, rows = t.nq * group;
+  const int lane_groups = (rows + kLanes - 1) / kLanes, elem = a.f32 ? 4 : 2;
+  const int64_t state_floats = int64_t(2 + dv) * kLanes;
+  thread_local std::vector<float, CacheAligned<float>> qt, state, limits, kbuf, vbuf;
+  qt.assign(size_t(lane_groups) * d * kLanes, 0.0f);
+  state.assign(size_t(lane_groups) * state_floats, 0.0f);
+  limits.assign(size_t(lane_groups) * kLanes, 0.0f);
+  kbuf.resize(size_t(kChunk) * d);
+  vbuf.resize(size_t(kChunk) * dv);
+  const int end = std::min(t.t1, key_limit(a, t, t.nq - 1));
+  for (int r = 0; r < rows; ++r) {
+    const int64_t q0 = ((t.row0 + r / group) * a.num_heads + t.kv_head * group + r % group) * d;
+    float* dst = qt.data() + size_t(r / kLanes) * d * kLanes + r % kLanes;
+    for (int c = 0; c < d; ++c) dst[c * kLanes] = load(a.q, q0 + c, a.f32) * a.scale;
+    limits[r] = static_cast<float>(std::min(end, key_limit(a, t, r / group)));  // a lane past `rows` sees none
+  }
+  for (int g = 0; g < lane_groups; ++g) std::fill_n(state.data() + g * state_floats, kLanes, kNegInf);
+  const __m256 neg_inf = _mm256_set1_ps(kNegInf);
+  const float* krow[kChunk];
+  const float* vrow[kChunk];
+  alignas(32) float prob[kChunk * kLanes];
+  __m256 s[kChunk];
+  for (int c0 = t.t0; c0 < end; c0 += kChunk) {
+    const int n = std::min(kChunk, end - c0);
+    for (int i = 0; i < kChunk; ++i) {
+      const int64_t idx = token_index(a, t.seq, c0 + std::min(i, n - 1));  // past n: a real key, masked out
+      const int64_t k0 = idx * a.k_token_stride + t.kv_head * a.k_head_stride;
+      const int64_t v0 = idx * a.v_token_stride + t.kv_head * a.v_head_stride;
+      if (a.f32) {
+        krow[i] = static_cast<const float*>(a.k) + k0;
+        vrow[i] = static_cast<const float*>(a.v) + v0;
+      } else if (i < n) {
+        float* kd = kbuf.data() + size_t(i) * d;
+        float* vd = vbuf.data() + size_t(i) * dv;
+        for (int c = 0; c < d; c += 8) _mm256_storeu_ps(kd + c, load8(a.k, k0 + c, false));
+        for (int c = 0; c < dv; c += 8) _mm256_storeu_ps(vd + c, load8(a.v, v0 + c, false));
+        krow[i] = kd;
+        vrow[i] = vd;
+      } else {
+        krow[i] = krow[n - 1];
+        vrow[i] = vrow[n - 1];
+      }
+    }
+    // The next chunk's K and V rows start loading now: a task reads one head's slice of each token, a
+    // stride the hardware prefetchers do not follow.
+    for (int i = c0 + kChunk; i < std::min(c0 + 2 * kChunk, end); ++i) {
+      const int64_t idx = token_index(a, t.seq, i);
+      const char* k = static_cast<const char*>(a.k) + (idx * a.k_token_stride + t.kv_head * a.k_head_stride) * elem;
+      const char* v = static_cast<const char*>(a.v) + (idx * a.v_token_stride + t.kv_head * a.v_head_stride) * elem;
+      for (int b = 0; b < d * elem; b += 64) _mm_prefetch(k + b, _MM_HINT_T0);
+      for (int b = 0; b < dv * elem; b += 64) _mm_prefetch(v + b, _MM_HINT_T0);
+    }
+    for (int g = 0; g < lane_groups; ++g) {
+      // rows are in query order: the group's last row sees most
+      if (key_limit(a, t, (std::min(rows, (g + 1) * kLanes) - 1) / group) <= c0) continue;
+      const __m256 limit = _mm256_load_ps(limits.data() + g * kLanes);
+      for (int h = 0; h < n; h += kLanes) score_lanes(qt.data() + size_t(g) * d * kLanes, d, krow + h, s + h);
+      float* st = state.data() + g * state_floats;
+      const __m256 old_max = _mm256_load_ps(st);
+      __m256 mx = old_max;
+      for (int j = 0; j < n; ++j) {
+        const __m256 valid = _mm256_cmp_ps(_mm256_set1_ps(static_cast<float>(c0 + j)), limit, _CMP_LT_OQ);
+        s[j] = _mm256_blendv_ps(neg_inf, s[j], valid);
+        mx = _mm256_max_ps(mx, s[j]);
+      }
+      // A lane that has seen no key keeps max -inf; it subtracts 0 instead so that no inf - inf appears.
+      const __m256 base = _mm256_andnot_ps(_mm256_cmp_ps(mx, neg_inf, _CMP_EQ_OQ), mx);
+      const __m256 corr = exp256(_mm256_sub_ps(old_max, base));
+      __m256 sum = _mm256_setzero_ps();
+      for (int j = 0; j < n; ++j) {
+        const __m256 e = _mm256_and_ps(_mm256_cmp_ps(s[j], neg_inf, _CMP_NEQ_UQ), exp256(_mm256_sub_ps(s[j], base)));
+        _mm256_store_ps(prob + j * kLanes, e);
+        sum = _mm256_add_ps(sum, e);
+      }
+      _mm256_store_ps(st, mx);
+      _mm256_store_ps(st + kLanes, _mm256_fmadd_ps(_mm256_load_ps(st + kLanes), corr, sum));
+      float* out = st + 2 * kLanes;
+      int c = 0;
+      for (; c + 12 <= dv; c += 12) weigh_lanes<12>(out, corr, prob, vrow, c, n);
+      if (dv - c >= 8) {
+        weigh_lanes<8>(out, corr, prob, vrow, c, n);
+        c += 8;
+      }
+      if (dv - c >= 4) weigh_lanes<4>(out, corr, prob, vrow, c, n);
+    }
+  }
+  for (int r = 0; r < rows; ++r) {
+    const float* st = state.data() + (r / kLanes) * state_floats + r % kLanes;
+    float* p = part + r * row_floats(a);
+    for (int i = 0; i < 2 + dv; ++i) p[i] = st[i * kLanes];
+  }
+}
+
 // Output row (query, head) from its partial rows in `slices` consecutive tasks of task_floats each.
 void merge(const PagedAttention& a, const float* part, int64_t task_floats, int64_t task0, int slices, int row,
            int64_t out_row) {
@@ -265,9 +404,13 @@ void paged_attention(ThreadPool& pool, const PagedAttention& a, Isa isa) {
   const int64_t task_floats = int64_t(tile) * group * row_floats(a);
   part.resize(work.size() * task_floats);
   const bool wide = avx512(isa) && a.head_dim % 16 == 0 && a.v_head_dim % 16 == 0;
+  // AVX-512 paths take the avx2 kernel where a head dimension is a multiple of 8 but not of 16.
+  const bool avx2 = !wide && isa != Isa::kGeneric && isa_supported(Isa::kAvx2) && a.head_dim % 8 == 0 &&
+                    a.v_head_dim % 8 == 0;
   float* parts = part.data();
   pool.run(static_cast<int>(work.size()), [&](int i, int) {
     if (wide) attend_avx512(a, work[i], parts + i * task_floats);
+    else if (avx2) attend_avx2(a, work[i], parts + i * task_floats);
     else attend_generic(a, work[i], parts + i * task_floats);
   });
   // One merge task per (sequence, query); `seq_of` finds the sequence of a query row.

@@ -19,10 +19,8 @@ namespace {
 
 AVX2_TARGET inline __m256i load256(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
 
-// 8 bf16 values widened to fp32 (exact).
 AVX2_TARGET inline __m256 widen_bf16x8(const uint16_t* p) {
-  const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+  return widen_bf16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
 // 2^96: fp8_bytes_raw's values times this are the codes' values times 2^-24 (1 / kFp8Rebias).
