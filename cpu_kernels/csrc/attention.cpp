@@ -50,6 +50,20 @@ inline int64_t token_index(const PagedAttention& a, int seq, int t) {
   return int64_t(block) * a.block_size + t % a.block_size;
 }
 
+// Element offset of the query row of the task's row r (query r / group, head r % group of its KV head).
+inline int64_t q_offset(const PagedAttention& a, const Task& t, int r) {
+  const int group = group_of(a);
+  return ((t.row0 + r / group) * a.num_heads + t.kv_head * group + r % group) * a.head_dim;
+}
+
+// Element offsets of the K and V rows of cache slot idx (token_index) for the task's KV head.
+inline int64_t k_offset(const PagedAttention& a, const Task& t, int64_t idx) {
+  return idx * a.k_token_stride + t.kv_head * a.k_head_stride;
+}
+inline int64_t v_offset(const PagedAttention& a, const Task& t, int64_t idx) {
+  return idx * a.v_token_stride + t.kv_head * a.v_head_stride;
+}
+
 // Keys [0, limit) are visible to query q of the task's sequence.
 inline int key_limit(const PagedAttention& a, const Task& t, int q) {
   return a.context_lens[t.seq] - a.query_lens[t.seq] + t.q0 + q + 1;
@@ -68,18 +82,17 @@ void attend_generic(const PagedAttention& a, const Task& t, float* part) {
   const int group = group_of(a), d = a.head_dim, dv = a.v_head_dim, rows = t.nq * group;
   thread_local std::vector<float> q;
   q.resize(size_t(rows) * d);
-  for (int r = 0; r < rows; ++r)
-    for (int i = 0; i < d; ++i)
-      q[size_t(r) * d + i] =
-          load(a.q, ((t.row0 + r / group) * a.num_heads + t.kv_head * group + r % group) * d + i, a.f32) * a.scale;
+  for (int r = 0; r < rows; ++r) {
+    const int64_t q0 = q_offset(a, t, r);
+    for (int i = 0; i < d; ++i) q[size_t(r) * d + i] = load(a.q, q0 + i, a.f32) * a.scale;
+  }
   init_rows(a, rows, part);
   for (int r = 0; r < rows; ++r) {
     float* p = part + r * row_floats(a);
     const int end = std::min(t.t1, key_limit(a, t, r / group));
     for (int k = t.t0; k < end; ++k) {
       const int64_t idx = token_index(a, t.seq, k);
-      const int64_t k0 = idx * a.k_token_stride + t.kv_head * a.k_head_stride;
-      const int64_t v0 = idx * a.v_token_stride + t.kv_head * a.v_head_stride;
+      const int64_t k0 = k_offset(a, t, idx), v0 = v_offset(a, t, idx);
       float score = 0.0f;
       for (int i = 0; i < d; ++i) score += q[size_t(r) * d + i] * load(a.k, k0 + i, a.f32);
       if (score > p[0]) {
@@ -160,7 +173,7 @@ AVX512F_TARGET void attend_avx512(const PagedAttention& a, const Task& t, float*
   float* kt = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(ktbuf.data()) + 63) & ~uintptr_t(63));
   const __m512 scale = _mm512_set1_ps(a.scale);
   for (int r = 0; r < rows; ++r) {
-    const int64_t q0 = ((t.row0 + r / group) * a.num_heads + t.kv_head * group + r % group) * d;
+    const int64_t q0 = q_offset(a, t, r);
     for (int c = 0; c < d; c += 16) _mm512_storeu_ps(&q[size_t(r) * d + c], _mm512_mul_ps(load16(a.q, q0 + c, a.f32), scale));
   }
   init_rows(a, rows, part);
@@ -173,8 +186,8 @@ AVX512F_TARGET void attend_avx512(const PagedAttention& a, const Task& t, float*
     const int n = std::min(kChunk, end - c0);
     for (int i = 0; i < n; ++i) {
       const int64_t idx = token_index(a, t.seq, c0 + i);
-      kstart[i] = idx * a.k_token_stride + t.kv_head * a.k_head_stride;
-      const int64_t v0 = idx * a.v_token_stride + t.kv_head * a.v_head_stride;
+      kstart[i] = k_offset(a, t, idx);
+      const int64_t v0 = v_offset(a, t, idx);
       if (a.f32) {
         vrow[i] = static_cast<const float*>(a.v) + v0;
       } else {
@@ -272,7 +285,7 @@ AVX2_TARGET void attend_avx2(const PagedAttention& a, const Task& t, float* part
   vbuf.resize(size_t(kChunk) * dv);
   const int end = std::min(t.t1, key_limit(a, t, t.nq - 1));
   for (int r = 0; r < rows; ++r) {
-    const int64_t q0 = ((t.row0 + r / group) * a.num_heads + t.kv_head * group + r % group) * d;
+    const int64_t q0 = q_offset(a, t, r);
     float* dst = qt.data() + size_t(r / kLanes) * d * kLanes + r % kLanes;
     for (int c = 0; c < d; ++c) dst[c * kLanes] = load(a.q, q0 + c, a.f32) * a.scale;
     limits[r] = static_cast<float>(std::min(end, key_limit(a, t, r / group)));  // a lane past `rows` sees none
@@ -287,8 +300,7 @@ AVX2_TARGET void attend_avx2(const PagedAttention& a, const Task& t, float* part
     const int n = std::min(kChunk, end - c0);
     for (int i = 0; i < kChunk; ++i) {
       const int64_t idx = token_index(a, t.seq, c0 + std::min(i, n - 1));  // past n: a real key, masked out
-      const int64_t k0 = idx * a.k_token_stride + t.kv_head * a.k_head_stride;
-      const int64_t v0 = idx * a.v_token_stride + t.kv_head * a.v_head_stride;
+      const int64_t k0 = k_offset(a, t, idx), v0 = v_offset(a, t, idx);
       if (a.f32) {
         krow[i] = static_cast<const float*>(a.k) + k0;
         vrow[i] = static_cast<const float*>(a.v) + v0;
@@ -308,8 +320,8 @@ AVX2_TARGET void attend_avx2(const PagedAttention& a, const Task& t, float* part
     // stride the hardware prefetchers do not follow.
     for (int i = c0 + kChunk; i < std::min(c0 + 2 * kChunk, end); ++i) {
       const int64_t idx = token_index(a, t.seq, i);
-      const char* k = static_cast<const char*>(a.k) + (idx * a.k_token_stride + t.kv_head * a.k_head_stride) * elem;
-      const char* v = static_cast<const char*>(a.v) + (idx * a.v_token_stride + t.kv_head * a.v_head_stride) * elem;
+      const char* k = static_cast<const char*>(a.k) + k_offset(a, t, idx) * elem;
+      const char* v = static_cast<const char*>(a.v) + v_offset(a, t, idx) * elem;
       for (int b = 0; b < d * elem; b += 64) _mm_prefetch(k + b, _MM_HINT_T0);
       for (int b = 0; b < dv * elem; b += 64) _mm_prefetch(v + b, _MM_HINT_T0);
     }
