@@ -24,6 +24,13 @@ inline void stream_prefetch(const void* line) {
   _mm_prefetch(p + 2048, _MM_HINT_T0);
 }
 
+// The avx2 path's prefetch: into L1 2 KB ahead only. Measured on a 2-core Zen 3 EPYC (both threads over 1 GB,
+// with and without in one process, alternating): without the L2 prefetch the fp8 loop ran 5-11 % faster at
+// one to four tokens, bf16 and int4 0-10 %, int8 unchanged; without either prefetch, 8-18 % slower.
+inline void stream_prefetch_avx2(const void* line) {
+  _mm_prefetch(static_cast<const char*>(line) + 2048, _MM_HINT_T0);
+}
+
 // fp8 lines from fp8_pair hold each code's value times 2^-8; the block scales applied to them are multiplied
 // by this to undo it.
 constexpr float kFp8LineScale = 256.0f;

@@ -116,7 +116,7 @@ AVX2_TARGET void dot_bf16(const Tile& t, const float* const* x, float* out) {
       for (int e = 0; e < kParity; ++e) acc[i][h][e] = _mm256_setzero_ps();
   for (int p = 0; p < t.kp / 2; ++p) {
     const uint16_t* line = w + p * 32;
-    if constexpr (TB <= 4) stream_prefetch(line);
+    if constexpr (TB <= 4) stream_prefetch_avx2(line);
     for (int h = 0; h < 2; ++h) {
       const __m256i v = load256(line + 16 * h);
       const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
@@ -158,7 +158,8 @@ AVX2_TARGET void dot_fp8(const Tile& t, int block_k, const float* const* xw, con
     for (int pass = 0; pass < (kByHalf ? 2 : 1); ++pass) {
       for (int c = c0; c < c1; ++c) {
         const uint8_t* line = t.data + int64_t(c) * 64;
-        if (pass == 0) stream_prefetch(line);
+        if (pass == 0) stream_prefetch_avx2(line);
+#pragma GCC unroll 2  // else GCC stores the accumulators of one token on every line
         for (int h = kByHalf ? pass : 0; h < (kByHalf ? pass + 1 : 2); ++h) {
           const __m256i v = load256(line + 32 * h);
           for (int e = 0; e < 2; ++e) {
@@ -214,7 +215,7 @@ AVX2_TARGET void dot_int8(const Tile& t, const Act& a, const int* rows, const in
     for (int q = 0; q < 4; ++q) acc[i][q] = _mm256_setzero_si256();
   for (int c = 0; c < t.kp / 4; ++c) {
     const uint8_t* line = t.data + int64_t(c) * 64;
-    stream_prefetch(line);
+    stream_prefetch_avx2(line);
     __m256i w[4];
     for (int q = 0; q < 4; ++q)
       w[q] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(line + 16 * q)));
@@ -257,7 +258,7 @@ AVX2_TARGET void dot_int4(const Tile& t, int group, const Act& a, const int* row
     for (int i = 0; i < TB; ++i) sum[i][0] = sum[i][1] = _mm256_setzero_si256();
     for (int c = 0; c < chunks; ++c) {
       const uint8_t* line = lines + c * 64;
-      stream_prefetch(line);
+      stream_prefetch_avx2(line);
       const int k = g * group + 8 * c;
       for (int h = 0; h < 2; ++h) {
         __m256i lo, hi;
@@ -270,7 +271,7 @@ AVX2_TARGET void dot_int4(const Tile& t, int group, const Act& a, const int* row
         }
       }
     }
-    stream_prefetch(lines + chunks * 64);
+    stream_prefetch_avx2(lines + chunks * 64);
     const float* gs = reinterpret_cast<const float*>(lines + chunks * 64);
     for (int i = 0; i < TB; ++i) {
       const __m256i corr = _mm256_set1_epi32(8 * a.gsum[int64_t(rows[i]) * a.ngroups + g]);
