@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from cpu_kernels.cpu_features import PATHS, best_path, cpu_flags
 from cpu_kernels.moe import kernel_isa_name
-from cpu_kernels.thread_pool import numa_nodes, pool_layout
+from cpu_kernels.thread_pool import POOL_SPIN_US, numa_nodes, pool_layout
 
 
 def main() -> None:
@@ -17,6 +17,7 @@ def main() -> None:
     cpus, nodes = pool_layout()
     print(f"thread pool cores: {','.join(map(str, cpus))} (thread 0 is the calling thread), sub-pool per core: "
           f"{','.join(map(str, nodes))}")
+    print(f"idle workers poll {POOL_SPIN_US} us before sleeping (HYBRIDD_POOL_SPIN_US)")
 
 
 if __name__ == "__main__":

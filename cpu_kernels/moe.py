@@ -22,7 +22,7 @@ from cpu_kernels.pack import (
     tile_bytes,
     unpack_matrix,
 )
-from cpu_kernels.thread_pool import pool_layout
+from cpu_kernels.thread_pool import POOL_SPIN_US, pool_layout
 
 ISA_GENERIC, ISA_AVX512_BF16, ISA_AVX2, ISA_AMX, ISA_AVX512 = 0, 1, 2, 3, 4
 ISA_NAMES = {"generic": ISA_GENERIC, "avx2": ISA_AVX2, "avx512": ISA_AVX512, "avx512_bf16": ISA_AVX512_BF16,
@@ -172,10 +172,29 @@ def unpack_experts(p: PackedExperts) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.stack(w13), torch.stack(w2)
 
 
-@lru_cache(maxsize=None)
+_pools: dict[int | None, _C.MoeRunner] = {}
+_spin_us = POOL_SPIN_US
+
+
 def runner(num_threads: int | None = None) -> _C.MoeRunner:
-    """One persistent, pinned thread pool per thread count, one sub-pool per NUMA node it spans."""
-    return _C.MoeRunner(*pool_layout(num_threads))
+    """One persistent, pinned thread pool per thread count (None: every allowed core, the same pool as that
+    count), one sub-pool per NUMA node it spans."""
+    pool = _pools.get(num_threads)
+    if pool is None:
+        cpus, nodes = pool_layout(num_threads)
+        pool = _pools.get(len(cpus)) or _C.MoeRunner(cpus, nodes, _spin_us)
+        _pools[num_threads] = _pools[len(cpus)] = pool
+    return pool
+
+
+def set_pool_spin(spin_us: int) -> None:
+    """How long idle workers of this process's pools, present and future, poll before sleeping."""
+    global _spin_us
+    if spin_us < 0:
+        raise ValueError(f"spin must be >= 0 microseconds, got {spin_us}")
+    _spin_us = spin_us
+    for pool in _pools.values():
+        pool.spin_us = spin_us
 
 
 def fused_moe(p: PackedExperts, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,

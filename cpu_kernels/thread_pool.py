@@ -20,6 +20,15 @@ def _cpulist(text: str) -> list[int]:
 # Read once: the kernel pool pins the thread that calls it, and a mask read after that would be one core.
 ALLOWED_CPUS = sorted(os.sched_getaffinity(0))
 
+# Microseconds an idle pool worker polls for the next call before sleeping on a futex. Waking a sleeping
+# worker took ~200 us on a KVM guest (2-core Zen 3: a 1 MB fp8 linear followed by an 80 us RMSNorm, in a loop,
+# took 383 us per pair with 50 us of spin and 180 us with 1000), and a decode step leaves 100-500 us of torch
+# work between kernel calls, so workers keep polling through a step. HYBRIDD_POOL_SPIN_US overrides it.
+POOL_SPIN_US = int(os.environ.get("HYBRIDD_POOL_SPIN_US", "2000"))
+# The spin of pools whose cores another hybridd process computes on between their calls (the engine and its
+# expert process): a polling worker would take turns on a core the other process's worker needs.
+SHARED_CORE_SPIN_US = 50
+
 
 def unpin_child() -> None:
     """preexec_fn for processes started from a thread the pool pinned: give them every allowed core back."""

@@ -135,7 +135,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, help="kernel threads")
     ap.add_argument("--parent-pid", type=int, help="exit when this process is gone (the engine that started us)")
     a = ap.parse_args(argv)
+    from cpu_kernels.moe import set_pool_spin
+    from cpu_kernels.thread_pool import SHARED_CORE_SPIN_US
+
     torch.set_num_threads(1)
+    set_pool_spin(SHARED_CORE_SPIN_US)  # the engines it serves compute on these cores between its calls
     config = ModelConfig.from_dir(a.model)
     experts = KernelExperts(load_pack(a.pack, config), a.threads)
     run_dir = Path(tempfile.mkdtemp(prefix=RUN_DIR_PREFIX))

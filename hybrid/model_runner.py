@@ -52,6 +52,11 @@ class ModelRunner:
         if engine_config.backend == "cpu":
             # The kernels' pinned pool owns the cores; torch's own intra-op threads would spin against it.
             torch.set_num_threads(1)
+            if engine_config.experts == "process":
+                from cpu_kernels.moe import set_pool_spin
+                from cpu_kernels.thread_pool import SHARED_CORE_SPIN_US
+
+                set_pool_spin(SHARED_CORE_SPIN_US)  # the expert process computes on these cores between calls
         if experts is None and engine_config.experts == "process":
             from hybrid.expert_client import process_experts
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -471,6 +472,28 @@ def test_numa_override_gives_one_sub_pool_per_node(monkeypatch):
         numa_nodes()
 
 
+def test_pool_spin_is_set_for_every_pool_and_sleeping_workers_wake():
+    from cpu_kernels.moe import runner, set_pool_spin
+    from cpu_kernels.thread_pool import POOL_SPIN_US, pool_layout
+
+    assert runner() is runner(len(pool_layout()[0]))  # one pool for the default and its thread count
+    p = pack_experts(*experts(6, 200, 150, seed=4), "bf16")
+    ids, weights = routing(9, 6, 3, seed=4)
+    x = torch.randn(9, 200).to(torch.bfloat16)
+    want = fused_moe(p, x, ids, weights)
+    try:
+        set_pool_spin(0)
+        assert runner().spin_us == 0 and runner(1).spin_us == 0
+        for _ in range(20):  # workers sleep at once: every call wakes them through the futex
+            time.sleep(0.001)
+            assert torch.equal(fused_moe(p, x, ids, weights), want)
+        with pytest.raises(ValueError, match="spin"):
+            set_pool_spin(-1)
+    finally:
+        set_pool_spin(POOL_SPIN_US)
+    assert runner().spin_us == POOL_SPIN_US
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_numa_sub_pools_compute_the_same_bits(fmt):
     # Each node takes one slice of every expert's output rows; every tile is computed the same way whichever
@@ -478,7 +501,7 @@ def test_numa_sub_pools_compute_the_same_bits(fmt):
     from cpu_kernels.thread_pool import ALLOWED_CPUS
 
     cpus = [ALLOWED_CPUS[i % len(ALLOWED_CPUS)] for i in range(3)]
-    pools = [_C.MoeRunner(cpus[:2], [0, 0]), _C.MoeRunner(cpus[:2], [0, 1]), _C.MoeRunner(cpus, [0, 1, 2])]
+    pools = [_C.MoeRunner(cpus[:2], [0, 0], 50), _C.MoeRunner(cpus[:2], [0, 1], 50), _C.MoeRunner(cpus, [0, 1, 2], 50)]
     assert [r.num_nodes for r in pools] == [1, 2, 3]
     p = pack_experts(*experts(6, 200, 150, seed=9), fmt)
     ids, weights = routing(70, 6, 3, seed=9)

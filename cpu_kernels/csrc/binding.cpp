@@ -114,8 +114,9 @@ PYBIND11_MODULE(_C, m) {
       py::call_guard<py::gil_scoped_release>());
 
   py::class_<MoeRunner>(m, "MoeRunner")
-      .def(py::init<std::vector<int>, std::vector<int>>(), py::arg("cpus"), py::arg("nodes"))
+      .def(py::init<std::vector<int>, std::vector<int>, int>(), py::arg("cpus"), py::arg("nodes"), py::arg("spin_us"))
       .def_property_readonly("num_threads", &MoeRunner::num_threads)
+      .def_property("spin_us", &MoeRunner::spin_us, &MoeRunner::set_spin_us)
       .def_property_readonly("num_nodes", &MoeRunner::num_nodes)
       .def(
           "forward",

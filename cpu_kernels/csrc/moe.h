@@ -114,9 +114,12 @@ struct SortedRows {
 
 class MoeRunner {
  public:
-  // cpus[i], nodes[i]: core and NUMA node of pool thread i (see ThreadPool).
-  MoeRunner(std::vector<int> cpus, std::vector<int> nodes) : pool_(std::move(cpus), std::move(nodes)) {}
+  // cpus[i], nodes[i]: core and NUMA node of pool thread i; spin_us: idle workers' polling time (see ThreadPool).
+  MoeRunner(std::vector<int> cpus, std::vector<int> nodes, int spin_us)
+      : pool_(std::move(cpus), std::move(nodes), spin_us) {}
   int num_threads() const { return pool_.size(); }
+  int spin_us() const { return pool_.spin_us(); }
+  void set_spin_us(int us) { pool_.set_spin_us(us); }
   int num_nodes() const { return pool_.num_nodes(); }
   // out[t] = scale * sum_j weights[t, j] * expert_{ids[t, j]}(x[t]); x, out: [T, H], bf16 or (f32_io) fp32.
   void forward(const ExpertLayer& layer, const void* x, bool f32_io, int num_tokens, int topk, const int32_t* ids,

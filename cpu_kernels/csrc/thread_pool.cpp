@@ -6,7 +6,6 @@
 #include <algorithm>
 #include <chrono>
 #include <stdexcept>
-#include <cstdlib>
 #include <immintrin.h>
 
 namespace hybridd {
@@ -23,7 +22,6 @@ void pin_current_thread(int cpu) {
 
 ThreadPool::ThreadPool(std::vector<int> cpus, std::vector<int> nodes, int spin_us)
     : cpus_(std::move(cpus)), nodes_(std::move(nodes)), spin_us_(spin_us) {
-  if (const char* env = std::getenv("HYBRIDD_POOL_SPIN_US")) spin_us_ = std::atoi(env);
   if (cpus_.empty()) cpus_.push_back(-1);
   nodes_.resize(cpus_.size(), 0);
   for (int n : nodes_) {
@@ -52,7 +50,7 @@ void ThreadPool::worker(int tid) {
   pin_current_thread(cpus_[tid]);
   uint32_t seen = 0;  // the generation at construction: a run or stop may come before this thread starts
   for (;;) {
-    auto deadline = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us_);
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us());
     int polls = 0;
     while (generation_.load(std::memory_order_acquire) == seen) {
       _mm_pause();

@@ -1,8 +1,7 @@
 // A persistent pool of worker threads pinned to cores, one sub-pool per NUMA node. run() splits the task
 // range into one contiguous share per node; a thread takes tasks of its own node's share first, then helps
-// the other nodes. The calling thread works too. Idle workers spin briefly (phases of one MoE call follow each other within
-// microseconds), yielding to other runnable threads, then sleep on a futex so they do not steal cores
-// from torch or other processes between calls.
+// the other nodes. The calling thread works too. Idle workers spin for spin_us (yielding to other runnable
+// threads), then sleep on a futex so they do not steal cores from other processes between calls.
 #pragma once
 
 #include <atomic>
@@ -27,6 +26,9 @@ class ThreadPool {
   int size() const { return static_cast<int>(cpus_.size()); }
   int num_nodes() const { return num_nodes_; }
   const std::vector<int>& cpus() const { return cpus_; }
+  int spin_us() const { return spin_us_.load(std::memory_order_relaxed); }
+  // Takes effect from each worker's next idle period.
+  void set_spin_us(int us) { spin_us_.store(us, std::memory_order_relaxed); }
   // Runs fn(task, thread) for task in [0, ntasks); node n's share is [n * ntasks / N, (n + 1) * ntasks / N).
   // Returns when all are done.
   void run(int ntasks, const std::function<void(int, int)>& fn);
@@ -43,7 +45,7 @@ class ThreadPool {
   std::vector<int> cpus_, nodes_;
   int num_nodes_ = 1;
   std::unique_ptr<Share[]> shares_;
-  int spin_us_;
+  std::atomic<int> spin_us_;
   std::vector<std::thread> threads_;
   const std::function<void(int, int)>* fn_ = nullptr;
   alignas(64) std::atomic<int> done_{0};
