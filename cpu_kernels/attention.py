@@ -44,22 +44,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     qlens = qlens.to(torch.int32).contiguous()
     if tables.dim() != 2 or tables.shape[0] != seqs or qlens.shape != (seqs,):
         raise ValueError("block tables [S, W], context lengths [S] and query lengths [S] must agree")
-    if int(qlens.sum()) != n:
-        raise ValueError(f"query lengths add up to {int(qlens.sum())}, but there are {n} query rows")
-    if seqs and (int(lens.min()) < 1 or int(lens.max()) > tables.shape[1] * block_size):
-        raise ValueError(f"context lengths must be in [1, {tables.shape[1] * block_size}]")
-    if seqs and (int(qlens.min()) < 1 or bool((qlens > lens).any())):
-        raise ValueError("every sequence needs 1 to context-length query tokens")
-    if seqs and tables.numel() and (int(tables.min()) < 0 or int(tables.max()) >= blocks):
-        raise ValueError(f"block tables must index the cache's {blocks} blocks")
     q = q.contiguous()
     out = torch.empty(n, hq, v_cache.shape[3], dtype=q.dtype)
-    if n:
+    if n or seqs:  # the kernel checks the lengths and the block table entries it reads (ValueError)
         runner(num_threads).paged_attention(
             q.data_ptr(), out.data_ptr(), q.dtype == torch.float32, seqs, hq, hkv, d, v_cache.shape[3],
             k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(1), k_cache.stride(2), v_cache.stride(1),
             v_cache.stride(2), block_size, tables.data_ptr(), tables.shape[1], lens.data_ptr(), qlens.data_ptr(),
-            scale, kernel_isa() if isa is None else isa)
+            scale, n, blocks, kernel_isa() if isa is None else isa)
     return out
 
 

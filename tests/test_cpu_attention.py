@@ -129,4 +129,14 @@ def test_bad_inputs_are_rejected():
         paged_attention(q, k, k, tables, ctx, 1.0, torch.tensor([2]))
     with pytest.raises(ValueError, match="query tokens"):
         paged_attention(torch.randn(21, 4, 16), k, k, tables, ctx, 1.0, torch.tensor([21]))
+    with pytest.raises(ValueError, match="add up"):
+        paged_attention(q[:0], k, k, tables, ctx, 1.0)
     assert paged_attention(q[:0], k, k, tables[:0], ctx[:0], 1.0).shape == (0, 4, 16)
+    # Only the entries a context reaches are read and checked: padding past them may hold anything.
+    padded = torch.cat([tables, torch.full((1, 3), -1, dtype=tables.dtype)], dim=1)
+    assert torch.equal(paged_attention(q, k, k, padded, ctx, 1.0), paged_attention(q, k, k, tables, ctx, 1.0))
+    short = tables.clone()
+    short[0, -1] = blocks  # context 16 stays in the first block; 17 reaches the second
+    paged_attention(q, k, k, short, torch.tensor([16]), 1.0)
+    with pytest.raises(ValueError, match="block tables"):
+        paged_attention(q, k, k, short, torch.tensor([17]), 1.0)

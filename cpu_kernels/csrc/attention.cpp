@@ -15,6 +15,8 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 namespace hybridd {
@@ -395,7 +397,27 @@ void merge(const PagedAttention& a, const float* part, int64_t task_floats, int6
 
 }  // namespace
 
+void check_paged_attention(const PagedAttention& a) {
+  const auto fail = [](const std::string& what) { throw std::invalid_argument(what); };
+  const int64_t capacity = int64_t(a.table_width) * a.block_size;
+  int64_t queries = 0;
+  for (int s = 0; s < a.num_seqs; ++s) {
+    const int len = a.context_lens[s], nq = a.query_lens[s];
+    if (len < 1 || len > capacity) fail("context lengths must be in [1, " + std::to_string(capacity) + "]");
+    if (nq < 1 || nq > len) fail("every sequence needs 1 to context-length query tokens");
+    queries += nq;
+    const int32_t* table = a.block_tables + int64_t(s) * a.table_width;
+    for (int b = 0; b < (len + a.block_size - 1) / a.block_size; ++b)
+      if (table[b] < 0 || table[b] >= a.num_blocks)
+        fail("block tables must index the cache's " + std::to_string(a.num_blocks) + " blocks");
+  }
+  if (queries != a.num_queries)
+    fail("query lengths add up to " + std::to_string(queries) + ", but there are " + std::to_string(a.num_queries) +
+         " query rows");
+}
+
 void paged_attention(ThreadPool& pool, const PagedAttention& a, Isa isa) {
+  check_paged_attention(a);
   const int group = group_of(a);
   const int tile = std::max(1, kTileRows / group);  // queries per task
   // Tasks of sequence s: first[s] + (kv_head * tiles[s] + query tile) * slices[s] + slice.

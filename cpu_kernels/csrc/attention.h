@@ -27,7 +27,12 @@ struct PagedAttention {
   // [num_seqs], 1 <= query_lens[s] <= context_lens[s]: query i of s sits at context_lens[s] - query_lens[s] + i
   const int32_t* query_lens = nullptr;
   float scale = 1.0f;
+  int64_t num_queries = 0;  // rows of q: the query lengths' sum
+  int64_t num_blocks = 0;   // blocks of the caches, which the block tables index
 };
+
+// Throws std::invalid_argument unless the lengths and the used block table entries are in range (above).
+void check_paged_attention(const PagedAttention& a);
 
 void paged_attention(ThreadPool& pool, const PagedAttention& a, Isa isa);
 

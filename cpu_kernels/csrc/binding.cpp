@@ -140,7 +140,8 @@ PYBIND11_MODULE(_C, m) {
           [](MoeRunner& r, uintptr_t q, uintptr_t out, bool f32, int num_seqs, int num_heads, int num_kv_heads,
              int head_dim, int v_head_dim, uintptr_t k, uintptr_t v, int64_t k_token_stride, int64_t k_head_stride,
              int64_t v_token_stride, int64_t v_head_stride, int block_size, uintptr_t block_tables, int table_width,
-             uintptr_t context_lens, uintptr_t query_lens, float scale, int isa) {
+             uintptr_t context_lens, uintptr_t query_lens, float scale, int64_t num_queries, int64_t num_blocks,
+             int isa) {
             hybridd::PagedAttention a;
             a.q = reinterpret_cast<const void*>(q);
             a.out = reinterpret_cast<void*>(out);
@@ -162,6 +163,8 @@ PYBIND11_MODULE(_C, m) {
             a.context_lens = reinterpret_cast<const int32_t*>(context_lens);
             a.query_lens = reinterpret_cast<const int32_t*>(query_lens);
             a.scale = scale;
+            a.num_queries = num_queries;
+            a.num_blocks = num_blocks;
             r.attention(a, static_cast<Isa>(isa));
           },
           py::call_guard<py::gil_scoped_release>());
