@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
 from functools import cached_property
 from itertools import accumulate
 from typing import Any
@@ -27,6 +28,9 @@ class ForwardBatch:
     kv_caches: list[tuple[torch.Tensor, ...]]
     attention: Any = None  # TritonAttention (hybrid runner) or CpuAttention (C++ kernel); None: the torch path
     decode_splits: int | None = None  # fixed split-KV count for decode (graphs); None: from the longest context
+    # Values the layers derive from the batch, computed once per step (derived); None for the static batches
+    # of captured graphs, whose inputs are rewritten before every replay.
+    memo: dict | None = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         n = len(self.query_lens)
@@ -48,7 +52,16 @@ class ForwardBatch:
         batch = cls(positions, slot_mapping, list(range(n)), [1] * n, [1] * n, list(tables), kv_caches, attention,
                     decode_splits)
         batch.padded_tables = (tables, context_lens)  # fills the cached property with the static tensors
+        batch.memo = None
         return batch
+
+    def derived(self, key: Hashable, make: Callable[[], Any]) -> Any:
+        """make(), shared by every layer of this step under `key` (made again each time for static batches)."""
+        if self.memo is None:
+            return make()
+        if key not in self.memo:
+            self.memo[key] = make()
+        return self.memo[key]
 
     @property
     def num_seqs(self) -> int:

@@ -42,3 +42,27 @@ def test_real_deepseek_yarn_parameters(model_dirs, tmp_path):
     ref, ref_scale = ROPE_INIT_FUNCTIONS["yarn"](hf)
     inv, scale = inv_freq_and_scaling(ModelConfig.from_dir(dst).rope)
     assert torch.equal(inv, ref) and scale == ref_scale
+
+
+def test_cos_sin_are_computed_once_per_step_except_for_static_batches(monkeypatch):
+    from hybrid.config import RopeConfig
+    from hybrid.forward_batch import ForwardBatch
+    from hybrid.models.rotary_embedding import RotaryEmbedding
+
+    rope = RotaryEmbedding(RopeConfig(theta=10000.0, rotary_dim=8))
+    calls = []
+    real = rope.cos_sin
+    monkeypatch.setattr(rope, "cos_sin", lambda *a: calls.append(1) or real(*a))
+    q, k = torch.randn(2, 4, 8), torch.randn(2, 1, 8)
+    positions = torch.tensor([5, 9])
+    eager = ForwardBatch(positions, torch.zeros(2, dtype=torch.long), [0, 1], [1, 1], [6, 10],
+                         [torch.zeros(1), torch.zeros(1)], [])
+    first = rope(eager, q, k)
+    assert all(torch.equal(a, b) for a, b in zip(rope(eager, q, k), first)) and len(calls) == 1
+    static = ForwardBatch.static_decode(positions.clone(), torch.zeros(2, dtype=torch.long),
+                                        torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, dtype=torch.int32), [],
+                                        None, 1)
+    assert all(torch.equal(a, b) for a, b in zip(rope(static, q, k), first))
+    static.positions.copy_(torch.tensor([6, 9]))  # rewritten before a replay: the rotation follows
+    moved = rope(static, q, k)
+    assert len(calls) == 3 and not torch.equal(moved[0][0], first[0][0]) and torch.equal(moved[0][1], first[0][1])

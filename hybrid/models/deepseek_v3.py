@@ -52,7 +52,7 @@ class DeepseekV3Attention(nn.Module):
         q_nope, q_rope = q.split([self.nope, self.rope_dim], dim=-1)
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.lora, self.rope_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)
-        q_rope, k_rope = self.rope(batch.positions, q_rope, k_rope.view(n, 1, self.rope_dim))
+        q_rope, k_rope = self.rope(batch, q_rope, k_rope.view(n, 1, self.rope_dim))
         (cache,) = batch.kv_caches[self.layer]
         if batch.attention is not None and (batch.attention.latent_prefill or max(batch.query_lens) == 1):
             return self._latent_paged(q_nope, q_rope, latent, k_rope, cache, batch)

@@ -36,7 +36,7 @@ class Qwen3MoeAttention(nn.Module):
         q = self.q_norm(self.q_proj(x).view(n, self.num_heads, self.head_dim))
         k = self.k_norm(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim))
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        q, k = self.rope(batch.positions, q, k)
+        q, k = self.rope(batch, q, k)
         k_cache, v_cache = batch.kv_caches[self.layer]
         if batch.attention is not None:
             batch.attention.store(k_cache, batch.slot_mapping, k)

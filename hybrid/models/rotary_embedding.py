@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from hybrid.config import RopeConfig
+
+if TYPE_CHECKING:
+    from hybrid.forward_batch import ForwardBatch
 
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -52,8 +56,8 @@ def inv_freq_and_scaling(rope: RopeConfig) -> tuple[torch.Tensor, float]:
 
 
 class RotaryEmbedding(nn.Module):
-    """Applies RoPE to q [T, Hq, R] and k [T, Hk, R] at integer positions [T]. One instance is shared by
-    every attention layer; its frequencies are a buffer, so they move with the model to its device."""
+    """Applies RoPE to q [T, Hq, R] and k [T, Hk, R] at a batch's integer positions [T]. One instance is
+    shared by every attention layer; its frequencies are a buffer, so they move with the model to its device."""
 
     def __init__(self, rope: RopeConfig):
         super().__init__()
@@ -68,8 +72,9 @@ class RotaryEmbedding(nn.Module):
         sin = emb.sin() * self.attention_scaling
         return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.cos_sin(positions, q.dtype)
+    def forward(self, batch: ForwardBatch, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k rotated at batch.positions; the cos / sin of a step are computed once for all layers."""
+        cos, sin = batch.derived((id(self), q.dtype), lambda: self.cos_sin(batch.positions, q.dtype))
         if self.interleave:
             # Pairs (x0, x1), (x2, x3)... rotate together; the output is laid out as [evens | odds], which
             # leaves q.k unchanged because q and k get the same permutation.
