@@ -13,7 +13,7 @@ from hybrid.forward_batch import HostBatch
 from hybrid.loader import CheckpointReader, load_weights
 from hybrid.models import build_model
 from hybrid.models.experts import Experts, load_experts
-from hybrid.models.layers import Linear
+from hybrid.models.layers import Linear, RMSNorm
 from hybrid.scheduler import ScheduledSeq
 
 # kv_b_proj stays a torch weight: MLA's absorbed decode reads it as per-head matrices.
@@ -88,6 +88,9 @@ class ModelRunner:
         self.model = build_model(model_config, self.experts, self.dtype)
         if engine_config.backend == "cpu":
             pack_dense_linears(self.model, reader, engine_config.dense_format, model_config.tie_word_embeddings)
+            for module in self.model.modules():
+                if isinstance(module, RMSNorm):
+                    module.use_kernel()
         load_weights(self.model, reader, model_config.tie_word_embeddings)
         self.model.to(self.device)
         per_token = sum(math.prod(s[2:]) for s in self.model.kv_cache_shapes(1, 1))

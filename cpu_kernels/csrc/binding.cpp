@@ -5,6 +5,7 @@
 #include "amx.h"
 #include "attention.h"
 #include "moe.h"
+#include "norm.h"
 #include "slot_channel.h"
 #include "tile_layout.h"
 
@@ -133,6 +134,21 @@ PYBIND11_MODULE(_C, m) {
              bool f32_io, int tokens, uintptr_t out, int isa) {
             r.linear(static_cast<Format>(fmt), w, n, k, block_k, group, reinterpret_cast<const void*>(x), f32_io,
                      tokens, reinterpret_cast<void*>(out), static_cast<Isa>(isa));
+          },
+          py::call_guard<py::gil_scoped_release>())
+      .def(
+          "rms_norm",
+          [](MoeRunner& r, uintptr_t x, uintptr_t out, uintptr_t weight, int64_t rows, int64_t dim, float eps,
+             bool f32) {
+            hybridd::RmsNorm n;
+            n.x = reinterpret_cast<const void*>(x);
+            n.out = reinterpret_cast<void*>(out);
+            n.weight = reinterpret_cast<const void*>(weight);
+            n.rows = rows;
+            n.dim = dim;
+            n.eps = eps;
+            n.f32 = f32;
+            r.rms_norm(n);
           },
           py::call_guard<py::gil_scoped_release>())
       .def(

@@ -102,6 +102,7 @@ void fp8_to_bf16_lines(const uint8_t* src, int64_t lines, uint16_t* dst, Isa isa
 const char* isa_name(Isa isa);
 
 struct PagedAttention;  // attention.h
+struct RmsNorm;         // norm.h
 
 // Where each active expert's activation rows sit once sorted by expert: R rows per slot from row first[e].
 // The rows of a packed[e] expert (those tile_span_amx reads) are its A operands (pack_amx_block), padded to
@@ -129,6 +130,8 @@ class MoeRunner {
               bool f32_io, int num_tokens, void* out, Isa isa);
   // Paged attention on this runner's threads (attention.cpp).
   void attention(const PagedAttention& a, Isa isa);
+  // RMSNorm of every row (norm.cpp).
+  void rms_norm(const RmsNorm& n);
 
  private:
   void run(int ntasks, int64_t elements, const std::function<void(int, int)>& fn);

@@ -1,0 +1,58 @@
+"""RMSNorm kernel against its torch reference: odd and model-sized widths, one row to a prefill's worth (the
+threaded path), fp32 and bf16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cpu_kernels.norm import rms_norm, rms_norm_reference
+
+
+def inputs(rows: int, dim: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, dim, generator=g) * 3).to(dtype)
+    weight = (torch.rand(dim, generator=g) + 0.5).to(dtype)
+    return x, weight
+
+
+def assert_norm_close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """fp32: the sum of squares is taken in another order, so agreement to fp32 rounding. bf16: the same
+    values except where that last fp32 bit moves a rounding, then by one bf16 step."""
+    if out.dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=2e-6, atol=1e-6)
+        return
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2 ** -7, atol=0)
+    assert (out != ref).float().mean().item() < 0.01
+
+
+@pytest.mark.parametrize("rows,dim", [(1, 1), (1, 7), (3, 16), (5, 17), (36, 128), (1, 2048), (2, 7171),
+                                      (33, 1536), (600, 2048)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_rms_norm_matches_reference(rows, dim, dtype):
+    x, weight = inputs(rows, dim, dtype, seed=rows * 31 + dim)
+    assert_norm_close(rms_norm(x, weight, 1e-6), rms_norm_reference(x, weight, 1e-6))
+
+
+def test_leading_dims_eps_and_non_contiguous_inputs():
+    x, weight = inputs(24, 64, torch.bfloat16, seed=3)
+    heads = x.view(3, 8, 64)
+    assert_norm_close(rms_norm(heads, weight, 1e-2), rms_norm_reference(heads, weight, 1e-2))
+    cols = x.t().contiguous().t()
+    assert not cols.is_contiguous()
+    assert_norm_close(rms_norm(cols, weight, 1e-5), rms_norm_reference(x, weight, 1e-5))
+    zeros = torch.zeros(2, 64, dtype=torch.bfloat16)
+    assert torch.equal(rms_norm(zeros, weight, 1e-6), zeros)
+    assert rms_norm(x[:0], weight, 1e-6).shape == (0, 64)
+
+
+def test_bad_inputs_are_rejected():
+    x, weight = inputs(4, 32, torch.bfloat16, seed=5)
+    with pytest.raises(ValueError, match="one dtype"):
+        rms_norm(x, weight.float(), 1e-6)
+    with pytest.raises(ValueError, match="one dtype"):
+        rms_norm(x[:, :31], weight, 1e-6)
+    with pytest.raises(ValueError, match="one dtype"):
+        rms_norm(x.half(), weight.half(), 1e-6)
+    with pytest.raises(ValueError, match="one dtype"):
+        rms_norm(x, weight[None], 1e-6)
