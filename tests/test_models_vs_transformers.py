@@ -8,6 +8,8 @@ from conftest import prompt_ids
 from transformers import AutoModelForCausalLM
 
 from hybrid import LLM, SamplingParams
+from hybrid.models.layers import RMSNorm
+from hybrid.models.rotary_embedding import RotaryEmbedding
 from hybrid.scheduler import ScheduledSeq
 from hybrid.sequence import Sequence
 
@@ -39,6 +41,9 @@ LOGIT_ATOL = {"torch": 5e-5, "cpu": 3e-4}
 def test_prefill_logits_and_greedy_tokens_fp32(any_model, backend):
     ref = reference(any_model)
     llm = LLM(any_model, dtype="float32", backend=backend)
+    # the cpu backend's norms and rotary embedding run in the kernels (cpu_kernels.norm / .rope)
+    elementwise = [m for m in llm.engine.runner.model.modules() if isinstance(m, (RMSNorm, RotaryEmbedding))]
+    assert elementwise and all(m.kernel == (backend == "cpu") for m in elementwise)
     ids = prompt_ids(45, seed=1)
     with torch.no_grad():
         ref_logits = ref(torch.tensor([ids])).logits[0]

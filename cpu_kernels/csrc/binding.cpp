@@ -6,6 +6,7 @@
 #include "attention.h"
 #include "moe.h"
 #include "norm.h"
+#include "rope.h"
 #include "slot_channel.h"
 #include "tile_layout.h"
 
@@ -149,6 +150,25 @@ PYBIND11_MODULE(_C, m) {
             n.eps = eps;
             n.f32 = f32;
             r.rms_norm(n);
+          },
+          py::call_guard<py::gil_scoped_release>())
+      .def(
+          "rope",
+          [](MoeRunner& r, uintptr_t x, int64_t token_stride, int64_t head_stride, uintptr_t out, uintptr_t cos,
+             uintptr_t sin, int64_t tokens, int64_t heads, int64_t dim, bool interleave, bool f32) {
+            hybridd::Rope a;
+            a.x = reinterpret_cast<const void*>(x);
+            a.token_stride = token_stride;
+            a.head_stride = head_stride;
+            a.out = reinterpret_cast<void*>(out);
+            a.cos = reinterpret_cast<const void*>(cos);
+            a.sin = reinterpret_cast<const void*>(sin);
+            a.tokens = tokens;
+            a.heads = heads;
+            a.dim = dim;
+            a.interleave = interleave;
+            a.f32 = f32;
+            r.rope(a);
           },
           py::call_guard<py::gil_scoped_release>())
       .def(

@@ -103,6 +103,7 @@ const char* isa_name(Isa isa);
 
 struct PagedAttention;  // attention.h
 struct RmsNorm;         // norm.h
+struct Rope;            // rope.h
 
 // Where each active expert's activation rows sit once sorted by expert: R rows per slot from row first[e].
 // The rows of a packed[e] expert (those tile_span_amx reads) are its A operands (pack_amx_block), padded to
@@ -132,6 +133,8 @@ class MoeRunner {
   void attention(const PagedAttention& a, Isa isa);
   // RMSNorm of every row (norm.cpp).
   void rms_norm(const RmsNorm& n);
+  // Rotary embedding of every row (rope.cpp).
+  void rope(const Rope& r);
 
  private:
   void run(int ntasks, int64_t elements, const std::function<void(int, int)>& fn);

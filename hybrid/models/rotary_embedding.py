@@ -64,6 +64,11 @@ class RotaryEmbedding(nn.Module):
         inv_freq, self.attention_scaling = inv_freq_and_scaling(rope)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.interleave = rope.interleave
+        self.kernel = False
+
+    def use_kernel(self) -> None:
+        """Rotate with the CPU kernels' one-pass RoPE (cpu_kernels.rope): the same bits as the torch ops."""
+        self.kernel = True
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions[:, None].float() * self.inv_freq
@@ -75,6 +80,10 @@ class RotaryEmbedding(nn.Module):
     def forward(self, batch: ForwardBatch, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q and k rotated at batch.positions; the cos / sin of a step are computed once for all layers."""
         cos, sin = batch.derived((id(self), q.dtype), lambda: self.cos_sin(batch.positions, q.dtype))
+        if self.kernel:
+            from cpu_kernels.rope import rope
+
+            return rope(q, cos, sin, self.interleave), rope(k, cos, sin, self.interleave)
         if self.interleave:
             # Pairs (x0, x1), (x2, x3)... rotate together; the output is laid out as [evens | odds], which
             # leaves q.k unchanged because q and k get the same permutation.
