@@ -18,6 +18,7 @@ setup(
                 "cpu_kernels/csrc/moe.cpp",
                 "cpu_kernels/csrc/norm.cpp",
                 "cpu_kernels/csrc/rope.cpp",
+                "cpu_kernels/csrc/routing.cpp",
                 "cpu_kernels/csrc/slot_channel.cpp",
                 "cpu_kernels/csrc/thread_pool.cpp",
                 "cpu_kernels/csrc/tile_dot_avx2.cpp",

@@ -7,6 +7,7 @@
 #include "moe.h"
 #include "norm.h"
 #include "rope.h"
+#include "routing.h"
 #include "slot_channel.h"
 #include "tile_layout.h"
 
@@ -169,6 +170,22 @@ PYBIND11_MODULE(_C, m) {
             a.interleave = interleave;
             a.f32 = f32;
             r.rope(a);
+          },
+          py::call_guard<py::gil_scoped_release>())
+      .def(
+          "softmax_topk",
+          [](MoeRunner& r, uintptr_t logits, bool f32, int64_t tokens, int64_t experts, int k, bool renormalize,
+             uintptr_t ids, uintptr_t weights) {
+            hybridd::SoftmaxTopK a;
+            a.logits = reinterpret_cast<const void*>(logits);
+            a.f32 = f32;
+            a.tokens = tokens;
+            a.experts = experts;
+            a.k = k;
+            a.renormalize = renormalize;
+            a.ids = reinterpret_cast<int32_t*>(ids);
+            a.weights = reinterpret_cast<void*>(weights);
+            r.softmax_topk(a);
           },
           py::call_guard<py::gil_scoped_release>())
       .def(

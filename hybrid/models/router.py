@@ -16,9 +16,19 @@ class SoftmaxTopKRouter(nn.Module):
         super().__init__()
         self.weight = empty_param(num_experts, hidden, dtype=dtype)
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+        self.kernel = False
+
+    def use_kernel(self) -> None:
+        """Softmax and top-k in one CPU kernel call (cpu_kernels.routing): the same experts in the same order,
+        int32 ids; the logits stay a torch linear, whose sums the routing must see unchanged."""
+        self.kernel = True
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(x, self.weight)
+        if self.kernel:
+            from cpu_kernels.routing import softmax_topk
+
+            return softmax_topk(logits, self.top_k, self.norm_topk_prob)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:

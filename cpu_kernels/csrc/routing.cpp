@@ -1,0 +1,66 @@
+// Softmax top-k routing (routing.h).
+#include "routing.h"
+
+#include <algorithm>
+#include <cmath>
+#include <utility>
+#include <vector>
+
+#include "moe.h"
+#include "simd_math.h"
+
+namespace hybridd {
+namespace {
+
+using Entry = std::pair<float, int64_t>;
+
+// torch.topk(largest=True)'s order: NaN first, then by value. Which of several equal values comes first is
+// whatever the standard algorithms below make of this comparator, exactly as in ATen's topk_impl_loop.
+bool before(const Entry& a, const Entry& b) {
+  return (std::isnan(a.first) && !std::isnan(b.first)) || a.first > b.first;
+}
+
+}  // namespace
+
+void softmax_topk_rows(const SoftmaxTopK& r, int64_t t0, int64_t t1) {
+  const int64_t e = r.experts;
+  thread_local std::vector<Entry> queue;
+  thread_local std::vector<float> p;
+  queue.resize(e);
+  p.resize(e);
+  for (int64_t t = t0; t < t1; ++t) {
+    for (int64_t j = 0; j < e; ++j)
+      p[j] = r.f32 ? static_cast<const float*>(r.logits)[t * e + j]
+                   : bf16_to_f32(static_cast<const uint16_t*>(r.logits)[t * e + j]);
+    float mx = p[0];
+    for (int64_t j = 1; j < e; ++j) mx = std::max(mx, p[j]);
+    float sum = 0.0f;
+    for (int64_t j = 0; j < e; ++j) sum += p[j] = std::exp(p[j] - mx);
+    const float inv = 1.0f / sum;  // torch scales by the reciprocal, not by dividing
+    for (int64_t j = 0; j < e; ++j) queue[j] = {p[j] * inv, j};
+    // ATen sorts partially when k * 64 <= experts, else selects the k-th and sorts the k - 1 before it.
+    if (int64_t(r.k) * 64 <= e) {
+      std::partial_sort(queue.begin(), queue.begin() + r.k, queue.end(), before);
+    } else {
+      std::nth_element(queue.begin(), queue.begin() + r.k - 1, queue.end(), before);
+      std::sort(queue.begin(), queue.begin() + r.k - 1, before);
+    }
+    float total = 0.0f;
+    for (int j = 0; j < r.k; ++j) total += queue[j].first;
+    for (int j = 0; j < r.k; ++j) {
+      const float w = r.renormalize ? queue[j].first / total : queue[j].first;
+      r.ids[t * r.k + j] = static_cast<int32_t>(queue[j].second);
+      if (r.f32) static_cast<float*>(r.weights)[t * r.k + j] = w;
+      else static_cast<uint16_t*>(r.weights)[t * r.k + j] = f32_to_bf16(w);
+    }
+  }
+}
+
+void MoeRunner::softmax_topk(const SoftmaxTopK& r) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const int tasks = static_cast<int>(std::min<int64_t>(r.tokens, 4 * num_threads()));
+  run(tasks, r.tokens * r.experts * 16,
+      [&](int t, int) { softmax_topk_rows(r, r.tokens * t / tasks, r.tokens * (t + 1) / tasks); });
+}
+
+}  // namespace hybridd
