@@ -13,7 +13,7 @@ from hybrid.forward_batch import HostBatch
 from hybrid.loader import CheckpointReader, load_weights
 from hybrid.models import build_model
 from hybrid.models.experts import Experts, load_experts
-from hybrid.models.layers import Linear, RMSNorm
+from hybrid.models.layers import Linear, RMSNorm, SharedInputLinears
 from hybrid.models.rotary_embedding import RotaryEmbedding
 from hybrid.models.router import SoftmaxTopKRouter
 from hybrid.scheduler import ScheduledSeq
@@ -22,26 +22,53 @@ from hybrid.scheduler import ScheduledSeq
 UNPACKED_LINEARS = ("kv_b_proj",)
 
 
+def _pack_stacked(reader: CheckpointReader, parts: list[tuple[str, tuple[int, ...]]], fmt: str):
+    """One PackedLinear of the weights `parts` (checkpoint name, shape) stacked along their outputs, or None
+    where fp8 block scales cannot be stacked with them (a part before the last ends inside a scale block, or
+    fp8 parts beside others)."""
+    from cpu_kernels.linear import PackedLinear
+
+    def stacked(tensors: list[torch.Tensor]) -> torch.Tensor:
+        return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+
+    fp8 = [fmt in ("auto", "fp8") and reader.is_fp8(name) for name, _ in parts]
+    if all(fp8):
+        if any(shape[0] % reader.fp8_block[0] for _, shape in parts[:-1]):
+            return None
+        return PackedLinear.pack(stacked([reader.checked(name, shape) for name, shape in parts]), "fp8",
+                                 stacked([reader.get(f"{name}_scale_inv") for name, _ in parts]),
+                                 block=reader.fp8_block)
+    if any(fp8):
+        return None
+    weight = stacked([reader.weight(name, shape, torch.bfloat16) for name, shape in parts])
+    return PackedLinear.pack(weight, "bf16" if fmt == "auto" else fmt)
+
+
 def pack_dense_linears(model: torch.nn.Module, reader: CheckpointReader, fmt: str = "auto",
                        tied_embeddings: bool = False) -> None:
     """Moves every dense Linear to the CPU kernels straight from the checkpoint (before the other weights
     load, so no dequantized copy is ever made): fp8 weights stay fp8 with their own block scales, others
-    are packed as bf16 unless `fmt` asks for another format."""
-    from cpu_kernels.linear import PackedLinear
-
+    are packed as bf16 unless `fmt` asks for another format. Linears that share an input
+    (SharedInputLinears) are packed as one matrix where their formats allow it."""
+    names = {id(module): name for name, module in model.named_modules()}
+    stacked = set()
+    for module in model.modules():
+        for group in vars(module).values():
+            if not isinstance(group, SharedInputLinears):
+                continue
+            parts = [(f"{names[id(m)]}.weight", tuple(m.weight.shape)) for m in group.linears]
+            packed = _pack_stacked(reader, parts, fmt)
+            if packed is not None:
+                group.use_kernel(packed)
+                stacked.update(id(m) for m in group.linears)
     for name, module in model.named_modules():
-        if not isinstance(module, Linear) or name.rsplit(".", 1)[-1] in UNPACKED_LINEARS:
+        if (not isinstance(module, Linear) or name.rsplit(".", 1)[-1] in UNPACKED_LINEARS
+                or id(module) in stacked):
             continue
         wname = f"{name}.weight"
         if wname not in reader and name == "lm_head" and tied_embeddings:
             wname = "model.embed_tokens.weight"
-        if fmt in ("auto", "fp8") and reader.is_fp8(wname):
-            packed = PackedLinear.pack(reader.checked(wname, tuple(module.weight.shape)), "fp8",
-                                       reader.get(f"{wname}_scale_inv"), block=reader.fp8_block)
-        else:
-            weight = reader.weight(wname, tuple(module.weight.shape), torch.bfloat16)
-            packed = PackedLinear.pack(weight, "bf16" if fmt == "auto" else fmt)
-        module.use_kernel(packed)
+        module.use_kernel(_pack_stacked(reader, [(wname, tuple(module.weight.shape))], fmt))
 
 
 class ModelRunner:

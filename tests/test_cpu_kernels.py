@@ -269,6 +269,28 @@ def test_linear_matches_reference(fmt, n, k, t):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+def test_stacked_matrix_gives_each_part_the_same_bits(fmt):
+    # q / k / v (gate / up) packed as one matrix (hybrid.models.layers.SharedInputLinears): every output
+    # row is computed as it is in its own matrix. fp8 parts stack along whole 128-row scale blocks.
+    g = torch.Generator().manual_seed(4)
+    parts = [torch.randn(n, 300, generator=g) / 17 for n in (256, 128, 128)]
+    if fmt == "fp8":
+        quantized = [quantize_fp8_blocks(w) for w in parts]
+        alone = [PackedLinear.pack(q, fmt, scale_inv=s) for q, s in quantized]
+        stacked = PackedLinear.pack(torch.cat([q for q, _ in quantized]), fmt,
+                                    scale_inv=torch.cat([s for _, s in quantized]))
+    else:
+        alone = [PackedLinear.pack(w, fmt) for w in parts]
+        stacked = PackedLinear.pack(torch.cat(parts), fmt)
+    for t in (1, 3, 40):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(t, 300, generator=g).to(dtype)
+            for isa in ISAS:
+                ours = linear(stacked, x, isa=isa).split([256, 128, 128], dim=-1)
+                assert all(torch.equal(a, linear(p, x, isa=isa)) for a, p in zip(ours, alone)), (t, dtype, isa)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_pack_round_trip(fmt):
     w = torch.randn(45, 300)
     back = unpack_matrix(pack_matrix(w, fmt))

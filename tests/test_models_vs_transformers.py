@@ -8,7 +8,7 @@ from conftest import prompt_ids
 from transformers import AutoModelForCausalLM
 
 from hybrid import LLM, SamplingParams
-from hybrid.models.layers import RMSNorm
+from hybrid.models.layers import RMSNorm, SharedInputLinears
 from hybrid.models.rotary_embedding import RotaryEmbedding
 from hybrid.models.router import SoftmaxTopKRouter
 from hybrid.scheduler import ScheduledSeq
@@ -47,6 +47,16 @@ def test_prefill_logits_and_greedy_tokens_fp32(any_model, backend):
     kinds = (RMSNorm, RotaryEmbedding, SoftmaxTopKRouter)
     kernel_ops = [m for m in llm.engine.runner.model.modules() if isinstance(m, kinds)]
     assert kernel_ops and all(m.kernel == (backend == "cpu") for m in kernel_ops)
+    # and linears sharing an input run as one packed matrix (fp8 ones only where their scale blocks stack,
+    # which the tiny fp8 models' attention projections do not)
+    groups = [g for m in llm.engine.runner.model.modules() for g in vars(m).values()
+              if isinstance(g, SharedInputLinears)]
+    packed = [g.packed is not None for g in groups]
+    assert groups
+    if backend == "torch":
+        assert not any(packed)
+    elif "fp8" not in any_model.name:
+        assert all(packed)
     ids = prompt_ids(45, seed=1)
     with torch.no_grad():
         ref_logits = ref(torch.tensor([ids])).logits[0]

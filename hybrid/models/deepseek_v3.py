@@ -17,7 +17,7 @@ from hybrid.config import ModelConfig
 from hybrid.forward_batch import ForwardBatch
 from hybrid.models.causal_lm import CausalLM, decoder_layers
 from hybrid.models.experts import Experts
-from hybrid.models.layers import GatedMLP, Linear, RMSNorm
+from hybrid.models.layers import GatedMLP, Linear, RMSNorm, SharedInputLinears
 from hybrid.models.rotary_embedding import RotaryEmbedding, yarn_softmax_scale
 from hybrid.models.routed_moe import RoutedMoe
 from hybrid.models.router import GroupedSigmoidRouter
@@ -44,13 +44,17 @@ class DeepseekV3Attention(nn.Module):
         self.kv_b_proj = Linear(self.lora, self.num_heads * (self.nope + self.v_dim), dtype)
         self.o_proj = Linear(self.num_heads * self.v_dim, h, dtype)
         self.scale = yarn_softmax_scale(cfg.rope, qk ** -0.5)
+        first = self.q_proj if cfg.q_lora_rank is None else self.q_a_proj
+        self.x_projections = SharedInputLinears(first, self.kv_a_proj_with_mqa)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         n = x.shape[0]
-        q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q, kv_a = self.x_projections(x)
+        if self.q_lora_rank is not None:
+            q = self.q_b_proj(self.q_a_layernorm(q))
         q = q.view(n, self.num_heads, self.nope + self.rope_dim)
         q_nope, q_rope = q.split([self.nope, self.rope_dim], dim=-1)
-        latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.lora, self.rope_dim], dim=-1)
+        latent, k_rope = kv_a.split([self.lora, self.rope_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)
         q_rope, k_rope = self.rope(batch, q_rope, k_rope.view(n, 1, self.rope_dim))
         (cache,) = batch.kv_caches[self.layer]

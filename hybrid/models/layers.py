@@ -1,4 +1,5 @@
-"""Building blocks shared by the models: weight-only linear, RMSNorm and the gated MLP."""
+"""Building blocks shared by the models: weight-only linear (alone or sharing an input), RMSNorm and the gated
+MLP."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype):
         super().__init__()
         self.weight = empty_param(out_features, in_features, dtype=dtype)
+        self.out_features = out_features
         self.packed = None
 
     def use_kernel(self, packed) -> None:
@@ -31,6 +33,29 @@ class Linear(nn.Module):
 
             return linear(self.packed, x)
         return F.linear(x, self.weight)
+
+
+class SharedInputLinears:
+    """Linears that read the same input (q / k / v, gate / up). Once `use_kernel` gives them one matrix packed
+    from their stacked weights, a call streams it in a single kernel pass and returns column slices of the
+    result; until then each linear runs on its own. Not a module: the linears stay where the checkpoint
+    names them."""
+
+    def __init__(self, *linears: Linear):
+        self.linears = linears
+        self.packed = None
+
+    def use_kernel(self, packed) -> None:
+        self.packed = packed
+        for linear in self.linears:
+            linear.weight = None
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self.packed is None:
+            return tuple(linear(x) for linear in self.linears)
+        from cpu_kernels.linear import linear
+
+        return linear(self.packed, x).split([m.out_features for m in self.linears], dim=-1)
 
 
 class RMSNorm(nn.Module):
@@ -66,6 +91,8 @@ class GatedMLP(nn.Module):
         self.gate_proj = Linear(hidden, intermediate, dtype)
         self.up_proj = Linear(hidden, intermediate, dtype)
         self.down_proj = Linear(intermediate, hidden, dtype)
+        self.gate_up = SharedInputLinears(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up(x)
+        return self.down_proj(F.silu(gate) * up)

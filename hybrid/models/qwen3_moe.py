@@ -10,7 +10,7 @@ from hybrid.config import ModelConfig
 from hybrid.forward_batch import ForwardBatch
 from hybrid.models.causal_lm import CausalLM, decoder_layers
 from hybrid.models.experts import Experts
-from hybrid.models.layers import Linear, RMSNorm
+from hybrid.models.layers import Linear, RMSNorm, SharedInputLinears
 from hybrid.models.rotary_embedding import RotaryEmbedding
 from hybrid.models.routed_moe import RoutedMoe
 from hybrid.models.router import SoftmaxTopKRouter
@@ -30,12 +30,14 @@ class Qwen3MoeAttention(nn.Module):
         self.o_proj = Linear(self.num_heads * self.head_dim, h, dtype)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype)
+        self.qkv = SharedInputLinears(self.q_proj, self.k_proj, self.v_proj)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         n = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(n, self.num_heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv(x)
+        q = self.q_norm(q.view(n, self.num_heads, self.head_dim))
+        k = self.k_norm(k.view(n, self.num_kv_heads, self.head_dim))
+        v = v.view(n, self.num_kv_heads, self.head_dim)
         q, k = self.rope(batch, q, k)
         k_cache, v_cache = batch.kv_caches[self.layer]
         if batch.attention is not None:
