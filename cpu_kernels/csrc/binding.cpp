@@ -21,6 +21,12 @@ using hybridd::SlotOffsets;
 using hybridd::SlotServer;
 
 namespace {
+// A raw address from Python as a typed pointer.
+template <typename T>
+T* as(uintptr_t address) {
+  return reinterpret_cast<T*>(address);
+}
+
 PackedMatrices matrices(uintptr_t data, int64_t data_stride, uintptr_t scales, int64_t scales_stride, uintptr_t comp,
                         int64_t comp_stride, uintptr_t flags, int64_t flags_stride, int tiles, int kp) {
   PackedMatrices m;
@@ -142,50 +148,25 @@ PYBIND11_MODULE(_C, m) {
           "rms_norm",
           [](MoeRunner& r, uintptr_t x, uintptr_t out, uintptr_t weight, int64_t rows, int64_t dim, float eps,
              bool f32) {
-            hybridd::RmsNorm n;
-            n.x = reinterpret_cast<const void*>(x);
-            n.out = reinterpret_cast<void*>(out);
-            n.weight = reinterpret_cast<const void*>(weight);
-            n.rows = rows;
-            n.dim = dim;
-            n.eps = eps;
-            n.f32 = f32;
-            r.rms_norm(n);
+            r.rms_norm({.x = as<const void>(x), .out = as<void>(out), .weight = as<const void>(weight),
+                        .rows = rows, .dim = dim, .eps = eps, .f32 = f32});
           },
           py::call_guard<py::gil_scoped_release>())
       .def(
           "rope",
           [](MoeRunner& r, uintptr_t x, int64_t token_stride, int64_t head_stride, uintptr_t out, uintptr_t cos,
              uintptr_t sin, int64_t tokens, int64_t heads, int64_t dim, bool interleave, bool f32) {
-            hybridd::Rope a;
-            a.x = reinterpret_cast<const void*>(x);
-            a.token_stride = token_stride;
-            a.head_stride = head_stride;
-            a.out = reinterpret_cast<void*>(out);
-            a.cos = reinterpret_cast<const void*>(cos);
-            a.sin = reinterpret_cast<const void*>(sin);
-            a.tokens = tokens;
-            a.heads = heads;
-            a.dim = dim;
-            a.interleave = interleave;
-            a.f32 = f32;
-            r.rope(a);
+            r.rope({.x = as<const void>(x), .token_stride = token_stride, .head_stride = head_stride,
+                    .out = as<void>(out), .cos = as<const void>(cos), .sin = as<const void>(sin), .tokens = tokens,
+                    .heads = heads, .dim = dim, .interleave = interleave, .f32 = f32});
           },
           py::call_guard<py::gil_scoped_release>())
       .def(
           "softmax_topk",
           [](MoeRunner& r, uintptr_t logits, bool f32, int64_t tokens, int64_t experts, int k, bool renormalize,
              uintptr_t ids, uintptr_t weights) {
-            hybridd::SoftmaxTopK a;
-            a.logits = reinterpret_cast<const void*>(logits);
-            a.f32 = f32;
-            a.tokens = tokens;
-            a.experts = experts;
-            a.k = k;
-            a.renormalize = renormalize;
-            a.ids = reinterpret_cast<int32_t*>(ids);
-            a.weights = reinterpret_cast<void*>(weights);
-            r.softmax_topk(a);
+            r.softmax_topk({.logits = as<const void>(logits), .f32 = f32, .tokens = tokens, .experts = experts,
+                            .k = k, .renormalize = renormalize, .ids = as<int32_t>(ids), .weights = as<void>(weights)});
           },
           py::call_guard<py::gil_scoped_release>())
       .def(
