@@ -59,6 +59,8 @@ void softmax_topk_rows(const SoftmaxTopK& r, int64_t t0, int64_t t1) {
 void MoeRunner::softmax_topk(const SoftmaxTopK& r) {
   std::lock_guard<std::mutex> lock(mutex_);
   const int tasks = static_cast<int>(std::min<int64_t>(r.tokens, 4 * num_threads()));
+  // An expert's exp and its share of the selection weigh about 16 elements of a streaming op: prefill batches
+  // of 32+ tokens go to the pool, decode stays on the calling thread.
   run(tasks, r.tokens * r.experts * 16,
       [&](int t, int) { softmax_topk_rows(r, r.tokens * t / tasks, r.tokens * (t + 1) / tasks); });
 }
