@@ -1,4 +1,5 @@
-"""Softmax top-k expert routing on the kernels' thread pool (csrc/routing.cpp), and its reference."""
+"""Top-k expert routing after the router's linear, on the kernels' thread pool (csrc/routing.cpp): softmax top-k
+(Qwen3-MoE) and DeepSeek-V3's grouped top-k over sigmoid scores, and their references."""
 
 from __future__ import annotations
 
@@ -34,3 +35,45 @@ def softmax_topk_reference(logits: torch.Tensor, k: int, renormalize: bool) -> t
     if renormalize:
         weights /= weights.sum(dim=-1, keepdim=True)
     return ids.to(torch.int32), weights.to(logits.dtype)
+
+
+def grouped_topk(scores: torch.Tensor, bias: torch.Tensor, k: int, groups: int, keep_groups: int, renormalize: bool,
+                 scaling: float, num_threads: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's noaux_tc routing. scores [T, E] (sigmoid of the router logits) and bias [E], fp32 on the
+    CPU -> (ids [T, k] int32, weights [T, k] fp32): the `keep_groups` of `groups` expert groups with the
+    largest sums of their two best score + bias stay, the k best of their experts are picked in
+    torch.topk(sorted=False)'s order and weighted by their scores (divided by their sum + 1e-20 when
+    `renormalize`) times `scaling`, as `grouped_topk_reference` computes them."""
+    if (scores.dim() != 2 or scores.dtype != torch.float32 or bias.dtype != torch.float32
+            or bias.shape != scores.shape[1:] or scores.device.type != "cpu" or bias.device.type != "cpu"):
+        raise ValueError(f"grouped_topk needs float32 CPU scores [tokens, experts] and bias [experts], got "
+                         f"{tuple(scores.shape)} {scores.dtype} and {tuple(bias.shape)} {bias.dtype}")
+    tokens, experts = scores.shape
+    if groups < 1 or experts % groups or experts // groups < 2 or not 1 <= keep_groups <= groups:
+        raise ValueError(f"{experts} experts cannot form {groups} groups of two or more, {keep_groups} kept")
+    if not 1 <= k <= keep_groups * (experts // groups):
+        raise ValueError(f"top-k must be in [1, {keep_groups * (experts // groups)}] (the kept groups' experts), "
+                         f"got {k}")
+    scores, bias = scores.contiguous(), bias.contiguous()
+    ids = torch.empty(tokens, k, dtype=torch.int32)
+    weights = torch.empty(tokens, k, dtype=torch.float32)
+    if tokens:
+        runner(num_threads).grouped_topk(scores.data_ptr(), bias.data_ptr(), tokens, experts, k, groups,
+                                         keep_groups, renormalize, scaling, ids.data_ptr(), weights.data_ptr())
+    return ids, weights
+
+
+def grouped_topk_reference(scores: torch.Tensor, bias: torch.Tensor, k: int, groups: int, keep_groups: int,
+                           renormalize: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same in torch ops (transformers' DeepseekV3MoE.route_tokens_to_experts after the sigmoid)."""
+    tokens, experts = scores.shape
+    choice = scores + bias
+    group_scores = choice.view(tokens, groups, -1).topk(2, dim=-1)[0].sum(dim=-1)
+    group_idx = torch.topk(group_scores, k=keep_groups, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+    score_mask = group_mask.unsqueeze(-1).expand(-1, groups, experts // groups).reshape(tokens, experts)
+    ids = torch.topk(choice.masked_fill(~score_mask.bool(), float("-inf")), k=k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return ids.to(torch.int32), weights * scaling

@@ -15,7 +15,7 @@ from hybrid.models import build_model
 from hybrid.models.experts import Experts, load_experts
 from hybrid.models.layers import Linear, RMSNorm, SharedInputLinears
 from hybrid.models.rotary_embedding import RotaryEmbedding
-from hybrid.models.router import SoftmaxTopKRouter
+from hybrid.models.router import GroupedSigmoidRouter, SoftmaxTopKRouter
 from hybrid.scheduler import ScheduledSeq
 
 # kv_b_proj stays a torch weight: MLA's absorbed decode reads it as per-head matrices.
@@ -118,7 +118,7 @@ class ModelRunner:
         if engine_config.backend == "cpu":
             pack_dense_linears(self.model, reader, engine_config.dense_format, model_config.tie_word_embeddings)
             for module in self.model.modules():
-                if isinstance(module, (RMSNorm, RotaryEmbedding, SoftmaxTopKRouter)):
+                if isinstance(module, (RMSNorm, RotaryEmbedding, SoftmaxTopKRouter, GroupedSigmoidRouter)):
                     module.use_kernel()
         load_weights(self.model, reader, model_config.tie_word_embeddings)
         self.model.to(self.device)

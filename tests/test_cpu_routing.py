@@ -1,14 +1,16 @@
-"""Softmax top-k routing kernel against torch: the same experts in the same order on inputs full of ties (both
-of torch.topk's algorithms: nth_element for k * 64 > experts, partial_sort otherwise), weights to fp32 rounding,
-and the model's router giving the same ids and weights through the kernel."""
+"""Routing kernels against torch: the same experts in the same order on inputs full of ties (both of
+torch.topk's algorithms: nth_element for k * 64 > experts, partial_sort otherwise). Softmax top-k weights agree
+to fp32 rounding; DeepSeek's grouped top-k repeats torch's fp32 operations, bit for bit where its sum of k
+weights runs in torch's order (k = 8; k = 6 differs in the last bit). The models' routers give the same ids
+and weights through the kernels."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from cpu_kernels.routing import softmax_topk, softmax_topk_reference
-from hybrid.models.router import SoftmaxTopKRouter
+from cpu_kernels.routing import grouped_topk, grouped_topk_reference, softmax_topk, softmax_topk_reference
+from hybrid.models.router import GroupedSigmoidRouter, SoftmaxTopKRouter
 
 
 @pytest.mark.parametrize("experts,k", [(128, 8), (60, 4), (8, 2), (16, 1), (7, 7), (512, 8), (1024, 3)], ids=str)
@@ -44,6 +46,37 @@ def test_router_module_routes_the_same_through_the_kernel():
     assert torch.equal(weights, ref_weights)
 
 
+@pytest.mark.parametrize("experts,groups,keep,k", [(256, 8, 4, 8), (64, 4, 2, 6), (16, 2, 1, 4), (64, 1, 1, 6),
+                                                  (8, 4, 2, 3), (96, 8, 3, 8)], ids=str)
+@pytest.mark.parametrize("renormalize", [True, False], ids=["renorm", "plain"])
+def test_grouped_topk_picks_what_torch_picks(experts, groups, keep, k, renormalize):
+    g = torch.Generator().manual_seed(experts + groups * 7 + k)
+    logits = torch.cat([torch.randint(-4, 4, (300, experts), generator=g).float() / 2,  # ties within and
+                        torch.randn(300, experts, generator=g) * 3])                  # between groups
+    scores = logits.sigmoid()
+    bias = (torch.randint(-2, 3, (experts,), generator=g) / 8).float()
+    ids, weights = grouped_topk(scores, bias, k, groups, keep, renormalize, 2.5)
+    ref_ids, ref_weights = grouped_topk_reference(scores, bias, k, groups, keep, renormalize, 2.5)
+    assert torch.equal(ids, ref_ids)
+    if k == 8 or not renormalize:
+        assert torch.equal(weights, ref_weights)
+    else:
+        torch.testing.assert_close(weights, ref_weights, rtol=5e-7, atol=0)
+
+
+def test_grouped_router_module_routes_the_same_through_the_kernel():
+    g = torch.Generator().manual_seed(2)
+    routers = [GroupedSigmoidRouter(64, 32, 8, 4, 2, True, 2.5, torch.bfloat16) for _ in range(2)]
+    routers[1].use_kernel()  # before the weights load, as the runner does: it keeps its weight in fp32
+    assert routers[1].weight.dtype == torch.float32
+    weight, bias = torch.randn(32, 64, generator=g).bfloat16(), torch.randn(32, generator=g) / 10
+    for router in routers:
+        router.weight.data, router.e_score_correction_bias.data = weight.to(router.weight.dtype), bias
+    x = torch.randn(40, 64, generator=g).bfloat16()
+    (ref_ids, ref_weights), (ids, weights) = routers[0](x), routers[1](x)
+    assert torch.equal(ids.long(), ref_ids) and torch.equal(weights, ref_weights)
+
+
 def test_bad_inputs_are_rejected():
     with pytest.raises(ValueError, match="top-k"):
         softmax_topk(torch.randn(2, 8), 9, True)
@@ -54,3 +87,12 @@ def test_bad_inputs_are_rejected():
     with pytest.raises(ValueError, match="tokens, experts"):
         softmax_topk(torch.randn(8), 2, True)
     assert softmax_topk(torch.randn(0, 8), 2, True)[0].shape == (0, 2)
+    scores, bias = torch.rand(2, 16), torch.zeros(16)
+    with pytest.raises(ValueError, match="groups of two"):
+        grouped_topk(scores, bias, 2, 3, 1, True, 1.0)
+    with pytest.raises(ValueError, match="groups of two"):
+        grouped_topk(scores, bias, 2, 16, 1, True, 1.0)
+    with pytest.raises(ValueError, match="kept groups"):
+        grouped_topk(scores, bias, 5, 4, 1, True, 1.0)
+    with pytest.raises(ValueError, match="float32"):
+        grouped_topk(scores.bfloat16(), bias, 2, 4, 2, True, 1.0)

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 from hybrid import LLM, SamplingParams
 from hybrid.models.layers import RMSNorm, SharedInputLinears
 from hybrid.models.rotary_embedding import RotaryEmbedding
-from hybrid.models.router import SoftmaxTopKRouter
+from hybrid.models.router import GroupedSigmoidRouter, SoftmaxTopKRouter
 from hybrid.scheduler import ScheduledSeq
 from hybrid.sequence import Sequence
 
@@ -42,9 +42,9 @@ LOGIT_ATOL = {"torch": 5e-5, "cpu": 3e-4}
 def test_prefill_logits_and_greedy_tokens_fp32(any_model, backend):
     ref = reference(any_model)
     llm = LLM(any_model, dtype="float32", backend=backend)
-    # the cpu backend's norms, rotary embedding and softmax routing run in the kernels (cpu_kernels.norm / .rope /
-    # .routing); DeepSeek's grouped sigmoid router stays torch
-    kinds = (RMSNorm, RotaryEmbedding, SoftmaxTopKRouter)
+    # the cpu backend's norms, rotary embedding and routing run in the kernels (cpu_kernels.norm / .rope /
+    # .routing)
+    kinds = (RMSNorm, RotaryEmbedding, SoftmaxTopKRouter, GroupedSigmoidRouter)
     kernel_ops = [m for m in llm.engine.runner.model.modules() if isinstance(m, kinds)]
     assert kernel_ops and all(m.kernel == (backend == "cpu") for m in kernel_ops)
     # and linears sharing an input run as one packed matrix (fp8 ones only where their scale blocks stack,

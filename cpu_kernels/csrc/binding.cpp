@@ -170,6 +170,16 @@ PYBIND11_MODULE(_C, m) {
           },
           py::call_guard<py::gil_scoped_release>())
       .def(
+          "grouped_topk",
+          [](MoeRunner& r, uintptr_t scores, uintptr_t bias, int64_t tokens, int64_t experts, int k, int groups,
+             int keep_groups, bool renormalize, float scaling, uintptr_t ids, uintptr_t weights) {
+            r.grouped_topk({.scores = as<const float>(scores), .bias = as<const float>(bias), .tokens = tokens,
+                            .experts = experts, .k = k, .groups = groups, .keep_groups = keep_groups,
+                            .renormalize = renormalize, .scaling = scaling, .ids = as<int32_t>(ids),
+                            .weights = as<float>(weights)});
+          },
+          py::call_guard<py::gil_scoped_release>())
+      .def(
           "paged_attention",
           [](MoeRunner& r, uintptr_t q, uintptr_t out, bool f32, int num_seqs, int num_heads, int num_kv_heads,
              int head_dim, int v_head_dim, uintptr_t k, uintptr_t v, int64_t k_token_stride, int64_t k_head_stride,

@@ -105,6 +105,7 @@ struct PagedAttention;  // attention.h
 struct RmsNorm;         // norm.h
 struct Rope;            // rope.h
 struct SoftmaxTopK;     // routing.h
+struct GroupedTopK;     // routing.h
 
 // Where each active expert's activation rows sit once sorted by expert: R rows per slot from row first[e].
 // The rows of a packed[e] expert (those tile_span_amx reads) are its A operands (pack_amx_block), padded to
@@ -136,8 +137,9 @@ class MoeRunner {
   void rms_norm(const RmsNorm& n);
   // Rotary embedding of every row (rope.cpp).
   void rope(const Rope& r);
-  // Softmax top-k routing of every token (routing.cpp).
+  // Softmax / grouped top-k routing of every token (routing.cpp).
   void softmax_topk(const SoftmaxTopK& r);
+  void grouped_topk(const GroupedTopK& r);
 
  private:
   void run(int ntasks, int64_t elements, const std::function<void(int, int)>& fn);

@@ -48,10 +48,23 @@ class GroupedSigmoidRouter(nn.Module):
         self.num_experts, self.top_k = num_experts, top_k
         self.n_group, self.topk_group = n_group, topk_group
         self.norm_topk_prob, self.scaling = norm_topk_prob, routed_scaling_factor
+        self.kernel = False
+
+    def use_kernel(self) -> None:
+        """Group and expert selection in one CPU kernel call (cpu_kernels.routing): the same ids in the same
+        order; the linear and the sigmoid stay torch. Called before the weights load: the weight is then kept
+        in fp32, as the linear reads it, instead of being widened on every call (the same values)."""
+        self.kernel = True
+        self.weight = empty_param(*self.weight.shape, dtype=torch.float32)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(x.float(), self.weight.float())
         scores = logits.sigmoid()
+        if self.kernel:
+            from cpu_kernels.routing import grouped_topk
+
+            return grouped_topk(scores, self.e_score_correction_bias, self.top_k, self.n_group, self.topk_group,
+                                self.norm_topk_prob, self.scaling)
         choice = scores + self.e_score_correction_bias
         per_group = self.num_experts // self.n_group
         group_scores = choice.view(-1, self.n_group, per_group).topk(2, dim=-1)[0].sum(dim=-1)
