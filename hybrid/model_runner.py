@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from hybrid.config import EngineConfig, ModelConfig
+from hybrid.config import ConfigError, EngineConfig, ModelConfig
 from hybrid.cpu_attention import CpuAttention
 from hybrid.forward_batch import HostBatch
 from hybrid.loader import CheckpointReader, load_weights
@@ -75,6 +75,9 @@ class ModelRunner:
     def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, experts: Experts | None = None):
         self.config = model_config
         self.dtype = engine_config.torch_dtype(model_config)
+        if engine_config.backend == "cpu" and self.dtype == torch.float16:
+            raise ConfigError("the cpu kernels compute in bfloat16 or float32, not float16: use dtype=bfloat16 "
+                              "(--dtype bfloat16), or backend=torch")
         self.device = torch.device(engine_config.device)
         self.block_size = engine_config.block_size
         reader = CheckpointReader(model_config.model_dir, model_config.fp8_block)

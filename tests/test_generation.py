@@ -112,7 +112,8 @@ def test_inconsistent_engine_settings_are_refused(model_dirs):
                           ({"backend": "torch", "experts": "process"}, "use backend=cpu"),
                           ({"expert_server": "ipc:///nowhere"}, "use experts=process"),
                           ({"enforce_eager": True}, "use it with --gpus"),
-                          ({"max_model_len": 10**6, "num_kv_blocks": 2}, "KV pool holds")):
+                          ({"max_model_len": 10**6, "num_kv_blocks": 2}, "KV pool holds"),
+                          ({"dtype": "float16"}, "not float16")):
         with pytest.raises(ConfigError, match=match):
             LLM(model, **kwargs)
 
