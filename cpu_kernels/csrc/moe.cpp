@@ -746,6 +746,12 @@ void MoeRunner::run(int ntasks, int64_t elements, const std::function<void(int, 
   pool_.run(ntasks, fn);
 }
 
+void MoeRunner::run_rows(int64_t rows, int64_t elements_per_row, const std::function<void(int64_t, int64_t)>& fn) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const int tasks = static_cast<int>(std::min<int64_t>(rows, 4 * num_threads()));
+  run(tasks, rows * elements_per_row, [&](int t, int) { fn(rows * t / tasks, rows * (t + 1) / tasks); });
+}
+
 Act MoeRunner::prepare_input(Format f, int group, const void* x, bool f32_io, int T, int K, int kp, int R,
                              Isa isa) {
   const size_t in_bytes = f32_io ? 4 : 2;

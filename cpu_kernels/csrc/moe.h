@@ -143,6 +143,9 @@ class MoeRunner {
 
  private:
   void run(int ntasks, int64_t elements, const std::function<void(int, int)>& fn);
+  // fn(r0, r1) over row ranges splitting [0, rows), up to four per thread, under the runner's lock; inline
+  // (run) when rows * elements_per_row is small.
+  void run_rows(int64_t rows, int64_t elements_per_row, const std::function<void(int64_t, int64_t)>& fn);
   Act prepare_input(Format f, int group, const void* x, bool f32_io, int num_tokens, int k, int kp, int rows_per_token,
                     Isa isa);
   // fn(expert, t0, t1) for every active expert's tiles [0, tiles) in chunks of up to `longest` tiles, split so

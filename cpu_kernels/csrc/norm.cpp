@@ -1,7 +1,6 @@
 // RMSNorm rows (norm.h). The loops are plain C++ over fixed lanes, which the compiler vectorizes for any x86-64.
 #include "norm.h"
 
-#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -26,50 +25,32 @@ float sum_squares(const float* v, int64_t n) {
   return lane[0];
 }
 
-void widen(const void* src, bool f32, int64_t n, float* dst) {
-  if (f32) {
-    const float* s = static_cast<const float*>(src);
-    for (int64_t i = 0; i < n; ++i) dst[i] = s[i];
-  } else {
-    const uint16_t* s = static_cast<const uint16_t*>(src);
-    for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_f32(s[i]);
-  }
-}
-
-// The value as the tensor's dtype stores it, read back as fp32.
-inline float rounded(float v, bool f32) { return f32 ? v : bf16_to_f32(f32_to_bf16(v)); }
-
-void store(const float* src, bool f32, int64_t n, void* dst) {
-  if (f32) {
-    float* d = static_cast<float*>(dst);
-    for (int64_t i = 0; i < n; ++i) d[i] = src[i];
-  } else {
-    uint16_t* d = static_cast<uint16_t*>(dst);
-    for (int64_t i = 0; i < n; ++i) d[i] = f32_to_bf16(src[i]);
+template <typename T>
+void normalize(const RmsNorm& n, int64_t r0, int64_t r1) {
+  const int64_t d = n.dim;
+  thread_local std::vector<float> x, w;
+  x.resize(d);
+  w.resize(d);
+  for (int64_t j = 0; j < d; ++j) w[j] = element_f32(static_cast<const T*>(n.weight)[j]);
+  for (int64_t i = r0; i < r1; ++i) {
+    const T* src = static_cast<const T*>(n.x) + i * d;
+    for (int64_t j = 0; j < d; ++j) x[j] = element_f32(src[j]);
+    // torch: mean = sum / dim, then rsqrt(mean + eps) = 1 / sqrt(...), each rounded to fp32.
+    const float inv = 1.0f / std::sqrt(sum_squares(x.data(), d) / static_cast<float>(d) + n.eps);
+    T* dst = static_cast<T*>(n.out) + i * d;
+    for (int64_t j = 0; j < d; ++j) dst[j] = element_from_f32<T>(w[j] * stored_as<T>(x[j] * inv));
   }
 }
 
 }  // namespace
 
 void rms_norm_rows(const RmsNorm& n, int64_t r0, int64_t r1) {
-  const int64_t d = n.dim, elem = n.f32 ? 4 : 2;
-  thread_local std::vector<float> x, w;
-  x.resize(d);
-  w.resize(d);
-  widen(n.weight, n.f32, d, w.data());
-  for (int64_t i = r0; i < r1; ++i) {
-    widen(static_cast<const uint8_t*>(n.x) + i * d * elem, n.f32, d, x.data());
-    // torch: mean = sum / dim, then rsqrt(mean + eps) = 1 / sqrt(...), each rounded to fp32.
-    const float inv = 1.0f / std::sqrt(sum_squares(x.data(), d) / static_cast<float>(d) + n.eps);
-    for (int64_t j = 0; j < d; ++j) x[j] = w[j] * rounded(x[j] * inv, n.f32);
-    store(x.data(), n.f32, d, static_cast<uint8_t*>(n.out) + i * d * elem);
-  }
+  if (n.f32) normalize<float>(n, r0, r1);
+  else normalize<uint16_t>(n, r0, r1);
 }
 
 void MoeRunner::rms_norm(const RmsNorm& n) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  const int tasks = static_cast<int>(std::min<int64_t>(n.rows, 4 * num_threads()));
-  run(tasks, n.rows * n.dim, [&](int t, int) { rms_norm_rows(n, n.rows * t / tasks, n.rows * (t + 1) / tasks); });
+  run_rows(n.rows, n.dim, [&](int64_t r0, int64_t r1) { rms_norm_rows(n, r0, r1); });
 }
 
 }  // namespace hybridd

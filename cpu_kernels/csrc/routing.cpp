@@ -1,4 +1,4 @@
-// Softmax top-k routing (routing.h).
+// Softmax and grouped top-k routing (routing.h).
 #include "routing.h"
 
 #include <algorithm>
@@ -32,18 +32,15 @@ void select(std::vector<Entry>& queue, int64_t k, bool sorted) {
   }
 }
 
-}  // namespace
-
-void softmax_topk_rows(const SoftmaxTopK& r, int64_t t0, int64_t t1) {
+template <typename T>
+void softmax_topk_typed(const SoftmaxTopK& r, int64_t t0, int64_t t1) {
   const int64_t e = r.experts;
   thread_local std::vector<Entry> queue;
   thread_local std::vector<float> p;
   queue.resize(e);
   p.resize(e);
   for (int64_t t = t0; t < t1; ++t) {
-    for (int64_t j = 0; j < e; ++j)
-      p[j] = r.f32 ? static_cast<const float*>(r.logits)[t * e + j]
-                   : bf16_to_f32(static_cast<const uint16_t*>(r.logits)[t * e + j]);
+    for (int64_t j = 0; j < e; ++j) p[j] = element_f32(static_cast<const T*>(r.logits)[t * e + j]);
     float mx = p[0];
     for (int64_t j = 1; j < e; ++j) mx = std::max(mx, p[j]);
     float sum = 0.0f;
@@ -56,10 +53,16 @@ void softmax_topk_rows(const SoftmaxTopK& r, int64_t t0, int64_t t1) {
     for (int j = 0; j < r.k; ++j) {
       const float w = r.renormalize ? queue[j].first / total : queue[j].first;
       r.ids[t * r.k + j] = static_cast<int32_t>(queue[j].second);
-      if (r.f32) static_cast<float*>(r.weights)[t * r.k + j] = w;
-      else static_cast<uint16_t*>(r.weights)[t * r.k + j] = f32_to_bf16(w);
+      static_cast<T*>(r.weights)[t * r.k + j] = element_from_f32<T>(w);
     }
   }
+}
+
+}  // namespace
+
+void softmax_topk_rows(const SoftmaxTopK& r, int64_t t0, int64_t t1) {
+  if (r.f32) softmax_topk_typed<float>(r, t0, t1);
+  else softmax_topk_typed<uint16_t>(r, t0, t1);
 }
 
 void grouped_topk_rows(const GroupedTopK& r, int64_t t0, int64_t t1) {
@@ -69,12 +72,12 @@ void grouped_topk_rows(const GroupedTopK& r, int64_t t0, int64_t t1) {
   thread_local std::vector<char> kept;
   choice.resize(e);
   kept.resize(r.groups);
+  group_queue.resize(r.groups);
   for (int64_t t = t0; t < t1; ++t) {
     const float* scores = r.scores + t * e;
     for (int64_t j = 0; j < e; ++j) choice[j] = scores[j] + r.bias[j];
-    group_queue.resize(r.groups);
     for (int g = 0; g < r.groups; ++g) {
-      queue.assign(per_group, {});
+      queue.resize(per_group);
       for (int64_t j = 0; j < per_group; ++j) queue[j] = {choice[g * per_group + j], j};
       select(queue, 2, true);
       group_queue[g] = {queue[0].first + queue[1].first, g};
@@ -100,17 +103,11 @@ void grouped_topk_rows(const GroupedTopK& r, int64_t t0, int64_t t1) {
 constexpr int64_t kElementsPerExpert = 16;
 
 void MoeRunner::softmax_topk(const SoftmaxTopK& r) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  const int tasks = static_cast<int>(std::min<int64_t>(r.tokens, 4 * num_threads()));
-  run(tasks, r.tokens * r.experts * kElementsPerExpert,
-      [&](int t, int) { softmax_topk_rows(r, r.tokens * t / tasks, r.tokens * (t + 1) / tasks); });
+  run_rows(r.tokens, r.experts * kElementsPerExpert, [&](int64_t t0, int64_t t1) { softmax_topk_rows(r, t0, t1); });
 }
 
 void MoeRunner::grouped_topk(const GroupedTopK& r) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  const int tasks = static_cast<int>(std::min<int64_t>(r.tokens, 4 * num_threads()));
-  run(tasks, r.tokens * r.experts * kElementsPerExpert,
-      [&](int t, int) { grouped_topk_rows(r, r.tokens * t / tasks, r.tokens * (t + 1) / tasks); });
+  run_rows(r.tokens, r.experts * kElementsPerExpert, [&](int64_t t0, int64_t t1) { grouped_topk_rows(r, t0, t1); });
 }
 
 }  // namespace hybridd

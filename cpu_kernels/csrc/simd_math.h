@@ -29,6 +29,25 @@ inline uint16_t f32_to_bf16(float f) {  // round to nearest even, NaN kept quiet
   return static_cast<uint16_t>(u >> 16);
 }
 
+// An element of a bf16 (held as uint16_t) or fp32 tensor: read as fp32, written from fp32 (bf16 rounds to
+// nearest even), and a value as the tensor would store it, read back.
+template <typename T>
+inline float element_f32(T v) {
+  if constexpr (sizeof(T) == 4) return v;
+  else return bf16_to_f32(v);
+}
+
+template <typename T>
+inline T element_from_f32(float v) {
+  if constexpr (sizeof(T) == 4) return v;
+  else return f32_to_bf16(v);
+}
+
+template <typename T>
+inline float stored_as(float v) {
+  return element_f32(element_from_f32<T>(v));
+}
+
 // 16 bf16 values widened to fp32 (exact).
 __attribute__((target("avx512f"))) inline __m512 widen_bf16(__m256i h) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
