@@ -13,7 +13,7 @@ from hybrid.forward_batch import HostBatch
 from hybrid.loader import CheckpointReader, load_weights
 from hybrid.models import build_model
 from hybrid.models.experts import Experts, load_experts
-from hybrid.models.layers import Linear, RMSNorm, SharedInputLinears
+from hybrid.models.layers import Linear, RMSNorm, shared_input_groups
 from hybrid.models.rotary_embedding import RotaryEmbedding
 from hybrid.models.router import GroupedSigmoidRouter, SoftmaxTopKRouter
 from hybrid.scheduler import ScheduledSeq
@@ -52,15 +52,12 @@ def pack_dense_linears(model: torch.nn.Module, reader: CheckpointReader, fmt: st
     (SharedInputLinears) are packed as one matrix where their formats allow it."""
     names = {id(module): name for name, module in model.named_modules()}
     stacked = set()
-    for module in model.modules():
-        for group in vars(module).values():
-            if not isinstance(group, SharedInputLinears):
-                continue
-            parts = [(f"{names[id(m)]}.weight", tuple(m.weight.shape)) for m in group.linears]
-            packed = _pack_stacked(reader, parts, fmt)
-            if packed is not None:
-                group.use_kernel(packed)
-                stacked.update(id(m) for m in group.linears)
+    for group in shared_input_groups(model):
+        parts = [(f"{names[id(m)]}.weight", tuple(m.weight.shape)) for m in group.linears]
+        packed = _pack_stacked(reader, parts, fmt)
+        if packed is not None:
+            group.use_kernel(packed)
+            stacked.update(id(m) for m in group.linears)
     for name, module in model.named_modules():
         if (not isinstance(module, Linear) or name.rsplit(".", 1)[-1] in UNPACKED_LINEARS
                 or id(module) in stacked):

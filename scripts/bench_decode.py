@@ -33,7 +33,7 @@ from cpu_kernels.moe import kernel_isa_name  # noqa: E402
 from hybrid import LLM, SamplingParams  # noqa: E402
 from hybrid.config import ModelConfig  # noqa: E402
 from hybrid.models.experts import KernelExperts  # noqa: E402
-from hybrid.models.layers import Linear, SharedInputLinears  # noqa: E402
+from hybrid.models.layers import Linear, SharedInputLinears, shared_input_groups  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,8 +45,7 @@ def bytes_per_decode_token(llm: LLM, context: int) -> dict[str, int]:
     runner = llm.engine.runner
     embed = runner.model.model.embed_tokens.weight
     dense = sum(p.numel() * p.element_size() for p in runner.model.parameters() if p is not embed)
-    groups = [g for m in runner.model.modules() for g in vars(m).values() if isinstance(g, SharedInputLinears)]
-    dense += sum(m.packed.nbytes() for m in list(runner.model.modules()) + groups
+    dense += sum(m.packed.nbytes() for m in list(runner.model.modules()) + shared_input_groups(runner.model)
                  if isinstance(m, (Linear, SharedInputLinears)) and m.packed is not None)
     if isinstance(runner.experts, KernelExperts):
         expert = next(iter(runner.experts.layers.values())).expert_bytes()

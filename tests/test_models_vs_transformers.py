@@ -8,7 +8,7 @@ from conftest import prompt_ids
 from transformers import AutoModelForCausalLM
 
 from hybrid import LLM, SamplingParams
-from hybrid.models.layers import RMSNorm, SharedInputLinears
+from hybrid.models.layers import RMSNorm, shared_input_groups
 from hybrid.models.rotary_embedding import RotaryEmbedding
 from hybrid.models.router import GroupedSigmoidRouter, SoftmaxTopKRouter
 from hybrid.scheduler import ScheduledSeq
@@ -49,8 +49,7 @@ def test_prefill_logits_and_greedy_tokens_fp32(any_model, backend):
     assert kernel_ops and all(m.kernel == (backend == "cpu") for m in kernel_ops)
     # and linears sharing an input run as one packed matrix (fp8 ones only where their scale blocks stack,
     # which the tiny fp8 models' attention projections do not)
-    groups = [g for m in llm.engine.runner.model.modules() for g in vars(m).values()
-              if isinstance(g, SharedInputLinears)]
+    groups = shared_input_groups(llm.engine.runner.model)
     packed = [g.packed is not None for g in groups]
     assert groups
     if backend == "torch":

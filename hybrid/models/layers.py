@@ -58,6 +58,11 @@ class SharedInputLinears:
         return linear(self.packed, x).split([m.out_features for m in self.linears], dim=-1)
 
 
+def shared_input_groups(model: nn.Module) -> list[SharedInputLinears]:
+    """Every SharedInputLinears the modules of `model` hold."""
+    return [g for m in model.modules() for g in vars(m).values() if isinstance(g, SharedInputLinears)]
+
+
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32 and scaled in the input dtype, exactly as the reference models do."""
 
