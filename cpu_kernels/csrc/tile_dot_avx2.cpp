@@ -38,6 +38,14 @@ AVX2_TARGET inline void fp8_bytes_raw(__m256i v, int e, __m256i keep, __m256i hi
   w[1] = _mm256_castsi256_ps(_mm256_and_si256(codes, high));
 }
 
+// fp8_bytes_raw's weights, times 2^96 where the activations were not widened with that scale (kScaledX false).
+template <bool kScaledX>
+AVX2_TARGET inline void fp8_bytes(__m256i v, int e, __m256i keep, __m256i high, __m256* w) {
+  fp8_bytes_raw(v, e, keep, high, w);
+  if constexpr (!kScaledX)
+    for (int p = 0; p < 2; ++p) w[p] = _mm256_mul_ps(w[p], _mm256_set1_ps(kRawToRebias));
+}
+
 // Activations for fp8 lines, times `scale`: per line c, the 128-bit patterns x[4c + e], x[4c + e], x[4c + 2 + e],
 // x[4c + 2 + e] for e = 0, 1 (8 floats per 4 columns), so that one 128-bit broadcast meets fp8_bytes_raw's
 // outputs for byte e. A power-of-two scale keeps the values exact.
@@ -135,47 +143,85 @@ AVX2_TARGET void dot_bf16(const Tile& t, const float* const* x, float* out) {
                        kParity == 2 ? _mm256_add_ps(acc[i][h][0], acc[i][h][kParity - 1]) : acc[i][h][0]);
 }
 
-// TB tokens (1 to 4) against an fp8 tile: each line converted in registers and multiplied at once, four
-// accumulators per token (row half x p), each block's sums added to out. The raw weights meet activations
-// widened with the scale 2^96 (kScaledX) or, where an activation is 2^32 or more and that would overflow, are
-// scaled themselves (more multiplies); the products are the same either way. The loop over a block's lines tests
-// no flags: the flagged pairs' odd codes are corrected afterwards (fix_fp8_pair). One or two tokens go through
-// a block line by line (each accumulator meets two FMAs a line, so the loop is bound by their latency: more
-// chains per token would not fit in registers at two tokens); three or four go through it one row half at a
-// time, so that 2 * TB accumulators, two weight vectors, the codes and one pattern fit in sixteen registers.
-template <int TB, bool kScaledX>
-AVX2_TARGET void dot_fp8(const Tile& t, int block_k, const float* const* xw, const uint16_t* const* xb, float* out) {
-  constexpr bool kByHalf = TB > 2;
-  const int lines_per_block = block_k / 4;
+// One token's sums over fp8 lines [c0, c1), in dot_fp8's layout: eight chains (row half x byte x word), so
+// that each meets one FMA a line and the loop is not bound by FMA latency (two tokens have no registers for
+// this). Named variables, not an array: GCC stores an array's accumulators on every line.
+template <bool kScaledX>
+AVX2_TARGET void fp8_lines_one(const uint8_t* data, int c0, int c1, const float* xw, __m256 (&part)[1][2][2]) {
   const __m256i keep = _mm256_set1_epi16(int16_t(0x87f0)), high = _mm256_set1_epi32(int(0xffff0000u));
-  std::fill(out, out + TB * kRows, 0.0f);
-  for (int kb = 0; kb < t.kp / block_k; ++kb) {
-    __m256 part[TB][2][2];
-    for (int i = 0; i < TB; ++i)
-      for (int h = 0; h < 2; ++h) part[i][h][0] = part[i][h][1] = _mm256_setzero_ps();
-    const int c0 = kb * lines_per_block, c1 = c0 + lines_per_block;
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
 #pragma GCC unroll 2
-    for (int pass = 0; pass < (kByHalf ? 2 : 1); ++pass) {
-      for (int c = c0; c < c1; ++c) {
-        const uint8_t* line = t.data + int64_t(c) * 64;
-        if (pass == 0) stream_prefetch_avx2(line);
+  for (int c = c0; c < c1; ++c) {
+    const uint8_t* line = data + int64_t(c) * 64;
+    stream_prefetch_avx2(line);
+    const __m256i v0 = load256(line), v1 = load256(line + 32);
+    const __m256 x0 = fp8_x(xw, c, 0), x1 = fp8_x(xw, c, 1);
+    __m256 w[2];
+    fp8_bytes<kScaledX>(v0, 0, keep, high, w);
+    a0 = _mm256_fmadd_ps(w[0], x0, a0);
+    a1 = _mm256_fmadd_ps(w[1], x0, a1);
+    fp8_bytes<kScaledX>(v0, 1, keep, high, w);
+    b0 = _mm256_fmadd_ps(w[0], x1, b0);
+    b1 = _mm256_fmadd_ps(w[1], x1, b1);
+    fp8_bytes<kScaledX>(v1, 0, keep, high, w);
+    a2 = _mm256_fmadd_ps(w[0], x0, a2);
+    a3 = _mm256_fmadd_ps(w[1], x0, a3);
+    fp8_bytes<kScaledX>(v1, 1, keep, high, w);
+    b2 = _mm256_fmadd_ps(w[0], x1, b2);
+    b3 = _mm256_fmadd_ps(w[1], x1, b3);
+  }
+  part[0][0][0] = _mm256_add_ps(a0, b0);
+  part[0][0][1] = _mm256_add_ps(a1, b1);
+  part[0][1][0] = _mm256_add_ps(a2, b2);
+  part[0][1][1] = _mm256_add_ps(a3, b3);
+}
+
+// TB tokens (2 to 4) over fp8 lines [c0, c1) into part: four accumulators per token (row half x word). Two
+// tokens go through the lines one by one (each accumulator meets two FMAs a line, so the loop is bound by their
+// latency); three or four go through them one row half at a time, so that 2 * TB accumulators, two weight
+// vectors, the codes and one pattern fit in sixteen registers.
+template <int TB, bool kScaledX>
+AVX2_TARGET void fp8_lines(const uint8_t* data, int c0, int c1, const float* const* xw, __m256 (&part)[TB][2][2]) {
+  constexpr bool kByHalf = TB > 2;
+  const __m256i keep = _mm256_set1_epi16(int16_t(0x87f0)), high = _mm256_set1_epi32(int(0xffff0000u));
+  for (int i = 0; i < TB; ++i)
+    for (int h = 0; h < 2; ++h) part[i][h][0] = part[i][h][1] = _mm256_setzero_ps();
+#pragma GCC unroll 2
+  for (int pass = 0; pass < (kByHalf ? 2 : 1); ++pass) {
+    for (int c = c0; c < c1; ++c) {
+      const uint8_t* line = data + int64_t(c) * 64;
+      if (pass == 0) stream_prefetch_avx2(line);
 #pragma GCC unroll 2  // else GCC stores the accumulators of one token on every line
-        for (int h = kByHalf ? pass : 0; h < (kByHalf ? pass + 1 : 2); ++h) {
-          const __m256i v = load256(line + 32 * h);
-          for (int e = 0; e < 2; ++e) {
-            __m256 w[2];
-            fp8_bytes_raw(v, e, keep, high, w);
-            if constexpr (!kScaledX)
-              for (int p = 0; p < 2; ++p) w[p] = _mm256_mul_ps(w[p], _mm256_set1_ps(kRawToRebias));
-            for (int i = 0; i < TB; ++i) {
-              const __m256 xv = fp8_x(xw[i], c, e);
-              part[i][h][0] = _mm256_fmadd_ps(w[0], xv, part[i][h][0]);
-              part[i][h][1] = _mm256_fmadd_ps(w[1], xv, part[i][h][1]);
-            }
+      for (int h = kByHalf ? pass : 0; h < (kByHalf ? pass + 1 : 2); ++h) {
+        const __m256i v = load256(line + 32 * h);
+        for (int e = 0; e < 2; ++e) {
+          __m256 w[2];
+          fp8_bytes<kScaledX>(v, e, keep, high, w);
+          for (int i = 0; i < TB; ++i) {
+            const __m256 xv = fp8_x(xw[i], c, e);
+            part[i][h][0] = _mm256_fmadd_ps(w[0], xv, part[i][h][0]);
+            part[i][h][1] = _mm256_fmadd_ps(w[1], xv, part[i][h][1]);
           }
         }
       }
     }
+  }
+}
+
+// TB tokens (1 to 4) against an fp8 tile: each line converted in registers and multiplied at once, each block's
+// sums added to out. The raw weights meet activations widened with the scale 2^96 (kScaledX) or, where an
+// activation is 2^32 or more and that would overflow, are scaled themselves (more multiplies); the products are
+// the same either way. The loop over a block's lines tests no flags: the flagged pairs' odd codes are corrected
+// afterwards (fix_fp8_pair).
+template <int TB, bool kScaledX>
+AVX2_TARGET void dot_fp8(const Tile& t, int block_k, const float* const* xw, const uint16_t* const* xb, float* out) {
+  const int lines_per_block = block_k / 4;
+  std::fill(out, out + TB * kRows, 0.0f);
+  for (int kb = 0; kb < t.kp / block_k; ++kb) {
+    __m256 part[TB][2][2];
+    const int c0 = kb * lines_per_block, c1 = c0 + lines_per_block;
+    if constexpr (TB == 1) fp8_lines_one<kScaledX>(t.data, c0, c1, xw[0], part);
+    else fp8_lines<TB, kScaledX>(t.data, c0, c1, xw, part);
     const __m256 s = _mm256_set1_ps(t.scales[kb] * kFp8Rebias);
     const int pairs = lines_per_block / 2;
     constexpr float kNoFix[kRows] = {};
