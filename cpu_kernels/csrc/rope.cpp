@@ -1,4 +1,4 @@
-// Rotary position embedding (rope.h). Built for baseline x86-64 with no FMA in reach, so the compiler cannot
+// Rotary position embedding (rope.h). Built with -ffp-contract=off (setup.py), so the compiler does not
 // contract a product and a sum into one rounding: every step rounds as torch's separate ops do.
 #include "rope.h"
 
