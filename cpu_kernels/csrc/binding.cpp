@@ -8,6 +8,7 @@
 #include "norm.h"
 #include "rope.h"
 #include "routing.h"
+#include "row_ops.h"
 #include "slot_channel.h"
 #include "tile_layout.h"
 
@@ -63,6 +64,27 @@ PYBIND11_MODULE(_C, m) {
     hybridd::fp8_pair_flags(reinterpret_cast<const uint8_t*>(lines), tiles, kp, reinterpret_cast<uint8_t*>(flags));
   });
   m.def("amx_calls", &hybridd::amx_calls);
+  // The row conversions around the dot kernels, one call per row, for their tests.
+  m.def("row_to_f32", [](int isa, uintptr_t src, bool f32, int n, uintptr_t dst) {
+    hybridd::to_f32(static_cast<Isa>(isa), as<const void>(src), f32, n, as<float>(dst));
+  });
+  m.def("row_split_bf16", [](int isa, uintptr_t v, int n, uintptr_t hi, uintptr_t lo) {
+    hybridd::split_bf16(static_cast<Isa>(isa), as<const float>(v), n, as<uint16_t>(hi), as<uint16_t>(lo));
+  });
+  m.def("row_put", [](int isa, uintptr_t hi, uintptr_t lo, int n, float scale, bool f32, uintptr_t dst) {
+    hybridd::put(static_cast<Isa>(isa), as<const float>(hi), as<const float>(lo), n, scale, f32, as<void>(dst));
+  });
+  m.def("row_axpy_tiles", [](int isa, float w, uintptr_t hi, uintptr_t lo, int64_t stride, int n, uintptr_t acc) {
+    hybridd::axpy_tiles(static_cast<Isa>(isa), w, as<const float>(hi), as<const float>(lo), stride, n, as<float>(acc));
+  });
+  m.def("row_silu_mul", [](int isa, uintptr_t g, uintptr_t u, uintptr_t out) {
+    hybridd::silu_mul_row(static_cast<Isa>(isa), as<const float>(g), as<const float>(u), as<float>(out));
+  });
+  m.def("row_quantize", [](int isa, uintptr_t v, int k, int kp, int fmt, int group, uintptr_t q, uintptr_t scale,
+                           uintptr_t gsum) {
+    hybridd::quantize_row(static_cast<Isa>(isa), as<const float>(v), k, kp, static_cast<Format>(fmt), group,
+                          as<int8_t>(q), as<float>(scale), as<int32_t>(gsum));
+  });
   m.def("isa_name", [](int isa) { return std::string(hybridd::isa_name(static_cast<Isa>(isa))); });
 
   py::class_<PackedMatrices>(m, "PackedMatrices")

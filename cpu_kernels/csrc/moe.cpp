@@ -3,6 +3,7 @@
 #include "amx.h"
 #include "cache_aligned.h"
 #include "fp8_lines.h"
+#include "row_ops.h"
 #include "simd_math.h"
 #include "tile_dot_avx2.h"
 #include "tile_dot_avx512f.h"
@@ -39,8 +40,6 @@ float e4m3_to_f32(uint8_t v) {
   else mag = std::ldexp(1.0f + man / 8.0f, exp - 7);
   return sign ? -mag : mag;
 }
-
-inline float silu_mul(float g, float u) { return g / (1.0f + std::exp(-g)) * u; }
 
 inline Tile tile_of(const PackedMatrices& m, int expert, int tile, Format f, int block_k, int group) {
   int64_t tile_bytes;
@@ -445,125 +444,6 @@ AVX512_TARGET void tile_dotn_avx512(Format f, const Tile* t, int block_k, const 
 void tile_dot_multi(Isa isa, Format f, const Tile* tiles, int nt, int block_k, int group, const Act& a,
                     const int* rows, int n, float* const* outs, uint16_t* scratch);
 
-AVX512F_TARGET void silu_mul_avx512(const float* g, const float* u, float* out) {
-  const __m512 gv = _mm512_loadu_ps(g);
-  const __m512 den = _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv)));
-  _mm512_storeu_ps(out, _mm512_div_ps(_mm512_mul_ps(gv, _mm512_loadu_ps(u)), den));
-}
-
-// out[0..16) = silu(g) * u for one tile row of 16 values.
-void silu_mul_row(Isa isa, const float* g, const float* u, float* out) {
-  if (avx512(isa)) {
-    silu_mul_avx512(g, u, out);
-    return;
-  }
-  for (int c = 0; c < kRows; ++c) out[c] = silu_mul(g[c], u[c]);
-}
-
-// Row conversions around the dot kernels (n values each), vectorized on the AVX-512 paths: the rest of the
-// library is compiled for baseline x86-64, where these loops cost as much as the AMX dot products they follow.
-// Those that round to bf16 use vcvtneps2bf16 (AVX-512 BF16); the avx512 path rounds in scalar code.
-AVX512F_TARGET inline __mmask16 first(int n) { return n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1); }
-
-AVX512F_TARGET void to_f32_avx512(const void* src, bool f32, int n, float* dst) {
-  for (int i = 0; i < n; i += 16) {
-    const __mmask16 m = first(n - i);
-    const __m512 v = f32 ? _mm512_maskz_loadu_ps(m, static_cast<const float*>(src) + i)
-                         : widen_bf16(_mm256_maskz_loadu_epi16(m, static_cast<const uint16_t*>(src) + i));
-    _mm512_mask_storeu_ps(dst + i, m, v);
-  }
-}
-
-AVX512_TARGET void split_bf16_avx512(const float* v, int n, uint16_t* hi, uint16_t* lo) {
-  for (int i = 0; i < n; i += 16) {
-    const __mmask16 m = first(n - i);
-    const __m512 x = _mm512_maskz_loadu_ps(m, v + i);
-    const __m256i h = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x));
-    _mm256_mask_storeu_epi16(hi + i, m, h);
-    if (lo) _mm256_mask_storeu_epi16(lo + i, m, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_sub_ps(x, widen_bf16(h)))));
-  }
-}
-
-AVX512_TARGET void put_avx512(const float* hi, const float* lo, int n, float scale, bool f32, void* dst) {
-  for (int i = 0; i < n; i += 16) {
-    const __mmask16 m = first(n - i);
-    __m512 v = _mm512_maskz_loadu_ps(m, hi + i);
-    if (lo) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, lo + i));
-    if (scale != 1.0f) v = _mm512_mul_ps(v, _mm512_set1_ps(scale));
-    if (f32) _mm512_mask_storeu_ps(static_cast<float*>(dst) + i, m, v);
-    else _mm256_mask_storeu_epi16(static_cast<uint16_t*>(dst) + i, m, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
-  }
-}
-
-AVX512_TARGET void put_tile_avx512(const float* y, int R, int rows, int cols, bool f32, void* dst, size_t stride) {
-  const __mmask16 m = first(cols);
-  for (int t = 0; t < rows; ++t) {
-    const float* src = y + size_t(t) * R * kRows;
-    __m512 v = _mm512_loadu_ps(src);
-    if (R == 2) v = _mm512_add_ps(v, _mm512_loadu_ps(src + kRows));
-    if (f32) _mm512_mask_storeu_ps(static_cast<float*>(dst) + t * stride, m, v);
-    else _mm256_mask_storeu_epi16(static_cast<uint16_t*>(dst) + t * stride, m, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
-  }
-}
-
-AVX512F_TARGET void axpy_tiles_avx512(float w, const float* hi, const float* lo, size_t stride, int n, float* acc) {
-  const __m512 wv = _mm512_set1_ps(w);
-  for (int i = 0; i < n; i += kRows) {
-    const __mmask16 m = first(n - i);
-    const size_t at = i / kRows * stride;
-    __m512 y = _mm512_maskz_loadu_ps(m, hi + at);
-    if (lo) y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(m, lo + at));
-    _mm512_mask_storeu_ps(acc + i, m, _mm512_fmadd_ps(wv, y, _mm512_maskz_loadu_ps(m, acc + i)));
-  }
-}
-
-// dst[0..n) = fp32 values of src (bf16, or fp32 when f32).
-void to_f32(Isa isa, const void* src, bool f32, int n, float* dst) {
-  if (avx512(isa)) return to_f32_avx512(src, f32, n, dst);
-  for (int i = 0; i < n; ++i)
-    dst[i] = f32 ? static_cast<const float*>(src)[i] : bf16_to_f32(static_cast<const uint16_t*>(src)[i]);
-}
-
-// hi = bf16(v) and, when lo is given, lo = bf16(v - hi): the pair that carries fp32 accuracy.
-void split_bf16(Isa isa, const float* v, int n, uint16_t* hi, uint16_t* lo) {
-  if (avx512_bf16(isa)) return split_bf16_avx512(v, n, hi, lo);
-  for (int i = 0; i < n; ++i) {
-    hi[i] = f32_to_bf16(v[i]);
-    if (lo) lo[i] = f32_to_bf16(v[i] - bf16_to_f32(hi[i]));
-  }
-}
-
-// dst = (hi (+ lo when given)) * scale, as fp32 or rounded to bf16.
-void put(Isa isa, const float* hi, const float* lo, int n, float scale, bool f32, void* dst) {
-  if (avx512_bf16(isa)) return put_avx512(hi, lo, n, scale, f32, dst);
-  for (int i = 0; i < n; ++i) {
-    const float v = (lo ? hi[i] + lo[i] : hi[i]) * scale;
-    if (f32) static_cast<float*>(dst)[i] = v;
-    else static_cast<uint16_t*>(dst)[i] = f32_to_bf16(v);
-  }
-}
-
-// Row t < rows of a tile's results y ([rows][R][16], R == 2: hi + lo summed), its first `cols` values, to
-// dst + t * stride (fp32, or rounded to bf16).
-void put_tile(Isa isa, const float* y, int R, int rows, int cols, bool f32, void* dst, size_t stride) {
-  if (avx512_bf16(isa)) return put_tile_avx512(y, R, rows, cols, f32, dst, stride);
-  for (int t = 0; t < rows; ++t) {
-    const float* src = y + size_t(t) * R * kRows;
-    put(isa, src, R == 2 ? src + kRows : nullptr, cols, 1.0f, f32,
-        static_cast<uint8_t*>(dst) + t * stride * (f32 ? 4 : 2));
-  }
-}
-
-// acc[0..n) += w * y, for y held 16 values per tile, consecutive tiles `stride` floats apart; y = hi + lo
-// when lo is given.
-void axpy_tiles(Isa isa, float w, const float* hi, const float* lo, size_t stride, int n, float* acc) {
-  if (avx512(isa)) return axpy_tiles_avx512(w, hi, lo, stride, n, acc);
-  for (int i = 0; i < n; ++i) {
-    const size_t at = i / kRows * stride + i % kRows;
-    acc[i] += w * (lo ? hi[at] + lo[at] : hi[at]);
-  }
-}
-
 void tile_dot(Isa isa, Format f, const Tile& t, int block_k, int group, const Act& a, const int* rows, int n,
               float* out) {
   if (avx512_bf16(isa)) tile_dot_avx512(f, t, block_k, group, a, rows, n, out);
@@ -586,67 +466,6 @@ void tile_dot_multi(Isa isa, Format f, const Tile* tiles, int nt, int block_k, i
   for (int j = 0; j < nt; ++j)
     for (int b = 0; b < n; b += kMaxTokenBlock)
       tile_dot(isa, f, tiles[j], block_k, group, a, rows + b, std::min(kMaxTokenBlock, n - b), outs[j] + b * kRows);
-}
-
-// Symmetric per-row int8 quantization; int8 format stores q + 128 (u8 operand), int4 stores q and group sums.
-void quantize_row_generic(const float* v, int k, int kp, Format f, int group, int8_t* q, float* scale,
-                          int32_t* gsum) {
-  float amax = 0.0f;
-  for (int i = 0; i < k; ++i) amax = std::max(amax, std::fabs(v[i]));
-  const float s = amax > 0.0f ? amax / 127.0f : 1.0f;
-  const float inv = 1.0f / s;
-  for (int i = 0; i < kp; ++i) {
-    const int x = i < k ? static_cast<int>(std::nearbyint(std::clamp(v[i] * inv, -127.0f, 127.0f))) : 0;
-    q[i] = static_cast<int8_t>(f == Format::kINT8 ? (x + 128) : x);
-  }
-  *scale = s;
-  if (f == Format::kINT4) {
-    for (int g = 0; g < kp / group; ++g) {
-      int32_t sum = 0;
-      for (int i = g * group; i < (g + 1) * group; ++i) sum += q[i];
-      gsum[g] = sum;
-    }
-  }
-}
-
-// The same arithmetic 16 lanes at a time (cvtps rounds to nearest even like nearbyint); kp % 16 == 0.
-AVX512F_TARGET void quantize_row_avx512(const float* v, int k, int kp, Format f, int group, int8_t* q, float* scale,
-                                       int32_t* gsum) {
-  __m512 amax = _mm512_setzero_ps();
-  for (int i = 0; i < k; i += 16) {
-    const __mmask16 m = k - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (k - i)) - 1);
-    amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_maskz_loadu_ps(m, v + i)));
-  }
-  const float a = _mm512_reduce_max_ps(amax);
-  const float s = a > 0.0f ? a / 127.0f : 1.0f;
-  const __m512 inv = _mm512_set1_ps(1.0f / s);
-  const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
-  const __m128i bias = _mm_set1_epi8(static_cast<char>(0x80));
-  int32_t run = 0;
-  for (int i = 0; i < kp; i += 16) {
-    const __mmask16 m = i >= k ? __mmask16(0) : (k - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (k - i)) - 1));
-    const __m512 x = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, v + i), inv), lo), hi);
-    const __m512i xi = _mm512_cvtps_epi32(x);
-    __m128i b = _mm512_cvtsepi32_epi8(xi);
-    if (f == Format::kINT8) b = _mm_xor_si128(b, bias);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), b);
-    if (f == Format::kINT4) {
-      run += _mm512_reduce_add_epi32(xi);
-      if ((i + 16) % group == 0) {
-        gsum[(i + 16) / group - 1] = run;
-        run = 0;
-      }
-    }
-  }
-  *scale = s;
-}
-
-void quantize_row(Isa isa, const float* v, int k, int kp, Format f, int group, int8_t* q, float* scale,
-                  int32_t* gsum) {
-  if (avx512(isa) && kp % 16 == 0 && (f == Format::kINT8 || group % 16 == 0))
-    quantize_row_avx512(v, k, kp, f, group, q, scale, gsum);
-  else
-    quantize_row_generic(v, k, kp, f, group, q, scale, gsum);
 }
 
 void check_flags(Format f, const PackedMatrices& m) {

@@ -61,7 +61,8 @@ AVX2_TARGET inline __m256 widen_bf16(__m128i h) {
 // Taylor coefficients of e^f, degree 7 down to 0.
 constexpr float kExpTaylor[8] = {1.0f / 5040, 1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f};
 
-// exp(x) = 2^n * 2^f with |f| <= 1/2 and a degree-7 Taylor polynomial of 2^f (relative error < 1e-7).
+// exp(x) = 2^n * 2^f with |f| <= 1/2 and a degree-7 Taylor polynomial of 2^f. Relative error about
+// 1.3e-7 for |x| <= 1, growing by ~7e-8 per unit of |x| (x * log2(e) is rounded to fp32 first): 4e-6 at -87.
 __attribute__((target("avx512f"))) inline __m512 exp512(__m512 x) {
   x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
   const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
