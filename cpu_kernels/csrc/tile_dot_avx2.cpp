@@ -143,6 +143,15 @@ AVX2_TARGET void dot_bf16(const Tile& t, const float* const* x, float* out) {
                        kParity == 2 ? _mm256_add_ps(acc[i][h][0], acc[i][h][kParity - 1]) : acc[i][h][0]);
 }
 
+// acc0 += the even-word weights of byte e of v times x, acc1 += the odd-word ones.
+template <bool kScaledX>
+AVX2_TARGET inline void fp8_fma(__m256i v, int e, __m256 x, __m256i keep, __m256i high, __m256& acc0, __m256& acc1) {
+  __m256 w[2];
+  fp8_bytes<kScaledX>(v, e, keep, high, w);
+  acc0 = _mm256_fmadd_ps(w[0], x, acc0);
+  acc1 = _mm256_fmadd_ps(w[1], x, acc1);
+}
+
 // One token's sums over fp8 lines [c0, c1), in dot_fp8's layout: eight chains (row half x byte x word), so
 // that each meets one FMA a line and the loop is not bound by FMA latency (two tokens have no registers for
 // this). Named variables, not an array: GCC stores an array's accumulators on every line.
@@ -156,19 +165,10 @@ AVX2_TARGET void fp8_lines_one(const uint8_t* data, int c0, int c1, const float*
     stream_prefetch_avx2(line);
     const __m256i v0 = load256(line), v1 = load256(line + 32);
     const __m256 x0 = fp8_x(xw, c, 0), x1 = fp8_x(xw, c, 1);
-    __m256 w[2];
-    fp8_bytes<kScaledX>(v0, 0, keep, high, w);
-    a0 = _mm256_fmadd_ps(w[0], x0, a0);
-    a1 = _mm256_fmadd_ps(w[1], x0, a1);
-    fp8_bytes<kScaledX>(v0, 1, keep, high, w);
-    b0 = _mm256_fmadd_ps(w[0], x1, b0);
-    b1 = _mm256_fmadd_ps(w[1], x1, b1);
-    fp8_bytes<kScaledX>(v1, 0, keep, high, w);
-    a2 = _mm256_fmadd_ps(w[0], x0, a2);
-    a3 = _mm256_fmadd_ps(w[1], x0, a3);
-    fp8_bytes<kScaledX>(v1, 1, keep, high, w);
-    b2 = _mm256_fmadd_ps(w[0], x1, b2);
-    b3 = _mm256_fmadd_ps(w[1], x1, b3);
+    fp8_fma<kScaledX>(v0, 0, x0, keep, high, a0, a1);
+    fp8_fma<kScaledX>(v0, 1, x1, keep, high, b0, b1);
+    fp8_fma<kScaledX>(v1, 0, x0, keep, high, a2, a3);
+    fp8_fma<kScaledX>(v1, 1, x1, keep, high, b2, b3);
   }
   part[0][0][0] = _mm256_add_ps(a0, b0);
   part[0][0][1] = _mm256_add_ps(a1, b1);
