@@ -331,11 +331,6 @@ AVX2_TARGET void dot_int4(const Tile& t, int group, const Act& a, const int* row
     for (int h = 0; h < 2; ++h) _mm256_storeu_ps(out + i * kRows + 8 * h, acc[i][h]);
 }
 
-// A bf16 activation row widened to fp32 (kp % 8 == 0).
-AVX2_TARGET void widen_bf16_row(const uint16_t* src, int64_t kp, float* dst) {
-  for (int64_t k = 0; k < kp; k += 8) _mm256_storeu_ps(dst + k, widen_bf16x8(src + k));
-}
-
 // Runs kernel<TB> over n rows in blocks of up to B.
 template <int B, typename Kernel>
 void in_blocks(int n, Kernel&& kernel) {
@@ -369,9 +364,9 @@ void widen_rows_avx2(Format f, const Act& a, const int* rows, int n, WideRows& w
     wide.scaled = !huge;
   }
   const float scale = wide.scaled ? kRawToRebias : 1.0f;
-  widen_rows(f, a, rows, n, wide, [scale](const uint16_t* src, int64_t kp, float* dst) {
+  widen_rows(f, Isa::kAvx2, a, rows, n, wide, [scale](const uint16_t* src, int64_t kp, float* dst) {
     widen_fp8_row(src, kp, scale, dst);
-  }, widen_bf16_row);
+  });
 }
 
 void tile_dot_avx2(Format f, const Tile& t, int block_k, int group, const Act& a, const int* rows, int n,

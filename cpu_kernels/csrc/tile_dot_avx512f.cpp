@@ -202,12 +202,6 @@ AVX512F_TARGET void dot_int4(const Tile& t, int group, const Act& a, const int* 
   for (int i = 0; i < TB; ++i) _mm512_storeu_ps(out + i * kRows, acc[i]);
 }
 
-// A bf16 activation row widened to fp32 (kp % 16 == 0).
-AVX512F_TARGET void widen_bf16_row(const uint16_t* src, int64_t kp, float* dst) {
-  for (int64_t k = 0; k < kp; k += 16)
-    _mm512_storeu_ps(dst + k, widen_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + k))));
-}
-
 template <int TB>
 AVX512F_TARGET void tile_dot_block(Format f, const Tile& t, int block_k, int group, const Act& a, const int* rows,
                                    const WideRows& wide, float* out) {
@@ -233,7 +227,7 @@ void tile_dot_avx512f(Format f, const Tile& t, int block_k, int group, const Act
   thread_local WideRows wide;
   for (int b = 0; b < n; b += kTokenBlock) {
     const int m = std::min(kTokenBlock, n - b);
-    widen_rows(f, a, rows + b, m, wide, widen_fp8_row, widen_bf16_row);
+    widen_rows(f, Isa::kAvx512, a, rows + b, m, wide, widen_fp8_row);
     float* o = out + b * kRows;
     const int* r = rows + b;
     switch (m) {

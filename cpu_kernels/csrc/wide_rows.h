@@ -3,6 +3,7 @@
 #pragma once
 
 #include "moe.h"
+#include "row_ops.h"
 #include "simd_math.h"
 
 #include <immintrin.h>
@@ -39,12 +40,11 @@ AVX2_TARGET inline void widen_u8_rows(const Act& a, const int* rows, int n, Wide
   }
 }
 
-// Rows rows[0..n) of a widened into wide: int8 by widen_u8_rows, fp8 (2 * kp floats a row) and bf16 (kp floats)
-// by the path's own row functions, called as row(src, kp, dst). The buffers' starts are taken once: a
-// thread-local buffer's element addresses cost a lookup each inside a loop.
-template <typename Fp8Row, typename Bf16Row>
-inline void widen_rows(Format f, const Act& a, const int* rows, int n, WideRows& wide, Fp8Row fp8_row,
-                       Bf16Row bf16_row) {
+// Rows rows[0..n) of a widened into wide: int8 by widen_u8_rows, fp8 (2 * kp floats a row) by the path's own
+// row function, called as fp8_row(src, kp, dst), and bf16 (kp floats) by to_f32 on the path's isa. The
+// buffers' starts are taken once: a thread-local buffer's element addresses cost a lookup each inside a loop.
+template <typename Fp8Row>
+inline void widen_rows(Format f, Isa isa, const Act& a, const int* rows, int n, WideRows& wide, Fp8Row fp8_row) {
   if (f == Format::kINT8) return widen_u8_rows(a, rows, n, wide);
   if (f != Format::kFP8 && f != Format::kBF16) return;
   const int64_t per_row = widened_row_bytes(f, a.kp) / int64_t(sizeof(float));
@@ -53,7 +53,7 @@ inline void widen_rows(Format f, const Act& a, const int* rows, int n, WideRows&
   float* dst = wide.f32.data();
   for (int i = 0; i < n; ++i) {
     if (f == Format::kFP8) fp8_row(a.bf + int64_t(rows[i]) * a.kp, a.kp, dst + i * per_row);
-    else bf16_row(a.bf + int64_t(rows[i]) * a.kp, a.kp, dst + i * per_row);
+    else to_f32(isa, a.bf + int64_t(rows[i]) * a.kp, false, a.kp, dst + i * per_row);
   }
 }
 
