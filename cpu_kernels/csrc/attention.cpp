@@ -447,8 +447,7 @@ void paged_attention(ThreadPool& pool, const PagedAttention& a, Isa isa) {
   part.resize(work.size() * task_floats);
   const bool wide = avx512(isa) && a.head_dim % 16 == 0 && a.v_head_dim % 16 == 0;
   // AVX-512 paths take the avx2 kernel where a head dimension is a multiple of 8 but not of 16.
-  const bool avx2 = !wide && isa != Isa::kGeneric && isa_supported(Isa::kAvx2) && a.head_dim % 8 == 0 &&
-                    a.v_head_dim % 8 == 0;
+  const bool avx2 = !wide && runs_avx2(isa) && a.head_dim % 8 == 0 && a.v_head_dim % 8 == 0;
   float* parts = part.data();
   pool.run(static_cast<int>(work.size()), [&](int i, int) {
     if (wide) attend_avx512(a, work[i], parts + i * task_floats);

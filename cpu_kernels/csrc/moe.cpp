@@ -522,7 +522,7 @@ bool isa_supported(Isa isa) {
     case Isa::kAvx2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     case Isa::kAmx: return isa_supported(Isa::kAvx512Bf16) && amx_usable();
     case Isa::kAvx512:
-      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      return isa_supported(Isa::kAvx2) && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
              __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
     case Isa::kAvx512Bf16:
       return isa_supported(Isa::kAvx512) && __builtin_cpu_supports("avx512bf16") &&

@@ -29,6 +29,8 @@ enum class Isa : int { kGeneric = 0, kAvx512Bf16 = 1, kAvx2 = 2, kAmx = 3, kAvx5
 inline bool avx512_bf16(Isa isa) { return isa == Isa::kAvx512Bf16 || isa == Isa::kAmx; }
 // Paths whose CPUs run AVX512F_TARGET code (simd_math.h).
 inline bool avx512(Isa isa) { return isa == Isa::kAvx512 || avx512_bf16(isa); }
+// Paths whose CPUs run AVX2_TARGET code: all but the generic one (isa_supported asks AVX-512 CPUs for AVX2 + FMA).
+inline bool runs_avx2(Isa isa) { return isa != Isa::kGeneric; }
 
 constexpr int kRows = 16;  // output rows per packed tile
 

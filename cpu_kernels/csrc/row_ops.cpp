@@ -1,3 +1,4 @@
+// Row conversions around the dot kernels (row_ops.h): portable loops, AVX-512 and avx2 versions of each.
 #include "row_ops.h"
 
 #include "fp8_lines.h"
@@ -68,7 +69,8 @@ void quantize_row_generic(const float* v, int k, int kp, Format f, int group, in
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// AVX-512: 16 lanes with masked tails; rounding to bf16 by vcvtneps2bf16 (AVX-512 BF16 only).
+// AVX-512: 16 lanes with masked tails; rounding to bf16 by vcvtneps2bf16 (AVX-512 BF16 only: the avx512 path
+// rounds with the avx2 loops).
 
 AVX512F_TARGET inline __mmask16 first(int n) { return n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1); }
 
@@ -160,7 +162,8 @@ AVX512F_TARGET void quantize_row_avx512(const float* v, int k, int kp, Format f,
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// avx2: 8 lanes, the tails left to the portable loops.
+// avx2 (and every AVX-512 path where it has no version of its own): 8 lanes, the tails left to the portable
+// loops.
 
 // f32_to_bf16 of 8 lanes: round to nearest even, NaN kept quiet.
 AVX2_TARGET inline __m128i round_bf16x8(__m256 v) {
@@ -291,19 +294,19 @@ AVX2_TARGET void quantize_row_avx2(const float* v, int k, int kp, Format f, int 
 
 void to_f32(Isa isa, const void* src, bool f32, int n, float* dst) {
   if (avx512(isa)) return to_f32_avx512(src, f32, n, dst);
-  if (isa == Isa::kAvx2) return to_f32_avx2(src, f32, n, dst);
+  if (runs_avx2(isa)) return to_f32_avx2(src, f32, n, dst);
   to_f32_generic(src, f32, n, dst);
 }
 
 void split_bf16(Isa isa, const float* v, int n, uint16_t* hi, uint16_t* lo) {
   if (avx512_bf16(isa)) return split_bf16_avx512(v, n, hi, lo);
-  if (isa == Isa::kAvx2) return split_bf16_avx2(v, n, hi, lo);
+  if (runs_avx2(isa)) return split_bf16_avx2(v, n, hi, lo);
   split_bf16_generic(v, n, hi, lo);
 }
 
 void put(Isa isa, const float* hi, const float* lo, int n, float scale, bool f32, void* dst) {
   if (avx512_bf16(isa)) return put_avx512(hi, lo, n, scale, f32, dst);
-  if (isa == Isa::kAvx2) return put_avx2(hi, lo, n, scale, f32, dst);
+  if (runs_avx2(isa)) return put_avx2(hi, lo, n, scale, f32, dst);
   put_generic(hi, lo, n, scale, f32, dst);
 }
 
@@ -318,13 +321,13 @@ void put_tile(Isa isa, const float* y, int R, int rows, int cols, bool f32, void
 
 void axpy_tiles(Isa isa, float w, const float* hi, const float* lo, size_t stride, int n, float* acc) {
   if (avx512(isa)) return axpy_tiles_avx512(w, hi, lo, stride, n, acc);
-  if (isa == Isa::kAvx2) return axpy_tiles_avx2(w, hi, lo, stride, n, acc);
+  if (runs_avx2(isa)) return axpy_tiles_avx2(w, hi, lo, stride, n, acc);
   axpy_tiles_generic(w, hi, lo, stride, 0, n, acc);
 }
 
 void silu_mul_row(Isa isa, const float* g, const float* u, float* out) {
   if (avx512(isa)) return silu_mul_avx512(g, u, out);
-  if (isa == Isa::kAvx2) return silu_mul_avx2(g, u, out);
+  if (runs_avx2(isa)) return silu_mul_avx2(g, u, out);
   silu_mul_generic(g, u, out);
 }
 
@@ -332,7 +335,7 @@ void quantize_row(Isa isa, const float* v, int k, int kp, Format f, int group, i
                   int32_t* gsum) {
   const bool whole = kp % 16 == 0 && (f == Format::kINT8 || group % 16 == 0);
   if (avx512(isa) && whole) return quantize_row_avx512(v, k, kp, f, group, q, scale, gsum);
-  if (isa == Isa::kAvx2 && whole) return quantize_row_avx2(v, k, kp, f, group, q, scale, gsum);
+  if (runs_avx2(isa) && whole) return quantize_row_avx2(v, k, kp, f, group, q, scale, gsum);
   quantize_row_generic(v, k, kp, f, group, q, scale, gsum);
 }
 

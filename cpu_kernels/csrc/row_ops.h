@@ -1,7 +1,7 @@
 // Row conversions around the dot kernels: activations widened, split into bf16 pairs or quantized before them,
 // results gathered, combined and rounded after them. Vectorized on the AVX-512 and avx2 paths (the rest of the
 // library is compiled for baseline x86-64, where these loops cost as much as the dot products they follow);
-// every path gives the same bits as the portable loops, but silu_mul_row (a vector exp, relative error < 1e-7).
+// every path gives the same bits as the portable loops, but silu_mul_row (a vector exp: simd_math.h).
 #pragma once
 
 #include <cstddef>
