@@ -1,7 +1,6 @@
 // Row conversions around the dot kernels (row_ops.h): portable loops, AVX-512 and avx2 versions of each.
 #include "row_ops.h"
 
-#include "fp8_lines.h"
 #include "simd_math.h"
 
 #include <immintrin.h>
@@ -69,10 +68,19 @@ void quantize_row_generic(const float* v, int k, int kp, Format f, int group, in
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// AVX-512: 16 lanes with masked tails; rounding to bf16 by vcvtneps2bf16 (AVX-512 BF16 only: the avx512 path
-// rounds with the avx2 loops).
+// AVX-512: 16 lanes with masked tails, the portable loops' bits. Rounding to bf16 is integer arithmetic, not
+// vcvtneps2bf16, which flushes subnormal inputs and results to zero (seen on a Sapphire Rapids-class Xeon).
 
 AVX512F_TARGET inline __mmask16 first(int n) { return n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1); }
+
+// f32_to_bf16 of 16 lanes: round to nearest even, NaN kept quiet.
+AVX512F_TARGET inline __m256i round_bf16x16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v), top = _mm512_srli_epi32(u, 16);
+  const __m512i lsb = _mm512_and_si512(top, _mm512_set1_epi32(1));
+  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+  const __m512i quiet = _mm512_or_si512(top, _mm512_set1_epi32(0x40));
+  return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), r, quiet));
+}
 
 AVX512F_TARGET void to_f32_avx512(const void* src, bool f32, int n, float* dst) {
   for (int i = 0; i < n; i += 16) {
@@ -83,38 +91,39 @@ AVX512F_TARGET void to_f32_avx512(const void* src, bool f32, int n, float* dst) 
   }
 }
 
-AVX512_TARGET void split_bf16_avx512(const float* v, int n, uint16_t* hi, uint16_t* lo) {
+AVX512F_TARGET void split_bf16_avx512(const float* v, int n, uint16_t* hi, uint16_t* lo) {
   for (int i = 0; i < n; i += 16) {
     const __mmask16 m = first(n - i);
     const __m512 x = _mm512_maskz_loadu_ps(m, v + i);
-    const __m256i h = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x));
+    const __m256i h = round_bf16x16(x);
     _mm256_mask_storeu_epi16(hi + i, m, h);
-    if (lo) _mm256_mask_storeu_epi16(lo + i, m, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_sub_ps(x, widen_bf16(h)))));
+    if (lo) _mm256_mask_storeu_epi16(lo + i, m, round_bf16x16(_mm512_sub_ps(x, widen_bf16(h))));
   }
 }
 
-AVX512_TARGET void put_avx512(const float* hi, const float* lo, int n, float scale, bool f32, void* dst) {
+AVX512F_TARGET void put_avx512(const float* hi, const float* lo, int n, float scale, bool f32, void* dst) {
   for (int i = 0; i < n; i += 16) {
     const __mmask16 m = first(n - i);
     __m512 v = _mm512_maskz_loadu_ps(m, hi + i);
     if (lo) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, lo + i));
     if (scale != 1.0f) v = _mm512_mul_ps(v, _mm512_set1_ps(scale));
     if (f32) _mm512_mask_storeu_ps(static_cast<float*>(dst) + i, m, v);
-    else _mm256_mask_storeu_epi16(static_cast<uint16_t*>(dst) + i, m, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+    else _mm256_mask_storeu_epi16(static_cast<uint16_t*>(dst) + i, m, round_bf16x16(v));
   }
 }
 
-AVX512_TARGET void put_tile_avx512(const float* y, int R, int rows, int cols, bool f32, void* dst, size_t stride) {
+AVX512F_TARGET void put_tile_avx512(const float* y, int R, int rows, int cols, bool f32, void* dst, size_t stride) {
   const __mmask16 m = first(cols);
   for (int t = 0; t < rows; ++t) {
     const float* src = y + size_t(t) * R * kRows;
     __m512 v = _mm512_loadu_ps(src);
     if (R == 2) v = _mm512_add_ps(v, _mm512_loadu_ps(src + kRows));
     if (f32) _mm512_mask_storeu_ps(static_cast<float*>(dst) + t * stride, m, v);
-    else _mm256_mask_storeu_epi16(static_cast<uint16_t*>(dst) + t * stride, m, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+    else _mm256_mask_storeu_epi16(static_cast<uint16_t*>(dst) + t * stride, m, round_bf16x16(v));
   }
 }
 
+// A separate multiply and add, as in the portable loop.
 AVX512F_TARGET void axpy_tiles_avx512(float w, const float* hi, const float* lo, size_t stride, int n, float* acc) {
   const __m512 wv = _mm512_set1_ps(w);
   for (int i = 0; i < n; i += kRows) {
@@ -122,7 +131,7 @@ AVX512F_TARGET void axpy_tiles_avx512(float w, const float* hi, const float* lo,
     const size_t at = i / kRows * stride;
     __m512 y = _mm512_maskz_loadu_ps(m, hi + at);
     if (lo) y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(m, lo + at));
-    _mm512_mask_storeu_ps(acc + i, m, _mm512_fmadd_ps(wv, y, _mm512_maskz_loadu_ps(m, acc + i)));
+    _mm512_mask_storeu_ps(acc + i, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, acc + i), _mm512_mul_ps(wv, y)));
   }
 }
 
@@ -162,8 +171,7 @@ AVX512F_TARGET void quantize_row_avx512(const float* v, int k, int kp, Format f,
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// avx2 (and every AVX-512 path where it has no version of its own): 8 lanes, the tails left to the portable
-// loops.
+// avx2: 8 lanes, the tails left to the portable loops.
 
 // f32_to_bf16 of 8 lanes: round to nearest even, NaN kept quiet.
 AVX2_TARGET inline __m128i round_bf16x8(__m256 v) {
@@ -299,19 +307,19 @@ void to_f32(Isa isa, const void* src, bool f32, int n, float* dst) {
 }
 
 void split_bf16(Isa isa, const float* v, int n, uint16_t* hi, uint16_t* lo) {
-  if (avx512_bf16(isa)) return split_bf16_avx512(v, n, hi, lo);
+  if (avx512(isa)) return split_bf16_avx512(v, n, hi, lo);
   if (runs_avx2(isa)) return split_bf16_avx2(v, n, hi, lo);
   split_bf16_generic(v, n, hi, lo);
 }
 
 void put(Isa isa, const float* hi, const float* lo, int n, float scale, bool f32, void* dst) {
-  if (avx512_bf16(isa)) return put_avx512(hi, lo, n, scale, f32, dst);
+  if (avx512(isa)) return put_avx512(hi, lo, n, scale, f32, dst);
   if (runs_avx2(isa)) return put_avx2(hi, lo, n, scale, f32, dst);
   put_generic(hi, lo, n, scale, f32, dst);
 }
 
 void put_tile(Isa isa, const float* y, int R, int rows, int cols, bool f32, void* dst, size_t stride) {
-  if (avx512_bf16(isa)) return put_tile_avx512(y, R, rows, cols, f32, dst, stride);
+  if (avx512(isa)) return put_tile_avx512(y, R, rows, cols, f32, dst, stride);
   for (int t = 0; t < rows; ++t) {
     const float* src = y + size_t(t) * R * kRows;
     put(isa, src, R == 2 ? src + kRows : nullptr, cols, 1.0f, f32,
