@@ -18,9 +18,10 @@ from hybrid.sequence import Sequence
 def reference(model_dir, dtype=torch.float32):
     # Eager attention is the reference math (SDPA reorders the bf16 arithmetic). FP8 checkpoints are
     # dequantized by transformers on CPU; .float() puts their norms and router in fp32 too (in bf16 runs the
-    # model is left alone so DeepSeek's e_score_correction_bias stays fp32, as in ours).
+    # model is left alone so DeepSeek's e_score_correction_bias stays fp32, as in ours). nn.Module's own
+    # .float(): transformers before ~5.20 refuses its override on a model loaded from a quantized checkpoint.
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager").eval()
-    return model.float() if dtype == torch.float32 else model
+    return torch.nn.Module.float(model) if dtype == torch.float32 else model
 
 
 def prefill_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
