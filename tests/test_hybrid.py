@@ -25,21 +25,38 @@ def greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     return [o.token_ids for o in outs]
 
 
-@pytest.mark.parametrize("overlap,eager", [(True, False), (False, False), (True, True)],
-                         ids=["overlap", "no-overlap", "overlap-eager"])
+MODES = pytest.mark.parametrize("overlap,eager", [(True, False), (False, False), (True, True)],
+                                ids=["overlap", "no-overlap", "overlap-eager"])
+
+
+@MODES
 def test_hybrid_matches_transformers_and_cpu_only(any_model, overlap, eager):
+    check_hybrid(any_model, "cpu", overlap, eager)
+
+
+@pytest.mark.gpu
+@MODES
+def test_hybrid_on_cuda_matches_transformers(any_model, overlap, eager):
+    """The same on a real GPU: compiled Triton kernels, CUDA graphs, pinned staging to the expert process.
+    Checked against CPU-only mode, which the test above checks against transformers: on a CUDA machine
+    transformers wants its `kernels` package to load an fp8 checkpoint."""
+    check_hybrid(any_model, "cuda:0", overlap, eager)
+
+
+def check_hybrid(any_model, attn_device: str, overlap: bool, eager: bool) -> None:
     prompts = [prompt_ids(23, seed=2), prompt_ids(9, seed=3), prompt_ids(40, seed=4)]
-    ref = reference(any_model)
-    with torch.no_grad():
-        want = [ref.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                             do_sample=False)[0, len(p):].tolist() for p in prompts]
     cpu = LLM(any_model, dtype="float32")
     try:
-        assert greedy(cpu, prompts) == want
+        want = greedy(cpu, prompts)
     finally:
         cpu.close()
+    if attn_device == "cpu":
+        ref = reference(any_model)
+        with torch.no_grad():
+            assert want == [ref.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                                         do_sample=False)[0, len(p):].tolist() for p in prompts]
     # A 16-token step budget makes prefill chunks share steps with decodes (the extend kernel's mixed case).
-    hybrid = LLM(any_model, dtype="float32", gpus=[0], attn_device="cpu", overlap=overlap,
+    hybrid = LLM(any_model, dtype="float32", gpus=[0], attn_device=attn_device, overlap=overlap,
                  max_num_batched_tokens=16, enforce_eager=eager)
     runner = hybrid.engine.runner
     assert (runner.graphs is None) == eager
