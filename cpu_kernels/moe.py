@@ -22,7 +22,7 @@ from cpu_kernels.pack import (
     tile_bytes,
     unpack_matrix,
 )
-from cpu_kernels.thread_pool import POOL_SPIN_US, pool_layout
+from cpu_kernels.thread_pool import POOL_SPIN_US, pool_layout, start_torch_threads
 
 ISA_GENERIC, ISA_AVX512_BF16, ISA_AVX2, ISA_AMX, ISA_AVX512 = 0, 1, 2, 3, 4
 ISA_NAMES = {"generic": ISA_GENERIC, "avx2": ISA_AVX2, "avx512": ISA_AVX512, "avx512_bf16": ISA_AVX512_BF16,
@@ -179,6 +179,7 @@ _spin_us = POOL_SPIN_US
 def runner(num_threads: int | None = None) -> _C.MoeRunner:
     """One persistent, pinned thread pool per thread count (None: every allowed core, the same pool as that
     count), one sub-pool per NUMA node it spans."""
+    start_torch_threads()
     pool = _pools.get(num_threads)
     if pool is None:
         cpus, nodes = pool_layout(num_threads)

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
+
+import torch
 
 
 def _cpulist(text: str) -> list[int]:
@@ -33,6 +36,26 @@ SHARED_CORE_SPIN_US = 50
 def unpin_child() -> None:
     """preexec_fn for processes started from a thread the pool pinned: give them every allowed core back."""
     os.sched_setaffinity(0, ALLOWED_CPUS)
+
+
+_torch_team = threading.local()
+
+
+def start_torch_threads() -> None:
+    """Starts the calling thread's torch (OpenMP) worker threads on every allowed core, if torch would use
+    more than this has started. A thread the pool pinned keeps one core, and threads inherit their creator's
+    mask: torch starts a thread's team at its first large op, so a team started after the first kernel call
+    would share that one core (an index_add_ took 60 ms instead of 0.1 ms on two cores)."""
+    n = torch.get_num_threads()
+    if getattr(_torch_team, "threads", 1) >= n:
+        return
+    own = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, ALLOWED_CPUS)
+    try:
+        torch.zeros(n << 16).add_(1)  # 2n of torch's 32768-element grains: one parallel region of n threads
+    finally:
+        os.sched_setaffinity(0, own)
+    _torch_team.threads = n
 
 
 def numa_nodes() -> list[list[int]]:

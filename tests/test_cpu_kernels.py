@@ -516,6 +516,34 @@ def test_pool_spin_is_set_for_every_pool_and_sleeping_workers_wake():
     assert runner().spin_us == POOL_SPIN_US
 
 
+# A fresh process: a small kernel call first (it pins the thread), then torch's first parallel op.
+TORCH_TEAM_AFTER_A_KERNEL_CALL = """
+import os, torch
+torch.set_num_threads(2)
+from cpu_kernels.moe import fused_moe, pack_experts
+w = [torch.randn(32, 64) for _ in range(2)]
+fused_moe(pack_experts(w, w, [torch.randn(64, 32)] * 2, "bf16"), torch.randn(1, 64), torch.tensor([[1]]),
+          torch.ones(1, 1))
+torch.zeros(1 << 20).add_(1)
+print([len(os.sched_getaffinity(int(t))) for t in os.listdir("/proc/self/task")])
+"""
+
+
+def test_torch_threads_started_after_a_kernel_call_get_every_core():
+    """The pool keeps its calling thread on one core; torch's worker threads, started by that thread at its
+    first large op, would inherit that one core and crawl (index_add_ 60 ms instead of 0.1)."""
+    from cpu_kernels.thread_pool import ALLOWED_CPUS, unpin_child
+
+    if len(ALLOWED_CPUS) < 2:
+        pytest.skip("this process may use one core only")
+    r = subprocess.run([sys.executable, "-c", TORCH_TEAM_AFTER_A_KERNEL_CALL], capture_output=True, text=True,
+                       timeout=60, preexec_fn=unpin_child)
+    assert r.returncode == 0, r.stderr
+    widths = eval(r.stdout)
+    # one-core masks: the calling thread and one pool worker per other core, no torch thread
+    assert widths.count(1) == len(ALLOWED_CPUS)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_numa_sub_pools_compute_the_same_bits(fmt):
     # Each node takes one slice of every expert's output rows; every tile is computed the same way whichever

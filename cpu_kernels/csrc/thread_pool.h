@@ -16,9 +16,9 @@ namespace hybridd {
 class ThreadPool {
  public:
   // cpus[i] is the core of thread i (-1: not pinned), nodes[i] its NUMA node (0, 1, ...; empty: all node 0);
-  // thread 0 is whichever thread calls run(), pinned to cpus[0] from its first call on (processes it starts
-  // inherit that: see cpu_kernels.thread_pool). spin_us: the idle workers' polling time (its default is
-  // cpu_kernels.thread_pool.POOL_SPIN_US).
+  // thread 0 is whichever thread calls run(), pinned to cpus[0] from its first call on (threads and processes
+  // it starts inherit that: see cpu_kernels.thread_pool). spin_us: the idle workers' polling time (its default
+  // is cpu_kernels.thread_pool.POOL_SPIN_US).
   ThreadPool(std::vector<int> cpus, std::vector<int> nodes, int spin_us);
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
