@@ -36,27 +36,27 @@ def test_hybrid_matches_transformers_and_cpu_only(any_model, overlap, eager):
 
 @pytest.mark.gpu
 @MODES
-def test_hybrid_on_cuda_matches_transformers(any_model, overlap, eager):
+def test_hybrid_on_cuda_matches_cpu_only(any_model, overlap, eager):
     """The same on a real GPU: compiled Triton kernels, CUDA graphs, pinned staging to the expert process.
     Checked against CPU-only mode, which the test above checks against transformers: on a CUDA machine
     transformers wants its `kernels` package to load an fp8 checkpoint."""
     check_hybrid(any_model, "cuda:0", overlap, eager)
 
 
-def check_hybrid(any_model, attn_device: str, overlap: bool, eager: bool) -> None:
+def check_hybrid(model, attn_device: str, overlap: bool, eager: bool) -> None:
     prompts = [prompt_ids(23, seed=2), prompt_ids(9, seed=3), prompt_ids(40, seed=4)]
-    cpu = LLM(any_model, dtype="float32")
+    cpu = LLM(model, dtype="float32")
     try:
         want = greedy(cpu, prompts)
     finally:
         cpu.close()
     if attn_device == "cpu":
-        ref = reference(any_model)
+        ref = reference(model)
         with torch.no_grad():
             assert want == [ref.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
                                          do_sample=False)[0, len(p):].tolist() for p in prompts]
     # A 16-token step budget makes prefill chunks share steps with decodes (the extend kernel's mixed case).
-    hybrid = LLM(any_model, dtype="float32", gpus=[0], attn_device=attn_device, overlap=overlap,
+    hybrid = LLM(model, dtype="float32", gpus=[0], attn_device=attn_device, overlap=overlap,
                  max_num_batched_tokens=16, enforce_eager=eager)
     runner = hybrid.engine.runner
     assert (runner.graphs is None) == eager
