@@ -69,7 +69,7 @@ void quantize_row_generic(const float* v, int k, int kp, Format f, int group, in
 
 // ---------------------------------------------------------------------------------------------------------
 // AVX-512: 16 lanes with masked tails, the portable loops' bits. Rounding to bf16 is integer arithmetic, not
-// vcvtneps2bf16, which flushes subnormal inputs and results to zero (seen on a Sapphire Rapids-class Xeon).
+// vcvtneps2bf16, which flushes subnormal inputs and results to zero (seen on an Emerald Rapids Xeon).
 
 AVX512F_TARGET inline __mmask16 first(int n) { return n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1); }
 
