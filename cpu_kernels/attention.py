@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from cpu_kernels.moe import kernel_isa, runner
+from cpu_kernels.moe import resolve_isa, runner
 
 
 def _check_cache(name: str, cache: torch.Tensor, dtype: torch.dtype) -> None:
@@ -51,7 +51,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             q.data_ptr(), out.data_ptr(), q.dtype == torch.float32, seqs, hq, hkv, d, v_cache.shape[3],
             k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(1), k_cache.stride(2), v_cache.stride(1),
             v_cache.stride(2), block_size, tables.data_ptr(), tables.shape[1], lens.data_ptr(), qlens.data_ptr(),
-            scale, n, blocks, kernel_isa() if isa is None else isa)
+            scale, n, blocks, resolve_isa(isa))
     return out
 
 

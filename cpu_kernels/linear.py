@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from cpu_kernels import _C
-from cpu_kernels.moe import kernel_isa, runner
+from cpu_kernels.moe import resolve_isa, runner
 from cpu_kernels.pack import INT4_GROUP, Format, PackedMatrix, pack_matrix, unpack_matrix
 
 
@@ -49,7 +49,7 @@ def linear(p: PackedLinear, x: torch.Tensor, num_threads: int | None = None, isa
     if flat.shape[0]:
         runner(num_threads).linear(int(m.fmt), p.handle, m.n, m.k, m.block[1], m.group, flat.data_ptr(),
                                    x.dtype == torch.float32, flat.shape[0], out.data_ptr(),
-                                   kernel_isa() if isa is None else isa)
+                                   resolve_isa(isa))
     return out.view(*x.shape[:-1], m.n)
 
 

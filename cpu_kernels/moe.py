@@ -44,6 +44,11 @@ def kernel_isa() -> int:
     return _C.best_isa()
 
 
+def resolve_isa(isa: int | None) -> int:
+    """`isa` where a caller chose a path, else the kernels' own (kernel_isa)."""
+    return kernel_isa() if isa is None else isa
+
+
 def kernel_isa_name() -> str:
     return _C.isa_name(kernel_isa())
 
@@ -220,7 +225,7 @@ def fused_moe(p: PackedExperts, x: torch.Tensor, topk_ids: torch.Tensor, topk_we
         return out
     runner(num_threads).forward(p.layer, x.data_ptr(), x.dtype == torch.float32, x.shape[0], ids.shape[1],
                                 ids.data_ptr(), w.data_ptr(), float(scale), out.data_ptr(),
-                                kernel_isa() if isa is None else isa)
+                                resolve_isa(isa))
     return out
 
 
@@ -245,5 +250,5 @@ def fp8_lines_to_bf16(packed_fp8: torch.Tensor, isa: int | None = None) -> torch
     if data.numel() % 64:
         raise ValueError("packed fp8 data is a whole number of 64-byte lines")
     out = torch.empty(data.numel(), dtype=torch.bfloat16)
-    _C.fp8_to_bf16_lines(data.data_ptr(), data.numel() // 64, out.data_ptr(), kernel_isa() if isa is None else isa)
+    _C.fp8_to_bf16_lines(data.data_ptr(), data.numel() // 64, out.data_ptr(), resolve_isa(isa))
     return out

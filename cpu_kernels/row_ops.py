@@ -7,14 +7,10 @@ import torch
 import torch.nn.functional as F
 
 from cpu_kernels import _C
-from cpu_kernels.moe import kernel_isa
+from cpu_kernels.moe import resolve_isa
 from cpu_kernels.pack import Format
 
 ROWS = 16  # values per tile row
-
-
-def _isa(isa: int | None) -> int:
-    return kernel_isa() if isa is None else isa
 
 
 def _row(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -29,7 +25,7 @@ def to_f32(src: torch.Tensor, isa: int | None = None) -> torch.Tensor:
         raise ValueError(f"to_f32 reads bf16 or fp32, got {src.dtype}")
     src = _row(src, src.dtype)
     out = torch.empty(src.numel(), dtype=torch.float32)
-    _C.row_to_f32(_isa(isa), src.data_ptr(), src.dtype == torch.float32, src.numel(), out.data_ptr())
+    _C.row_to_f32(resolve_isa(isa), src.data_ptr(), src.dtype == torch.float32, src.numel(), out.data_ptr())
     return out
 
 
@@ -39,7 +35,7 @@ def split_bf16(v: torch.Tensor, with_lo: bool = True,
     v = _row(v, torch.float32)
     hi = torch.empty(v.numel(), dtype=torch.bfloat16)
     lo = torch.empty(v.numel(), dtype=torch.bfloat16) if with_lo else None
-    _C.row_split_bf16(_isa(isa), v.data_ptr(), v.numel(), hi.data_ptr(), lo.data_ptr() if with_lo else 0)
+    _C.row_split_bf16(resolve_isa(isa), v.data_ptr(), v.numel(), hi.data_ptr(), lo.data_ptr() if with_lo else 0)
     return hi, lo
 
 
@@ -59,7 +55,7 @@ def put(hi: torch.Tensor, lo: torch.Tensor | None, scale: float, dtype: torch.dt
     if dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"put writes bf16 or fp32, got {dtype}")
     out = torch.empty(hi.numel(), dtype=dtype)
-    _C.row_put(_isa(isa), hi.data_ptr(), 0 if lo is None else lo.data_ptr(), hi.numel(), scale,
+    _C.row_put(resolve_isa(isa), hi.data_ptr(), 0 if lo is None else lo.data_ptr(), hi.numel(), scale,
                dtype == torch.float32, out.data_ptr())
     return out
 
@@ -81,7 +77,7 @@ def axpy_tiles(w: float, hi: torch.Tensor, lo: torch.Tensor | None, acc: torch.T
         raise ValueError(f"{acc.numel()} values do not fit {hi.shape[0]} tiles")
     hi = hi.contiguous()
     lo = None if lo is None else lo.contiguous()
-    _C.row_axpy_tiles(_isa(isa), w, hi.data_ptr(), 0 if lo is None else lo.data_ptr(), hi.shape[1], acc.numel(),
+    _C.row_axpy_tiles(resolve_isa(isa), w, hi.data_ptr(), 0 if lo is None else lo.data_ptr(), hi.shape[1], acc.numel(),
                       acc.data_ptr())
     return acc
 
@@ -97,7 +93,7 @@ def silu_mul(g: torch.Tensor, u: torch.Tensor, isa: int | None = None) -> torch.
     if g.numel() != ROWS or u.numel() != ROWS:
         raise ValueError(f"silu_mul takes {ROWS} values of g and u, got {g.numel()} and {u.numel()}")
     out = torch.empty(ROWS, dtype=torch.float32)
-    _C.row_silu_mul(_isa(isa), g.data_ptr(), u.data_ptr(), out.data_ptr())
+    _C.row_silu_mul(resolve_isa(isa), g.data_ptr(), u.data_ptr(), out.data_ptr())
     return out
 
 
@@ -115,7 +111,7 @@ def quantize_row(v: torch.Tensor, kp: int, fmt: Format, group: int,
     q = torch.empty(kp, dtype=torch.int8)
     scale = torch.empty(1, dtype=torch.float32)
     gsum = torch.zeros(kp // group, dtype=torch.int32)
-    _C.row_quantize(_isa(isa), v.data_ptr(), v.numel(), kp, int(fmt), group, q.data_ptr(), scale.data_ptr(),
+    _C.row_quantize(resolve_isa(isa), v.data_ptr(), v.numel(), kp, int(fmt), group, q.data_ptr(), scale.data_ptr(),
                     gsum.data_ptr())
     return q, float(scale), gsum
 
