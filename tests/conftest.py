@@ -14,6 +14,12 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from make_tiny_model import make_model  # noqa: E402
 
+from cpu_kernels import _C  # noqa: E402
+from cpu_kernels.moe import ISA_AMX, ISA_AVX2, ISA_AVX512, ISA_AVX512_BF16, ISA_GENERIC  # noqa: E402
+
+# Every kernel path this CPU can run: generic, hand-written AVX2, AVX-512 F, AVX-512 BF16 and AMX.
+ISAS = [isa for isa in (ISA_GENERIC, ISA_AVX2, ISA_AVX512, ISA_AVX512_BF16, ISA_AMX) if _C.isa_supported(isa)]
+
 TINY_PRESETS = ["tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-deepseek-v3-noqlora", "tiny-deepseek-v3-fp8",
                 "tiny-qwen3-moe-fp8"]
 
@@ -43,9 +49,6 @@ def prompt_ids(n: int, seed: int, low: int = 5, high: int = 2000) -> list[int]:
 
 def pytest_collection_modifyitems(config, items):
     """Hardware-marked tests are skipped, saying why, where the hardware is missing."""
-    from cpu_kernels import _C
-    from cpu_kernels.moe import ISA_AMX
-
     missing = {
         "amx": None if _C.isa_supported(ISA_AMX) else "needs AMX (AMX-TILE/BF16/INT8 granted by the kernel)",
         "gpu": None if torch.cuda.is_available() else "needs a CUDA GPU",

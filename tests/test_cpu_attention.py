@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import ISAS
 
-from cpu_kernels import _C
 from cpu_kernels.attention import paged_attention, paged_attention_reference
-from cpu_kernels.moe import ISA_AMX, ISA_AVX2, ISA_AVX512, ISA_AVX512_BF16, ISA_GENERIC
 
-ISAS = [isa for isa in (ISA_GENERIC, ISA_AVX2, ISA_AVX512, ISA_AVX512_BF16, ISA_AMX) if _C.isa_supported(isa)]
 BOUND = {torch.float32: 2e-5, torch.bfloat16: 1e-2}
 
 

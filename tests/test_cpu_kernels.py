@@ -8,14 +8,13 @@ import time
 
 import pytest
 import torch
+from conftest import ISAS
 
 from cpu_kernels import _C
 from cpu_kernels.cpu_features import best_path
 from cpu_kernels.linear import PackedLinear, linear, linear_reference
 from cpu_kernels.moe import (
     ISA_AMX,
-    ISA_AVX2,
-    ISA_AVX512,
     ISA_AVX512_BF16,
     ISA_GENERIC,
     fp8_lines_to_bf16,
@@ -37,8 +36,6 @@ from cpu_kernels.pack import (
 )
 
 FORMATS = ["bf16", "fp8", "int8", "int4"]
-# Every path this CPU can run: generic, hand-written AVX2, AVX-512 F, AVX-512 BF16 and AMX.
-ISAS = [isa for isa in (ISA_GENERIC, ISA_AVX2, ISA_AVX512, ISA_AVX512_BF16, ISA_AMX) if _C.isa_supported(isa)]
 # Relative L2 error bounds. bf16/fp8 weights are exact in the kernels, so with fp32 activations (carried as
 # bf16 hi + lo) only summation order differs; bf16 activations round inputs and the SiLU product to bf16.
 # int8/int4 quantize activations per token to int8 (weights are compared after their own quantization).

@@ -3,12 +3,11 @@ bits everywhere (silu_mul: within its exp's error), over lengths that leave ever
 
 import pytest
 import torch
+from conftest import ISAS
 
-from cpu_kernels import _C, row_ops
-from cpu_kernels.moe import ISA_AMX, ISA_AVX2, ISA_AVX512, ISA_AVX512_BF16, ISA_GENERIC
+from cpu_kernels import row_ops
 from cpu_kernels.pack import Format
 
-ISAS = [isa for isa in (ISA_GENERIC, ISA_AVX2, ISA_AVX512, ISA_AVX512_BF16, ISA_AMX) if _C.isa_supported(isa)]
 LENGTHS = [1, 7, 8, 9, 15, 16, 17, 31, 100, 2053]
 
 
