@@ -1,1 +1,1 @@
-"""GPU-side pieces: Triton attention and MoE kernels and the hybrid runner's device seam."""
+"""Device kernels (Triton) and their pure-torch references. Never imports hybrid: hybrid imports these."""

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hybrid.attention import paged_attention
+from gpu.paged_reference import paged_attention
 
 MIN_DOT = 16
 TARGET_SPLITS = 8

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from gpu.decode_attention import attend_tile, dot_width, paged_shapes, table_list, upcast_dots
-from hybrid.attention import paged_attention
+from gpu.paged_reference import paged_attention
 
 
 @triton.jit

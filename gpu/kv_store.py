@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hybrid.attention import write_cache
+from gpu.paged_reference import write_cache
 
 
 @triton.jit

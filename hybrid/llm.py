@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from hybrid.config import EngineConfig
-from hybrid.llm_engine import LLMEngine
-from hybrid.models.experts import Experts
-from hybrid.outputs import RequestOutput
+from hybrid.engine.llm_engine import LLMEngine
+from hybrid.engine.outputs import RequestOutput
+from hybrid.experts.base import Experts
 from hybrid.sampling_params import SamplingParams
 
 DEFAULT_MODEL_DIR = Path(__file__).parent / "default_model"

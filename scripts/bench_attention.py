@@ -2,7 +2,7 @@
 
 Decode (one query per sequence) reads each sequence's K and V once: the script prints the KV bytes read per
 second as a fraction of the read bandwidth that scripts/membw.c measures around it (blocks of calls between
-probes, median over blocks), and the speedup over the torch path (hybrid.attention.paged_attention, gather +
+probes, median over blocks), and the speedup over the torch path (gpu.paged_reference.paged_attention, gather +
 matmul + softmax). The KV pool is >= 3x the last-level cache and every call reads the next window of blocks,
 so caches do not flatter it. Prefill
 (a whole prompt as one query span) is compute-bound: it prints GFLOP/s (QK^T and PV over the causal
@@ -31,7 +31,7 @@ from timing import timed  # noqa: E402
 
 from cpu_kernels.attention import paged_attention  # noqa: E402
 from cpu_kernels.moe import kernel_isa_name  # noqa: E402
-from hybrid.attention import paged_attention as torch_paged_attention  # noqa: E402
+from gpu.paged_reference import paged_attention as torch_paged_attention  # noqa: E402
 
 BLOCK = 16
 # (query heads, KV heads, K dim, V dim): Qwen3-30B-A3B GQA; DeepSeek-V3 MLA in latent space (V = K[:512]).

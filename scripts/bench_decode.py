@@ -32,8 +32,8 @@ from membw import BandwidthProbe, interleaved  # noqa: E402
 from cpu_kernels.moe import kernel_isa_name  # noqa: E402
 from hybrid import LLM, SamplingParams  # noqa: E402
 from hybrid.config import ModelConfig  # noqa: E402
-from hybrid.models.experts import KernelExperts  # noqa: E402
-from hybrid.models.layers import Linear, SharedInputLinears, shared_input_groups  # noqa: E402
+from hybrid.experts.kernel_experts import KernelExperts  # noqa: E402
+from hybrid.layers.linear import Linear, SharedInputLinears, shared_input_groups  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,7 +53,7 @@ def bytes_per_decode_token(llm: LLM, context: int) -> dict[str, int]:
         expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size * runner.dtype.itemsize
     routed = len(cfg.moe_layers) * cfg.num_experts_per_tok * expert
     kv = context * sum(c[0].numel() // c[0].shape[0] // c[0].shape[1] * c[0].element_size() * len(c)
-                       for c in runner.kv_caches)
+                       for c in runner.kv_pool.caches)
     return {"dense": dense + cfg.hidden_size * embed.element_size(), "routed": routed, "kv": kv}
 
 

@@ -29,9 +29,9 @@ from make_tiny_model import make_model  # noqa: E402
 
 from hybrid import LLM, SamplingParams  # noqa: E402
 from hybrid.config import ModelConfig  # noqa: E402
-from hybrid.expert_client import ExpertClient, ExpertServerProcess  # noqa: E402
-from hybrid.expert_pack import write_pack  # noqa: E402
-from hybrid.expert_slots import ECHO_LAYER  # noqa: E402
+from hybrid.experts.pack import write_pack  # noqa: E402
+from hybrid.experts.process.client import ExpertClient, ExpertServerProcess  # noqa: E402
+from hybrid.experts.process.slots import ECHO_LAYER  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

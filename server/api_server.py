@@ -8,8 +8,8 @@ import sys
 
 import uvicorn
 
-from hybrid.daemon_config import DaemonConfig
-from hybrid.engine_client import EngineClient
+from hybrid.managers.daemon_config import DaemonConfig
+from hybrid.managers.engine_client import EngineClient
 from hybrid.tokenizer import Tokenizer, TokenizerError
 from server.app import build_app
 

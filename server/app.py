@@ -16,8 +16,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from hybrid.daemon_config import DaemonConfig
-from hybrid.engine_client import EngineClient, EngineError
+from hybrid.managers.daemon_config import DaemonConfig
+from hybrid.managers.engine_client import EngineClient, EngineError
+from hybrid.managers.messages import TokenDelta, as_json
+from hybrid.request_checks import InvalidRequest, RequestLimits, check_prompt, resolve_max_tokens
+from hybrid.sampling_params import SamplingParams
 from hybrid.tokenizer import Tokenizer, TokenizerError
 from server.metrics import Metrics
 from server.protocol import (
@@ -61,12 +64,12 @@ class RequestStats:
         self.completion_tokens = 0
         metrics.prompt_tokens.inc(prompt_tokens)
 
-    def token(self, msg: dict) -> None:
+    def token(self, msg: TokenDelta) -> None:
         if self.first is None:
             self.first = time.perf_counter()
             self.metrics.ttft.observe(self.first - self.start)
-        self.metrics.generation_tokens.inc(msg["completion_tokens"] - self.completion_tokens)
-        self.completion_tokens = msg["completion_tokens"]
+        self.metrics.generation_tokens.inc(msg.completion_tokens - self.completion_tokens)
+        self.completion_tokens = msg.completion_tokens
 
     def end(self, outcome: str) -> None:
         end = time.perf_counter()
@@ -121,40 +124,34 @@ def build_app(config: DaemonConfig, client: EngineClient, tokenizer: Tokenizer |
             raise ApiError(404, f"the model {req.model!r} does not exist; this daemon serves {name!r}",
                            param="model", code="model_not_found")
 
-    def admit(req: SamplingFields, prompt_ids: list[int]) -> tuple[dict, RequestStats]:
+    def admit(req: SamplingFields, prompt_ids: list[int]) -> tuple[SamplingParams, RequestStats]:
         if not client.ready:
             raise ApiError(503, client.state.describe(), headers={"Retry-After": str(RETRY_AFTER_S)})
         info = client.state.info
-        max_len, vocab = info["max_model_len"], info["vocab_size"]
-        if not prompt_ids:
-            raise ApiError(400, "the prompt is empty", param="prompt")
-        if any(not 0 <= t < vocab for t in prompt_ids):
-            raise ApiError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
-        room = max_len - len(prompt_ids)
-        if room < 1:
-            raise ApiError(400, f"this model's maximum context length is {max_len} tokens; the prompt has "
-                           f"{len(prompt_ids)} and at least one must be generated", param="messages",
-                           code="context_length_exceeded")
-        wanted = req.requested_max_tokens
-        if wanted is not None and wanted > room:
-            raise ApiError(400, f"max_tokens={wanted} does not fit: the prompt has {len(prompt_ids)} tokens of "
-                           f"the {max_len}-token context, leaving {room}", param="max_tokens",
-                           code="context_length_exceeded")
+        limits = RequestLimits(info.vocab_size, info.max_model_len)
+        try:
+            check_prompt(prompt_ids, limits)
+            max_tokens = resolve_max_tokens(req.requested_max_tokens, len(prompt_ids), limits)
+            params = req.sampling_params(max_tokens)
+        except InvalidRequest as e:
+            raise ApiError(400, str(e), param=e.param, code=e.code) from None
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
         if client.num_pending >= max_pending:
             metrics.finished("rejected")
             raise ApiError(503, f"the server is busy: {client.num_pending} requests are queued or running; retry "
                            "shortly", headers={"Retry-After": str(RETRY_AFTER_S)})
-        return req.sampling_params(wanted or room), RequestStats(metrics, len(prompt_ids))
+        return params, RequestStats(metrics, len(prompt_ids))
 
     def need_tokenizer() -> Tokenizer:
         if tokenizer is None:
             raise ApiError(400, "this model has no tokenizer: send token ids to /v1/completions")
         return tokenizer
 
-    async def run(request: Request, stream: bool, prompt_ids: list[int], params: dict, stats: RequestStats,
-                  chunk, include_usage: bool, opening: dict | None = None) -> Response:
+    async def run(request: Request, stream: bool, prompt_ids: list[int], params: SamplingParams,
+                  stats: RequestStats, chunk, include_usage: bool, opening: dict | None = None) -> Response:
         """Streams SSE chunks built by chunk(rid, created, text, finish_reason), after `opening` if given,
-        or returns the whole completion."""
+        or returns the whole completion. `rid` names the request in the response id and in the engine."""
         created, rid = now(), uuid.uuid4().hex
 
         async def events() -> AsyncIterator[str]:
@@ -162,13 +159,13 @@ def build_app(config: DaemonConfig, client: EngineClient, tokenizer: Tokenizer |
             try:
                 if opening is not None:
                     yield _sse({**chunk(rid, created, "", None), "choices": [opening]})
-                async with aclosing(client.generate(prompt_ids, params)) as gen:
+                async with aclosing(client.generate(rid, prompt_ids, params)) as gen:
                     async for msg in gen:
                         stats.token(msg)
-                        if msg["text"] or msg["finished"]:
-                            yield _sse(chunk(rid, created, msg["text"], msg["finish_reason"]))
-                        if msg["finished"]:
-                            outcome = msg["finish_reason"]
+                        if msg.text or msg.finished:
+                            yield _sse(chunk(rid, created, msg.text, msg.finish_reason))
+                        if msg.finished:
+                            outcome = msg.finish_reason
                 if include_usage:
                     yield _sse(chunk(rid, created, None, None, usage(stats.prompt_tokens, stats.completion_tokens)))
                 yield _sse("[DONE]")
@@ -185,11 +182,11 @@ def build_app(config: DaemonConfig, client: EngineClient, tokenizer: Tokenizer |
 
         async def collect() -> tuple[str, str]:
             parts, reason = [], None
-            async with aclosing(client.generate(prompt_ids, params)) as gen:
+            async with aclosing(client.generate(rid, prompt_ids, params)) as gen:
                 async for msg in gen:
                     stats.token(msg)
-                    parts.append(msg["text"])
-                    reason = msg["finish_reason"]
+                    parts.append(msg.text)
+                    reason = msg.finish_reason
             return "".join(parts), reason
 
         task = asyncio.create_task(collect())
@@ -260,7 +257,7 @@ def build_app(config: DaemonConfig, client: EngineClient, tokenizer: Tokenizer |
 
     @app.get("/v1/models")
     async def models():
-        max_len = client.state.info.get("max_model_len")
+        max_len = client.state.info.max_model_len if client.state.info else None
         return ModelList(data=[ModelCard(id=name, max_model_len=max_len)]).model_dump()
 
     @app.get("/health")
@@ -268,14 +265,15 @@ def build_app(config: DaemonConfig, client: EngineClient, tokenizer: Tokenizer |
         s = client.state
         if s.status == "ready":
             return {"status": "ok", "model": name}
-        body = {"status": s.status, "reason": s.reason, "progress": s.progress}
+        body = {"status": s.status, "reason": s.reason, "progress": as_json(s.progress) or {}}
         return JSONResponse(body, status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
 
     @app.get("/status")
     async def status():
         s = client.state
         return {"model": name, "status": s.status, "reason": s.reason, "engine_pid": s.pid, "restarts": s.restarts,
-                "info": s.info, "stats": s.stats, "progress": s.progress, "pending": client.num_pending,
+                "info": as_json(s.info) or {}, "stats": as_json(s.stats) or {}, "progress": as_json(s.progress) or {},
+                "pending": client.num_pending,
                 "max_pending": max_pending, "url": config.url, "api_pid": os.getpid()}
 
     @app.get("/metrics")

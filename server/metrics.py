@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from hybrid.managers.messages import EngineStats
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.5)
 
@@ -39,11 +41,11 @@ class Metrics:
     def finished(self, outcome: str) -> None:
         self._finished.labels(self.model, outcome).inc()
 
-    def render(self, engine_stats: dict, pending: int, engine_ready: bool) -> bytes:
+    def render(self, engine_stats: EngineStats | None, pending: int, engine_ready: bool) -> bytes:
         self.queue_depth.set(pending)
         self.engine_up.set(1 if engine_ready else 0)
-        if engine_stats:
-            self.running.set(engine_stats["running"])
-            self.waiting.set(engine_stats["waiting"])
-            self.kv_usage.set(engine_stats["kv_blocks_used"] / max(engine_stats["kv_blocks_total"], 1))
+        if engine_stats is not None:
+            self.running.set(engine_stats.running)
+            self.waiting.set(engine_stats.waiting)
+            self.kv_usage.set(engine_stats.kv_blocks_used / max(engine_stats.kv_blocks_total, 1))
         return generate_latest(self.registry)

@@ -7,6 +7,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from hybrid.sampling_params import SamplingParams
+
 MAX_STOP_SEQUENCES = 16
 
 
@@ -43,9 +45,9 @@ class SamplingFields(BaseModel):
             raise ValueError("stop sequences must be non-empty")
         return stops
 
-    def sampling_params(self, max_tokens: int) -> dict:
-        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": max(self.top_k, 0),
-                "max_tokens": max_tokens, "seed": self.seed, "stop": self.stop, "ignore_eos": self.ignore_eos}
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0),
+                              max_tokens=max_tokens, seed=self.seed, stop=self.stop, ignore_eos=self.ignore_eos)
 
     @property
     def requested_max_tokens(self) -> int | None:

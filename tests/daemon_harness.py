@@ -38,7 +38,7 @@ class Daemon:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def cli(self, *args: str, timeout: float = 120, stdin: str | None = None) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "hybrid.cli", *args], env=self.env, capture_output=True,
+        return subprocess.run([sys.executable, "-m", "hybrid.cli.main", *args], env=self.env, capture_output=True,
                               text=True, timeout=timeout, input=stdin)
 
     def start(self, *extra: str) -> None:

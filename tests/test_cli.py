@@ -10,7 +10,7 @@ from hybrid import LLM, SamplingParams
 
 
 def hybridd(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hybrid.cli", *args], capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "hybrid.cli.main", *args], capture_output=True, text=True, timeout=300)
 
 
 def test_generate_json_prints_exactly_one_object(model_dirs):

@@ -267,7 +267,7 @@ def test_linear_matches_reference(fmt, n, k, t):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_stacked_matrix_gives_each_part_the_same_bits(fmt):
-    # q / k / v (gate / up) packed as one matrix (hybrid.models.layers.SharedInputLinears): every output
+    # q / k / v (gate / up) packed as one matrix (hybrid.layers.linear.SharedInputLinears): every output
     # row is computed as it is in its own matrix. fp8 parts stack along whole 128-row scale blocks.
     g = torch.Generator().manual_seed(4)
     parts = [torch.randn(n, 300, generator=g) / 17 for n in (256, 128, 128)]

@@ -9,8 +9,9 @@ import torch
 
 from cpu_kernels.rope import rope, rope_reference
 from hybrid.config import RopeConfig
-from hybrid.forward_batch import ForwardBatch
-from hybrid.models.rotary_embedding import RotaryEmbedding
+from hybrid.layers.attention.torch_backend import TorchAttention
+from hybrid.layers.forward_batch import ForwardBatch
+from hybrid.layers.rotary_embedding import RotaryEmbedding
 
 
 def wide(shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
@@ -50,7 +51,8 @@ def test_rotary_embedding_module_gives_the_same_bits_through_the_kernel(rope_typ
     kernel_rope.use_kernel()
     positions = torch.tensor([0, 1, 2, 517, 4095, 3])
     batch = ForwardBatch(positions=positions, slot_mapping=positions, query_starts=[0], query_lens=[6],
-                         context_lens=[6], block_tables=[torch.zeros(1, dtype=torch.int32)], kv_caches=[])
+                         context_lens=[6], block_tables=[torch.zeros(1, dtype=torch.int32)], kv_caches=[],
+                         attention=TorchAttention())
     g = torch.Generator().manual_seed(3)
     q, k = torch.randn(6, 8, 64, generator=g).to(dtype), torch.randn(6, 2, 64, generator=g).to(dtype)
     for ours, ref in zip(kernel_rope(batch, q, k), torch_rope(batch, q, k)):

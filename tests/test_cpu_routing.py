@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cpu_kernels.routing import grouped_topk, grouped_topk_reference, softmax_topk, softmax_topk_reference
-from hybrid.models.router import GroupedSigmoidRouter, SoftmaxTopKRouter
+from hybrid.layers.router import GroupedSigmoidRouter, SoftmaxTopKRouter
 
 
 @pytest.mark.parametrize("experts,k", [(128, 8), (60, 4), (8, 2), (16, 1), (7, 7), (512, 8), (1024, 3)], ids=str)

@@ -11,11 +11,11 @@ from conftest import prompt_ids
 
 pytest.importorskip("triton")
 
-from gpu.capture_guard import CaptureError, CaptureGuard  # noqa: E402
 from gpu.decode_attention import decode_attention, decode_attention_reference  # noqa: E402
-from gpu.decode_graphs import bucket_sizes  # noqa: E402
-from gpu.device_graph import DeviceGraph  # noqa: E402
 from hybrid import LLM, SamplingParams  # noqa: E402
+from hybrid.graphs.capture_guard import CaptureError, CaptureGuard  # noqa: E402
+from hybrid.graphs.decode_graphs import bucket_sizes  # noqa: E402
+from hybrid.graphs.device_graph import DeviceGraph  # noqa: E402
 
 X = torch.arange(6, dtype=torch.float32).view(2, 3)
 
@@ -108,8 +108,8 @@ def test_graph_decode_matches_eager(gqa_and_mla, overlap):
     assert graphs == eager
     runner = llm.engine.runner
     assert runner.graphs is not None and runner.graphs.num_captured >= 3
-    pad = runner.num_blocks
-    assert all(int(c[pad].abs().sum()) > 0 for c in runner.kv_caches[0])  # padding rows wrote their own block
+    pad = runner.kv_pool.num_blocks
+    assert all(int(c[pad].abs().sum()) > 0 for c in runner.kv_pool.caches[0])  # padding rows wrote their own block
 
 
 @pytest.mark.gpu

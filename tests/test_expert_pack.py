@@ -11,12 +11,12 @@ import pytest
 import torch
 from conftest import prompt_ids
 
-import hybrid.expert_pack as expert_pack
+import hybrid.experts.pack as expert_pack
 from hybrid import LLM, SamplingParams
+from hybrid.checkpoint.reader import CheckpointReader
 from hybrid.config import ModelConfig
-from hybrid.expert_pack import EXPERTS_FILE, INDEX_FILE, PackError, load_pack, verify_pack, write_pack
-from hybrid.loader import CheckpointReader
-from hybrid.models.experts import pack_layer
+from hybrid.experts.kernel_experts import pack_layer
+from hybrid.experts.pack import EXPERTS_FILE, INDEX_FILE, PackError, load_pack, verify_pack, write_pack
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
@@ -100,7 +100,7 @@ def test_cli_pack_then_generate_from_it(model_dirs, tmp_path):
     model = tmp_path / "model"
     shutil.copytree(model_dirs["tiny-deepseek-v3-fp8"], model)
     out = tmp_path / "pack"
-    run = lambda *a: subprocess.run([sys.executable, "-m", "hybrid.cli", *a], capture_output=True,  # noqa: E731
+    run = lambda *a: subprocess.run([sys.executable, "-m", "hybrid.cli.main", *a], capture_output=True,  # noqa: E731
                                     text=True, timeout=300)
     r = run("pack", str(model), "--out", str(out), "--verify", "--quiet")
     assert r.returncode == 0 and "packed and verified" in r.stdout, r.stderr

@@ -15,10 +15,10 @@ from conftest import prompt_ids
 
 from hybrid import LLM, SamplingParams
 from hybrid.config import ModelConfig
-from hybrid.expert_client import ExpertClient, ExpertServerError, ExpertServerProcess
-from hybrid.expert_pack import load_pack, write_pack
-from hybrid.expert_slots import ECHO_LAYER
-from hybrid.models.experts import KernelExperts
+from hybrid.experts.kernel_experts import KernelExperts
+from hybrid.experts.pack import load_pack, write_pack
+from hybrid.experts.process.client import ExpertClient, ExpertServerError, ExpertServerProcess
+from hybrid.experts.process.slots import ECHO_LAYER
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -92,7 +92,7 @@ def test_two_calls_in_flight_and_errors_are_reported(served):
 def test_cuda_tensors_go_through_pinned_staging(served):
     """ProcessExperts with CUDA tensors: pinned copies down and up, the same result as host tensors,
     two calls in flight reusing the two result buffers."""
-    from hybrid.expert_client import ProcessExperts
+    from hybrid.experts.process.process_experts import ProcessExperts
 
     model, pack, proc = served
     config = ModelConfig.from_dir(model)

@@ -7,7 +7,7 @@ import torch
 from conftest import prompt_ids
 
 from hybrid import LLM, SamplingParams
-from hybrid.sampler import filter_logits
+from hybrid.engine.sampler import filter_logits
 
 
 @pytest.fixture(scope="module")

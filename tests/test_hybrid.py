@@ -111,7 +111,7 @@ def test_hot_experts_on_the_device(any_model, tmp_path):
 
 def test_hybrid_cli_matches_cpu_only(model_dirs):
     model = str(model_dirs["tiny-deepseek-v3"])
-    base = [sys.executable, "-m", "hybrid.cli", "generate", "--model", model, "--prompt-ids", "5,6,7,8,9",
+    base = [sys.executable, "-m", "hybrid.cli.main", "generate", "--model", model, "--prompt-ids", "5,6,7,8,9",
             "--max-tokens", "8", "--ignore-eos", "--json", "--dtype", "float32"]
     cpu = subprocess.run(base, capture_output=True, text=True, timeout=300)
     hyb = subprocess.run(base + ["--gpus", "0,1", "--attn-device", "cpu"], capture_output=True, text=True,
@@ -124,7 +124,7 @@ def test_hybrid_cli_matches_cpu_only(model_dirs):
 def test_gpus_without_cuda_is_one_clear_line(model_dirs):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    r = subprocess.run([sys.executable, "-m", "hybrid.cli", "generate", "--gpus", "0", "--prompt", "hi"],
+    r = subprocess.run([sys.executable, "-m", "hybrid.cli.main", "generate", "--gpus", "0", "--prompt", "hi"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--cpu-only" in r.stderr and "--attn-device cpu" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1

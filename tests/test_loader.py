@@ -10,9 +10,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hybrid import LLM
+from hybrid.checkpoint.fp8 import dequantize_block_fp8
+from hybrid.checkpoint.reader import CheckpointError, CheckpointReader
 from hybrid.config import ConfigError, ModelConfig
-from hybrid.fp8 import dequantize_block_fp8
-from hybrid.loader import CheckpointError, CheckpointReader
 
 
 @pytest.fixture

@@ -8,11 +8,12 @@ from conftest import prompt_ids
 from transformers import AutoModelForCausalLM
 
 from hybrid import LLM, SamplingParams
-from hybrid.models.layers import RMSNorm, shared_input_groups
-from hybrid.models.rotary_embedding import RotaryEmbedding
-from hybrid.models.router import GroupedSigmoidRouter, SoftmaxTopKRouter
-from hybrid.scheduler import ScheduledSeq
-from hybrid.sequence import Sequence
+from hybrid.engine.scheduler import ScheduledSeq
+from hybrid.engine.sequence import Sequence
+from hybrid.layers.linear import shared_input_groups
+from hybrid.layers.norm import RMSNorm
+from hybrid.layers.rotary_embedding import RotaryEmbedding
+from hybrid.layers.router import GroupedSigmoidRouter, SoftmaxTopKRouter
 
 
 def reference(model_dir, dtype=torch.float32):
@@ -103,6 +104,9 @@ def test_router_picks_the_same_experts(model_dirs, preset, backend):
 
 
 def test_mla_absorbed_decode_equals_expanded(model_dirs):
+    from hybrid.layers.attention.backend import MlaWeights, absorbed_mla
+    from hybrid.layers.attention.torch_backend import TorchAttention
+
     llm = LLM(model_dirs["tiny-deepseek-v3"], dtype="float32")
     attn = llm.engine.runner.model.model.layers[1].self_attn
     g = torch.Generator().manual_seed(4)
@@ -111,8 +115,10 @@ def test_mla_absorbed_decode_equals_expanded(model_dirs):
     q_rope = torch.randn(1, attn.num_heads, attn.rope_dim, generator=g)
     latent = torch.randn(ctx, attn.lora, generator=g)
     k_rope = torch.randn(ctx, attn.rope_dim, generator=g)
-    torch.testing.assert_close(attn._absorbed(q_nope, q_rope, latent, k_rope, ctx),
-                               attn._expanded(q_nope, q_rope, latent, k_rope, ctx), atol=1e-5, rtol=1e-5)
+    weights = MlaWeights(attn.kv_b_proj.weight, attn.num_heads, attn.nope, attn.rope_dim, attn.v_dim)
+    torch.testing.assert_close(absorbed_mla(q_nope, q_rope, latent, k_rope, weights, attn.scale),
+                               TorchAttention()._expanded(q_nope, q_rope, latent, k_rope, weights, attn.scale),
+                               atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
@@ -140,14 +146,16 @@ def test_cpu_attention_gives_the_torch_path_tokens(model_dirs, preset):
     torch_llm = LLM(model_dirs[preset], dtype="float32", attention="torch", max_num_batched_tokens=32)
     cpu_llm = LLM(model_dirs[preset], dtype="float32", max_num_batched_tokens=32)
     assert type(cpu_llm.engine.runner.attention).__name__ == "CpuAttention"
-    assert torch_llm.engine.runner.attention is None
+    assert type(torch_llm.engine.runner.attention).__name__ == "TorchAttention"
     assert [o.token_ids for o in cpu_llm.generate(prompts, params)] == \
         [o.token_ids for o in torch_llm.generate(prompts, params)]
 
 
 @pytest.mark.parametrize("preset", ["tiny-deepseek-v3", "tiny-deepseek-v3-fp8"])
 def test_mla_expanded_prefill_through_the_kernel_equals_torch(model_dirs, preset):
-    from hybrid.cpu_attention import CpuAttention
+    from hybrid.layers.attention.backend import MlaWeights
+    from hybrid.layers.attention.cpu_backend import CpuAttention
+    from hybrid.layers.attention.torch_backend import TorchAttention
 
     llm = LLM(model_dirs[preset], dtype="float32")
     attn = llm.engine.runner.model.model.layers[1].self_attn
@@ -157,5 +165,7 @@ def test_mla_expanded_prefill_through_the_kernel_equals_torch(model_dirs, preset
     q_rope = torch.randn(tq, attn.num_heads, attn.rope_dim, generator=g)
     latent = torch.randn(ctx, attn.lora, generator=g)
     k_rope = torch.randn(ctx, attn.rope_dim, generator=g)
-    torch.testing.assert_close(attn._expanded(q_nope, q_rope, latent, k_rope, ctx, CpuAttention().causal),
-                               attn._expanded(q_nope, q_rope, latent, k_rope, ctx), atol=1e-5, rtol=1e-5)
+    weights = MlaWeights(attn.kv_b_proj.weight, attn.num_heads, attn.nope, attn.rope_dim, attn.v_dim)
+    torch.testing.assert_close(CpuAttention()._expanded(q_nope, q_rope, latent, k_rope, weights, attn.scale),
+                               TorchAttention()._expanded(q_nope, q_rope, latent, k_rope, weights, attn.scale),
+                               atol=1e-5, rtol=1e-5)

@@ -8,7 +8,7 @@ from transformers import AutoConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from hybrid.config import ModelConfig
-from hybrid.models.rotary_embedding import inv_freq_and_scaling
+from hybrid.layers.rotary_embedding import inv_freq_and_scaling
 
 REAL_DEEPSEEK_YARN = {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
                       "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
@@ -46,8 +46,9 @@ def test_real_deepseek_yarn_parameters(model_dirs, tmp_path):
 
 def test_cos_sin_are_computed_once_per_step_except_for_static_batches(monkeypatch):
     from hybrid.config import RopeConfig
-    from hybrid.forward_batch import ForwardBatch
-    from hybrid.models.rotary_embedding import RotaryEmbedding
+    from hybrid.layers.attention.torch_backend import TorchAttention
+    from hybrid.layers.forward_batch import ForwardBatch
+    from hybrid.layers.rotary_embedding import RotaryEmbedding
 
     rope = RotaryEmbedding(RopeConfig(theta=10000.0, rotary_dim=8))
     calls = []
@@ -56,7 +57,7 @@ def test_cos_sin_are_computed_once_per_step_except_for_static_batches(monkeypatc
     q, k = torch.randn(2, 4, 8), torch.randn(2, 1, 8)
     positions = torch.tensor([5, 9])
     eager = ForwardBatch(positions, torch.zeros(2, dtype=torch.long), [0, 1], [1, 1], [6, 10],
-                         [torch.zeros(1), torch.zeros(1)], [])
+                         [torch.zeros(1), torch.zeros(1)], [], TorchAttention())
     first = rope(eager, q, k)
     assert all(torch.equal(a, b) for a, b in zip(rope(eager, q, k), first)) and len(calls) == 1
     static = ForwardBatch.static_decode(positions.clone(), torch.zeros(2, dtype=torch.long),

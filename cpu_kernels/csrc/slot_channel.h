@@ -1,7 +1,7 @@
 // The per-layer data path between an engine and the expert process, on shared memory.
 //
 // A slot is [int64 ctrl words | error text | x | ids | weights | out] at the offsets SlotOffsets gives
-// (hybrid/expert_slots.py lays them out). The client copies a call in, publishes REQUEST_SEQ and wakes the
+// (hybrid/experts/process/slots.py lays them out). The client copies a call in, publishes REQUEST_SEQ and wakes the
 // server; the server runs the call and publishes DONE_SEQ. Each side spins on the word it waits for for a
 // few microseconds before sleeping on it with a futex (a shared one: the word lives in a shared mapping),
 // so back-to-back calls never pay a sleep/wake-up pair; a side counts itself in the word's sleeper count

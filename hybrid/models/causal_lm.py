@@ -8,16 +8,20 @@ import torch
 from torch import nn
 
 from hybrid.config import ModelConfig
-from hybrid.dual_batch import interleave
-from hybrid.forward_batch import ForwardBatch
-from hybrid.models.experts import Experts
-from hybrid.models.layers import GatedMLP, Linear, RMSNorm, empty_param
-from hybrid.models.rotary_embedding import RotaryEmbedding
-from hybrid.models.routed_moe import RoutedMoe
+from hybrid.experts.base import Experts
+from hybrid.layers.forward_batch import ForwardBatch
+from hybrid.layers.linear import Linear
+from hybrid.layers.mlp import GatedMLP
+from hybrid.layers.norm import RMSNorm
+from hybrid.layers.parameter import empty_param
+from hybrid.layers.rotary_embedding import RotaryEmbedding
+from hybrid.models.overlap import interleave
+from hybrid.models.segments import split_stages
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm residual block: x + self_attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm residual block: x + self_attn(norm(x)), then x + mlp(norm(x)). A layer whose mlp is a RoutedMoe
+    runs as a stage's segments (hybrid/models/segments.py); `forward` is the dense layer's whole step."""
 
     def __init__(self, cfg: ModelConfig, self_attn: nn.Module, mlp: nn.Module, dtype: torch.dtype):
         super().__init__()
@@ -28,17 +32,9 @@ class DecoderLayer(nn.Module):
     def attend(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         return x + self.self_attn(self.input_layernorm(x), batch)
 
-    def begin_mlp(self, h: torch.Tensor) -> Callable[[], torch.Tensor]:
-        """Starts h + mlp(norm(h)); an MoE block's routed experts may still be running when this returns."""
-        y = self.post_attention_layernorm(h)
-        if isinstance(self.mlp, RoutedMoe):
-            finish = self.mlp.begin(y)
-            return lambda: h + finish()
-        out = h + self.mlp(y)
-        return lambda: out
-
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        return self.begin_mlp(self.attend(x, batch))()
+        h = self.attend(x, batch)
+        return h + self.mlp(self.post_attention_layernorm(h))
 
 
 def decoder_layers(cfg: ModelConfig, experts: Experts, dtype: torch.dtype, attention: type[nn.Module],
@@ -54,7 +50,8 @@ def decoder_layers(cfg: ModelConfig, experts: Experts, dtype: torch.dtype, atten
 
 
 class CausalLMBody(nn.Module):
-    """embed_tokens -> decoder layers -> norm, named as in the checkpoint (`model.*`)."""
+    """embed_tokens -> decoder layers -> norm, named as in the checkpoint (`model.*`), run as MoE stages and a
+    tail (hybrid/models/segments.py)."""
 
     def __init__(self, cfg: ModelConfig, layers: list[nn.Module], dtype: torch.dtype):
         super().__init__()
@@ -62,31 +59,33 @@ class CausalLMBody(nn.Module):
         self.embed_tokens.weight = empty_param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.stages, self.tail = split_stages(list(self.layers), self.norm)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens.weight[input_ids]
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        x = self.embed_tokens.weight[input_ids]
-        for layer in self.layers:
-            x = layer(x, batch)
-        return self.norm(x)
+        x = self.embed(input_ids)
+        for stage in self.stages:
+            x = stage.begin(x, batch)()
+        return self.tail(x, batch)
 
     def forward_overlapped(self, ids_a: torch.Tensor, batch_a: ForwardBatch, ids_b: torch.Tensor,
                            batch_b: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dual-batch overlap: the routed experts of one micro-batch run (in the expert process) while
-        the device runs the other's attention. A stage is one layer: attention, then the MLP started; its
-        wait stores the layer's output for the micro-batch's next stage."""
-        xs = [self.embed_tokens.weight[ids_a], self.embed_tokens.weight[ids_b]]
+        """Dual-batch overlap: the routed experts of one micro-batch run (in the expert process) while the
+        device runs the other's segments; a stage's wait stores its output for the micro-batch's next stage."""
+        xs = [self.embed(ids_a), self.embed(ids_b)]
         batches = (batch_a, batch_b)
 
-        def begin(mb: int, i: int) -> Callable[[], None]:
-            layer = self.layers[i]
-            finish = layer.begin_mlp(layer.attend(xs[mb], batches[mb]))
+        def begin(mb: int, s: int) -> Callable[[], None]:
+            finish = self.stages[s].begin(xs[mb], batches[mb])
 
             def wait() -> None:
                 xs[mb] = finish()
             return wait
 
-        interleave(len(self.layers), begin)
-        return self.norm(xs[0]), self.norm(xs[1])
+        interleave(len(self.stages), begin)
+        return self.tail(xs[0], batch_a), self.tail(xs[1], batch_b)
 
 
 class CausalLM(nn.Module):

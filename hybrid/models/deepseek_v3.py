@@ -1,26 +1,26 @@
 """DeepSeek-V3/R1: multi-head latent attention (MLA) over a compressed KV cache, shared + routed experts.
 
 The cache holds, per token, the normalized KV latent [kv_lora_rank] and the roped shared key [qk_rope_head_dim].
-Prompts expand the latent into per-head keys and values; single-token decode steps absorb kv_b_proj into
-the query and output instead, so attention reads only the latent.
+The attention backend decides per step whether rows attend in latent space (kv_b_proj absorbed into the query
+and output) or expand the latent into per-head keys and values (hybrid/layers/attention/backend.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 
-from hybrid.attention import gather_cache, softmax_attention, write_cache
 from hybrid.config import ModelConfig
-from hybrid.forward_batch import ForwardBatch
+from hybrid.experts.base import Experts
+from hybrid.layers.attention.backend import MlaWeights
+from hybrid.layers.forward_batch import ForwardBatch
+from hybrid.layers.linear import Linear, SharedInputLinears
+from hybrid.layers.mlp import GatedMLP
+from hybrid.layers.moe import RoutedMoe
+from hybrid.layers.norm import RMSNorm
+from hybrid.layers.rotary_embedding import RotaryEmbedding, yarn_softmax_scale
+from hybrid.layers.router import GroupedSigmoidRouter
 from hybrid.models.causal_lm import CausalLM, decoder_layers
-from hybrid.models.experts import Experts
-from hybrid.models.layers import GatedMLP, Linear, RMSNorm, SharedInputLinears
-from hybrid.models.rotary_embedding import RotaryEmbedding, yarn_softmax_scale
-from hybrid.models.routed_moe import RoutedMoe
-from hybrid.models.router import GroupedSigmoidRouter
 
 
 class DeepseekV3Attention(nn.Module):
@@ -58,60 +58,10 @@ class DeepseekV3Attention(nn.Module):
         latent = self.kv_a_layernorm(latent)
         q_rope, k_rope = self.rope(batch, q_rope, k_rope.view(n, 1, self.rope_dim))
         (cache,) = batch.kv_caches[self.layer]
-        if batch.attention is not None and (batch.attention.latent_prefill or max(batch.query_lens) == 1):
-            return self._latent_paged(q_nope, q_rope, latent, k_rope, cache, batch)
-        write_cache(cache, batch.slot_mapping, torch.cat([latent, k_rope.view(n, self.rope_dim)], dim=-1))
-        out = x.new_empty(n, self.num_heads * self.v_dim)
-        for start, qlen, ctx, table in zip(batch.query_starts, batch.query_lens, batch.context_lens,
-                                           batch.block_tables):
-            kv = gather_cache(cache, table, ctx)
-            rows = slice(start, start + qlen)
-            if qlen == 1:
-                o = self._absorbed(q_nope[rows], q_rope[rows], kv[:, :self.lora], kv[:, self.lora:], ctx)
-            else:
-                o = self._expanded(q_nope[rows], q_rope[rows], kv[:, :self.lora], kv[:, self.lora:], ctx,
-                                   getattr(batch.attention, "causal", None))
-            out[rows] = o.flatten(1)
+        weights = MlaWeights(self.kv_b_proj.weight, self.num_heads, self.nope, self.rope_dim, self.v_dim)
+        out = batch.attention.mla(q_nope, q_rope, latent, k_rope.view(n, self.rope_dim), cache, weights, batch,
+                                  self.scale)
         return self.o_proj(out)
-
-    def _absorption(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """W_UK [H, nope, lora] and W_UV [H, v_dim, lora] out of kv_b_proj."""
-        w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.lora)
-        return w[:, :self.nope], w[:, self.nope:]
-
-    def _latent_paged(self, q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor,
-                      cache: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """Every row (prefill, extend or decode) attends in latent space through batch.attention's kernels."""
-        n = latent.shape[0]
-        batch.attention.store(cache, batch.slot_mapping, torch.cat([latent, k_rope.view(n, self.rope_dim)], dim=-1))
-        w_uk, w_uv = self._absorption()
-        q_latent = torch.einsum("nhd,hdl->nhl", q_nope, w_uk)
-        out_latent = batch.attention.mla(torch.cat([q_latent, q_rope], dim=-1), cache, self.lora, batch, self.scale)
-        return self.o_proj(torch.einsum("nhl,hvl->nhv", out_latent, w_uv).flatten(1))
-
-    def _expanded(self, q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor,
-                  ctx: int, causal: Callable | None = None) -> torch.Tensor:
-        """Per-head K and V from the latent: [Tq, H, *] queries -> [Tq, H, v_dim]. `causal(q, k, v, scale)`, when
-        given, attends instead of the matmuls here (the cpu backend's kernel)."""
-        kv = self.kv_b_proj(latent).view(ctx, self.num_heads, self.nope + self.v_dim)
-        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
-        k = torch.cat([k_nope, k_rope[:, None, :].expand(ctx, self.num_heads, self.rope_dim)], dim=-1)
-        if causal is not None:
-            return causal(torch.cat([q_nope, q_rope], dim=-1), k, v.contiguous(), self.scale)
-        q = torch.cat([q_nope, q_rope], dim=-1).transpose(0, 1)
-        scores = torch.matmul(q, k.permute(1, 2, 0)) * self.scale
-        probs = softmax_attention(scores, q.shape[1], ctx, q.dtype)
-        return torch.matmul(probs, v.transpose(0, 1)).transpose(0, 1)
-
-    def _absorbed(self, q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor,
-                  ctx: int) -> torch.Tensor:
-        """Attention in latent space: W_UK folded into the query, W_UV applied after the weighted sum."""
-        w_uk, w_uv = self._absorption()
-        q_latent = torch.matmul(q_nope.transpose(0, 1), w_uk)
-        scores = (torch.matmul(q_latent, latent.t()) + torch.matmul(q_rope.transpose(0, 1), k_rope.t())) * self.scale
-        probs = softmax_attention(scores, q_nope.shape[0], ctx, q_nope.dtype)
-        out_latent = torch.matmul(probs, latent)
-        return torch.matmul(out_latent, w_uv.transpose(1, 2)).transpose(0, 1)
 
 
 class DeepseekV3MoE(RoutedMoe):

@@ -5,15 +5,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybrid.attention import paged_attention, write_cache
 from hybrid.config import ModelConfig
-from hybrid.forward_batch import ForwardBatch
+from hybrid.experts.base import Experts
+from hybrid.layers.forward_batch import ForwardBatch
+from hybrid.layers.linear import Linear, SharedInputLinears
+from hybrid.layers.moe import RoutedMoe
+from hybrid.layers.norm import RMSNorm
+from hybrid.layers.rotary_embedding import RotaryEmbedding
+from hybrid.layers.router import SoftmaxTopKRouter
 from hybrid.models.causal_lm import CausalLM, decoder_layers
-from hybrid.models.experts import Experts
-from hybrid.models.layers import Linear, RMSNorm, SharedInputLinears
-from hybrid.models.rotary_embedding import RotaryEmbedding
-from hybrid.models.routed_moe import RoutedMoe
-from hybrid.models.router import SoftmaxTopKRouter
 
 
 class Qwen3MoeAttention(nn.Module):
@@ -40,15 +40,7 @@ class Qwen3MoeAttention(nn.Module):
         v = v.view(n, self.num_kv_heads, self.head_dim)
         q, k = self.rope(batch, q, k)
         k_cache, v_cache = batch.kv_caches[self.layer]
-        if batch.attention is not None:
-            batch.attention.store(k_cache, batch.slot_mapping, k)
-            batch.attention.store(v_cache, batch.slot_mapping, v)
-            o = batch.attention.gqa(q, k_cache, v_cache, batch, self.scale)
-            return self.o_proj(o.reshape(n, -1))
-        write_cache(k_cache, batch.slot_mapping, k)
-        write_cache(v_cache, batch.slot_mapping, v)
-        o = paged_attention(q, k_cache, v_cache, batch.query_starts, batch.query_lens, batch.context_lens,
-                            batch.block_tables, self.scale)
+        o = batch.attention.gqa(q, k, v, k_cache, v_cache, batch, self.scale)
         return self.o_proj(o.reshape(n, -1))
 
 

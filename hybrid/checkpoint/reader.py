@@ -1,0 +1,117 @@
+"""Reads Hugging Face safetensors checkpoints (sharded or not, BF16 or fp8 block-quantized) with clear errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from hybrid.checkpoint.fp8 import dequantize_block_fp8
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded: the message names the file and tensor."""
+
+
+class CheckpointReader:
+    """Maps tensor names to shard files and reads tensors lazily, never unpickling anything."""
+
+    def __init__(self, model_dir: str | Path, fp8_block: tuple[int, int] | None = None):
+        self.model_dir = Path(model_dir)
+        self.fp8_block = fp8_block
+        self._handles: dict[str, object] = {}
+        self.weight_map = self._weight_map()
+
+    def _weight_map(self) -> dict[str, str]:
+        index = self.model_dir / INDEX_FILE
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as e:
+                raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from e
+            for fname in sorted(set(weight_map.values())):
+                if not (self.model_dir / fname).is_file():
+                    raise CheckpointError(f"{self.model_dir / fname}: listed in {INDEX_FILE} but missing")
+            return dict(weight_map)
+        files = sorted(self.model_dir.glob("*.safetensors"))
+        if not files:
+            pickles = [p.name for p in self.model_dir.iterdir() if p.suffix in (".bin", ".pt", ".pth")]
+            hint = f" (found {', '.join(pickles)}: pickle checkpoints are never loaded; convert to safetensors)" \
+                if pickles else ""
+            raise CheckpointError(f"{self.model_dir}: no *.safetensors weights{hint}")
+        weight_map = {}
+        for f in files:
+            for name in self._open(f.name).keys():
+                weight_map[name] = f.name
+        return weight_map
+
+    def _open(self, fname: str):
+        handle = self._handles.get(fname)
+        if handle is None:
+            path = self.model_dir / fname
+            try:
+                handle = safe_open(str(path), framework="pt")
+            except Exception as e:
+                raise CheckpointError(f"{path}: unreadable safetensors file ({e}); is it truncated or corrupt?") from e
+            self._handles[fname] = handle
+        return handle
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.weight_map
+
+    def names(self) -> list[str]:
+        return list(self.weight_map)
+
+    def file_of(self, name: str) -> Path:
+        return self.model_dir / self.weight_map[name]
+
+    def get(self, name: str) -> torch.Tensor:
+        """The raw stored tensor (fp8 stays fp8)."""
+        fname = self.weight_map.get(name)
+        if fname is None:
+            raise CheckpointError(f"{self.model_dir}: tensor {name!r} is missing from the checkpoint")
+        try:
+            return self._open(fname).get_tensor(name)
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise CheckpointError(f"{self.model_dir / fname}: cannot read tensor {name!r} ({e})") from e
+
+    def is_fp8(self, weight_name: str) -> bool:
+        return self.get(weight_name).dtype == torch.float8_e4m3fn
+
+    def checked(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """The raw stored tensor, after checking it has the shape the config implies."""
+        t = self.get(name)
+        if tuple(t.shape) != tuple(shape):
+            raise CheckpointError(f"{self.file_of(name)}: tensor {name!r} has shape {tuple(t.shape)}, "
+                                  f"the config implies {tuple(shape)}")
+        return t
+
+    def weight(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A tensor of the given shape in `dtype`; fp8 weights are dequantized with their `_scale_inv` sibling."""
+        t = self.checked(name, shape)
+        if t.dtype == torch.float8_e4m3fn:
+            scale_name = f"{name}_scale_inv"
+            if self.fp8_block is None:
+                raise CheckpointError(f"{self.file_of(name)}: {name!r} is fp8 but config.json has no "
+                                      "quantization_config with weight_block_size")
+            try:
+                t = dequantize_block_fp8(t, self.get(scale_name), self.fp8_block)
+            except ValueError as e:
+                raise CheckpointError(f"{self.file_of(scale_name)}: tensor {scale_name!r}: {e}") from e
+        return t.to(dtype)
+
+
+def load_weights(module: torch.nn.Module, reader: CheckpointReader, tied_embeddings: bool = False) -> None:
+    """Fills every parameter of `module` from the checkpoint tensor of the same name, checking shapes."""
+    for name, param in module.named_parameters():
+        source = name
+        if name == "lm_head.weight" and name not in reader and tied_embeddings:
+            source = "model.embed_tokens.weight"
+        param.data = reader.weight(source, tuple(param.shape), param.dtype)

@@ -1,0 +1,225 @@
+"""The commands that run or talk to the daemon: start, stop, status, chat and slo-report."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from hybrid.cli.engine_args import add_engine_args, engine_kwargs, explain_gpus, parse_gpus
+from hybrid.managers.supervisor import DaemonError
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+
+
+def register(sub) -> None:
+    st = sub.add_parser("start", help="start the daemon (OpenAI API, web chat page, /metrics) in the background")
+    add_engine_args(st)
+    st.set_defaults(experts="process")
+    dev = st.add_mutually_exclusive_group()
+    dev.add_argument("--gpus", type=parse_gpus, help="CUDA devices: the first runs attention, KV cache and "
+                     "dense layers; routed experts stay on the CPU (e.g. 0 or 0,1)")
+    dev.add_argument("--cpu-only", action="store_true", help="run everything on the CPU (the default without CUDA)")
+    st.add_argument("--host", default="127.0.0.1")
+    st.add_argument("--port", type=int, default=8000)
+    st.add_argument("--api-key", default=os.environ.get("HYBRIDD_API_KEY"),
+                    help="require `Authorization: Bearer KEY` on every route but /health (env HYBRIDD_API_KEY)")
+    st.add_argument("--served-model-name", help="model id in the API (default: the model directory's name)")
+    st.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the running batch; "
+                    "past it the API answers 503 with Retry-After")
+    st.add_argument("--foreground", action="store_true", help="run in this terminal instead of the background")
+    st.add_argument("--timeout", type=float, default=1800.0, help="seconds to wait for packing and loading")
+    st.set_defaults(func=cmd_start)
+    sp = sub.add_parser("stop", help="stop the daemon (in-flight requests finish or are aborted)")
+    sp.set_defaults(func=cmd_stop)
+    client_args = argparse.ArgumentParser(add_help=False)
+    client_args.add_argument("--url", help="daemon URL (default: the running daemon's, else " + DEFAULT_URL + ")")
+    client_args.add_argument("--api-key", default=os.environ.get("HYBRIDD_API_KEY"))
+    ss = sub.add_parser("status", parents=[client_args], help="model, devices, kernel path, KV usage, requests")
+    ss.set_defaults(func=cmd_status)
+    ch = sub.add_parser("chat", parents=[client_args], help="chat with the daemon in this terminal")
+    ch.add_argument("--system", help="system prompt")
+    ch.add_argument("--max-tokens", type=int, default=512)
+    ch.add_argument("--temperature", type=float, default=0.7)
+    ch.set_defaults(func=cmd_chat)
+    so = sub.add_parser("slo-report", parents=[client_args], help="measure TTFT/TPOT percentiles against SLOs")
+    so.add_argument("--workload", default="chat", choices=["chat", "long-prefill", "mixed"])
+    so.add_argument("--concurrency", type=_levels, default=[1, 2, 4, 8], help="levels, comma-separated")
+    so.add_argument("--requests", type=int, default=16, help="requests per concurrency level")
+    so.add_argument("--ttft-slo", type=float, default=30.0, help="seconds (default 30)")
+    so.add_argument("--tpot-slo", type=float, default=0.05, help="seconds per output token (default 0.05 = 20 tok/s)")
+    so.add_argument("--max-tokens", type=int, help="output tokens per request (default: the workload's)")
+    so.add_argument("--seed", type=int, default=0)
+    so.add_argument("--json", help="write the report as JSON here")
+    so.add_argument("--plot", help="write a PNG chart here")
+    so.set_defaults(func=cmd_slo_report)
+
+
+def _wait_ready(config, proc, timeout_s: float) -> None:
+    """Shows packing/loading progress until /health answers ok; stops the daemon if it cannot start."""
+    import time
+
+    import httpx
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from hybrid.managers.supervisor import stop_daemon
+
+    def give_up(reason: str) -> DaemonError:
+        if proc.poll() is None:
+            try:
+                stop_daemon(config.paths)
+            except DaemonError:
+                proc.kill()
+        return DaemonError(f"{reason} (logs in {config.paths.log_dir})")
+
+    deadline = time.monotonic() + timeout_s
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
+               TimeElapsedColumn())
+    with Progress(*columns, transient=True) as bar:
+        task = bar.add_task(f"starting {config.model_name}", total=None)
+        while True:
+            if proc.poll() is not None:
+                raise give_up(f"the daemon exited with code {proc.returncode} while starting")
+            try:
+                r = httpx.get(f"{config.url}/health", timeout=2.0)
+            except httpx.HTTPError:
+                r = None
+            if r is not None and r.status_code == 200:
+                return
+            if r is not None and r.headers.get("content-type", "").startswith("application/json"):
+                body = r.json()
+                if body.get("status") == "down":
+                    raise give_up(f"the engine could not start: {body.get('reason')}")
+                prog = body.get("progress") or {}
+                bar.update(task, description=prog.get("phase", body.get("status", "starting")),
+                           completed=prog.get("done", 0), total=prog.get("total"))
+            if time.monotonic() > deadline:
+                raise give_up(f"not healthy after {timeout_s:.0f}s")
+            time.sleep(0.25)
+
+
+def cmd_start(a: argparse.Namespace) -> int:
+    from hybrid.config import ModelConfig
+    from hybrid.llm import DEFAULT_MODEL_DIR
+    from hybrid.managers.daemon_config import DaemonConfig
+    from hybrid.managers.supervisor import Supervisor, check_port_free, launch, running_daemon
+
+    model = str(Path(a.model).resolve()) if a.model else str(DEFAULT_MODEL_DIR)
+    ModelConfig.from_dir(model)
+    config = DaemonConfig(model=model, host=a.host, port=a.port, api_key=a.api_key,
+                          served_model_name=a.served_model_name, max_queue=a.max_queue,
+                          engine={k: v for k, v in engine_kwargs(a).items() if v is not None})
+    explain_gpus(a.gpus)
+    running = running_daemon(config.paths)
+    if running is not None:
+        raise DaemonError(f"hybridd is already running (pid {running['pid']}) at {running['url']}; "
+                          "`hybridd stop` stops it")
+    check_port_free(a.host, a.port)
+    if a.foreground:
+        print(f"hybridd: serving {config.model_name} at {config.url} (Ctrl-C stops)", file=sys.stderr)
+        return Supervisor(config).run()
+    _wait_ready(config, launch(config), a.timeout)
+    print(f"hybridd is serving {config.model_name} at {config.url}\n"
+          f"  chat page: {config.url}/   OpenAI API: {config.url}/v1   stop: hybridd stop")
+    return 0
+
+
+def cmd_stop(a: argparse.Namespace) -> int:
+    from hybrid.config.home import hybridd_home
+    from hybrid.managers.daemon_config import DaemonPaths
+    from hybrid.managers.supervisor import stop_daemon
+
+    record = stop_daemon(DaemonPaths(hybridd_home()))
+    print(f"hybridd stopped (pid {record['pid']}, {record['url']})")
+    return 0
+
+
+def _daemon_url(a: argparse.Namespace) -> str:
+    from hybrid.config.home import hybridd_home
+    from hybrid.managers.daemon_config import DaemonPaths
+    from hybrid.managers.supervisor import running_daemon
+
+    if a.url:
+        return a.url
+    record = running_daemon(DaemonPaths(hybridd_home()))
+    return record["url"] if record else DEFAULT_URL
+
+
+def cmd_status(a: argparse.Namespace) -> int:
+    import httpx
+    from rich.console import Console
+    from rich.table import Table
+
+    url = _daemon_url(a)
+    headers = {"Authorization": f"Bearer {a.api_key}"} if a.api_key else {}
+    try:
+        r = httpx.get(f"{url}/status", headers=headers, timeout=5.0)
+    except httpx.HTTPError:
+        print(f"hybridd is not running at {url}", file=sys.stderr)
+        return 1
+    if r.status_code != 200:
+        raise DaemonError(f"{url}/status answered HTTP {r.status_code}: {r.text}")
+    s = r.json()
+    info, stats = s["info"], s["stats"]
+    t = Table(title=f"hybridd at {url}", show_header=False)
+    t.add_column(style="bold")
+    t.add_column()
+    used, total = stats.get("kv_blocks_used", 0), stats.get("kv_blocks_total", 0)
+    rows = [
+        ("model", f"{s['model']} ({info.get('architecture', '?')}, context {info.get('max_model_len', '?')})"),
+        ("state", s["status"] + (f": {s['reason']}" if s["reason"] else "")),
+        ("mode", info.get("mode", "?")), ("devices", ", ".join(info.get("devices", []))),
+        ("kernel path", info.get("kernel_path", "?")),
+        ("experts", f"{info.get('experts', '?')}" + (f" (pid {info['expert_pid']})" if info.get("expert_pid") else "")),
+        ("KV cache", f"{used}/{total} blocks ({used / total:.0%})" if total else "?"),
+        ("requests", f"{stats.get('running', 0)} running, {stats.get('waiting', 0)} waiting, "
+                     f"{s['pending']}/{s['max_pending']} admitted"),
+        ("recent tokens/s", f"{stats.get('tokens_per_s', 0.0):.1f}"),
+        ("engine", f"pid {s['engine_pid']}, {s['restarts']} restart(s)"),
+    ]
+    for k, v in rows:
+        t.add_row(k, str(v))
+    Console().print(t)
+    return 0
+
+
+def cmd_chat(a: argparse.Namespace) -> int:
+    import asyncio
+
+    from hybrid.cli.chat_repl import ChatRepl
+
+    repl = ChatRepl(_daemon_url(a), a.api_key, a.system, a.max_tokens, a.temperature)
+    return asyncio.run(repl.run())
+
+
+def cmd_slo_report(a: argparse.Namespace) -> int:
+    import asyncio
+
+    from rich.console import Console
+
+    from hybrid.cli.slo_report import SloConfig, SloReport, render_table, write_json, write_plot
+
+    config = SloConfig(url=_daemon_url(a), workload=a.workload, concurrency=a.concurrency, requests=a.requests,
+                       ttft_slo_s=a.ttft_slo, tpot_slo_s=a.tpot_slo, max_tokens=a.max_tokens, api_key=a.api_key,
+                       seed=a.seed)
+    console = Console(stderr=True)
+    console.print(f"driving {config.url} with the {config.workload} workload, {config.requests} requests per level")
+    report = asyncio.run(SloReport(config).run(
+        lambda lv: console.print(f"  concurrency {lv['concurrency']}: {lv['requests'] - lv['errors']} ok, "
+                                 f"goodput {lv['goodput']:.0%}")))
+    Console(width=None if sys.stdout.isatty() else 200).print(render_table(report))
+    if a.json:
+        write_json(report, a.json)
+        console.print(f"wrote {a.json}")
+    if a.plot:
+        write_plot(report, a.plot)
+        console.print(f"wrote {a.plot}")
+    return 0
+
+
+def _levels(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--concurrency wants comma-separated integers, got {text!r}") from None

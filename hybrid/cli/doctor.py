@@ -1,0 +1,156 @@
+"""`hybridd doctor`: what this machine offers (CPU features and kernel path, NUMA, GPUs, memory), whether a
+model fits in RAM, and what to change when something is off."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+BITS_PER_WEIGHT = {"bf16": 16.0, "fp8": 8.0 + 32 / (128 * 128), "int8": 8.0, "int4": 4.0 + 32 / 32}
+KEY_FLAGS = ("avx2", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni", "avx512vbmi", "amx_bf16", "amx_int8")
+
+
+@dataclass
+class Finding:
+    topic: str
+    detail: str
+    ok: bool = True
+
+
+@dataclass
+class Diagnosis:
+    findings: list[Finding] = field(default_factory=list)
+    advice: list[str] = field(default_factory=list)
+
+    def add(self, topic: str, detail: str, ok: bool = True) -> None:
+        self.findings.append(Finding(topic, detail, ok))
+
+
+def check_cpu(d: Diagnosis) -> None:
+    from cpu_kernels.cpu_features import best_path, cpu_flags
+    from cpu_kernels.thread_pool import ALLOWED_CPUS, numa_nodes
+
+    flags = cpu_flags()
+    d.add("CPU", f"{len(ALLOWED_CPUS)} usable cores, {len(numa_nodes())} NUMA node(s); "
+                 + ", ".join(f for f in KEY_FLAGS if f in flags))
+    try:
+        from cpu_kernels.moe import kernel_isa_name
+
+        path = kernel_isa_name()
+        d.add("kernel path", f"{path} (best this CPU allows: {best_path()})", path != "generic")
+        if path == "generic":
+            d.advice.append("no AVX-512 path: the portable kernels run, several times slower than on an AVX-512 CPU")
+    except ImportError as e:
+        d.add("kernel path", f"the C++ extension is not built ({e})", False)
+        d.advice.append("build the kernels: pip install -e . (needs g++ and pybind11)")
+
+
+def check_gpus(d: Diagnosis) -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        d.add("GPUs", "none usable (torch.cuda.is_available() is False); run with --cpu-only")
+        return
+    for i in range(torch.cuda.device_count()):
+        p = torch.cuda.get_device_properties(i)
+        d.add(f"GPU {i}", f"{p.name}, {p.total_memory / 2**30:.1f} GiB")
+    d.advice.append("the GPU hybrid path is not built yet: hybridd serves with --cpu-only")
+
+
+def check_memory(d: Diagnosis) -> None:
+    vm = psutil.virtual_memory()
+    d.add("memory", f"{vm.total / 2**30:.1f} GiB total, {vm.available / 2**30:.1f} GiB available")
+    shm = shutil.disk_usage("/dev/shm") if Path("/dev/shm").exists() else None
+    if shm is not None:
+        d.add("/dev/shm", f"{shm.free / 2**30:.1f} GiB free (expert-process call slots live here)", shm.free > 2**26)
+
+
+def model_bytes(model_dir: Path, expert_format: str) -> tuple[int, int]:
+    """(dense bytes as stored, routed-expert bytes in expert_format)."""
+    from hybrid.config import ModelConfig
+    from hybrid.experts.pack import expert_bytes_to_read, expert_weight_count
+
+    config = ModelConfig.from_dir(model_dir)
+    on_disk = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
+    dense = max(on_disk - expert_bytes_to_read(config), 0)
+    return dense, int(expert_weight_count(config) * BITS_PER_WEIGHT[expert_format] / 8)
+
+
+def check_model(d: Diagnosis, model_dir: Path, kv_cache_bytes: int) -> None:
+    from hybrid.config import ConfigError, ModelConfig
+    from hybrid.experts.kernel_experts import default_expert_format
+
+    try:
+        config = ModelConfig.from_dir(model_dir)
+    except (ConfigError, FileNotFoundError, ValueError) as e:
+        d.add("model", str(e), False)
+        d.advice.append("point --model at a Hugging Face DeepSeek-V3/R1 or Qwen3-MoE directory (config.json, "
+                        "*.safetensors, tokenizer.json)")
+        return
+    fmt = default_expert_format(config)
+    dense, experts = model_bytes(model_dir, fmt)
+    need = dense + experts + kv_cache_bytes
+    avail = psutil.virtual_memory().available
+    fits = need <= avail
+    d.add("model", f"{model_dir.name}: {config.model_type}, {config.num_hidden_layers} layers, "
+                   f"{config.num_experts} experts (top-{config.num_experts_per_tok})")
+    d.add("fits in RAM", f"needs {need / 2**30:.2f} GiB (dense {dense / 2**30:.2f} + experts as {fmt} "
+                         f"{experts / 2**30:.2f} + KV {kv_cache_bytes / 2**30:.2f}); {avail / 2**30:.1f} GiB available",
+          fits)
+    if not fits:
+        for smaller in ("int8", "int4"):
+            if BITS_PER_WEIGHT[smaller] < BITS_PER_WEIGHT[fmt]:
+                _, e2 = model_bytes(model_dir, smaller)
+                if dense + e2 + kv_cache_bytes <= avail:
+                    d.advice.append(f"pack the experts as {smaller} (--expert-format {smaller}): "
+                                    f"{(dense + e2 + kv_cache_bytes) / 2**30:.1f} GiB in all")
+                    break
+        else:
+            d.advice.append("the model does not fit in this machine's RAM even as int4; use a bigger machine "
+                            "or a smaller model")
+
+
+def diagnose(model_dir: Path | None, kv_cache_bytes: int = 1 << 30) -> Diagnosis:
+    d = Diagnosis()
+    check_cpu(d)
+    check_gpus(d)
+    check_memory(d)
+    if model_dir is not None:
+        check_model(d, model_dir, kv_cache_bytes)
+    return d
+
+
+def render(d: Diagnosis):
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    t = Table(title="hybridd doctor", show_header=False)
+    t.add_column("", style="bold")
+    t.add_column("")
+    t.add_column("")
+    for f in d.findings:
+        t.add_row(f.topic, f.detail, "[green]ok[/]" if f.ok else "[red]problem[/]")
+    advice = d.advice or ["nothing to change"]
+    return Group(t, Text("What to change:", style="bold"), *(Text(f"  - {a}") for a in advice))
+
+
+def register(sub) -> None:
+    dr = sub.add_parser("doctor", help="CPU features, kernel path, GPUs, memory, whether the model fits")
+    dr.add_argument("--model", help="model directory to check (default: the embedded tiny model)")
+    dr.add_argument("--kv-cache-gb", type=float, default=1.0)
+    dr.set_defaults(func=cmd_doctor)
+
+
+def cmd_doctor(a: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from hybrid.cli.doctor import diagnose, render
+    from hybrid.llm import DEFAULT_MODEL_DIR
+
+    Console().print(render(diagnose(Path(a.model) if a.model else DEFAULT_MODEL_DIR, int(a.kv_cache_gb * 2**30))))
+    return 0

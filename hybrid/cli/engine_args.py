@@ -1,0 +1,62 @@
+"""The engine flags `generate` and `start` share, and their translation into EngineConfig fields."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="Hugging Face model directory (default: the embedded tiny model)")
+    p.add_argument("--dtype", default="auto", help="compute dtype: auto (checkpoint's), bfloat16, float32")
+    p.add_argument("--max-model-len", type=int, help="context length (default: the model's, within the KV pool)")
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="prefill chunk / step token budget")
+    p.add_argument("--num-kv-blocks", type=int, help="KV pool size in blocks (default: sized from --kv-cache-gb)")
+    p.add_argument("--kv-cache-gb", type=float, default=1.0)
+    p.add_argument("--threads", type=int, help="compute threads (default: every allowed core)")
+    p.add_argument("--backend", default="cpu", choices=["cpu", "torch"],
+                   help="cpu: C++ AVX-512 kernels for experts and dense layers; torch: the pure-torch reference")
+    p.add_argument("--expert-format", default="auto", choices=["auto", "bf16", "fp8", "int8", "int4"],
+                   help="routed-expert weights in RAM (auto: the checkpoint's, fp8 stays fp8)")
+    p.add_argument("--dense-format", default="auto", choices=["auto", "bf16", "fp8", "int8"],
+                   help="dense linear weights with the cpu backend (auto: the checkpoint's)")
+    p.add_argument("--expert-pack", help="map the experts from this `hybridd pack` directory instead of packing")
+    p.add_argument("--experts", default="inline", choices=["inline", "process"],
+                   help="run the routed experts in this process or in the expert process")
+    p.add_argument("--expert-server", help="control address of a running expert process (with --experts process)")
+    p.add_argument("--attn-device", help="with --gpus: the device that plays GPU 0's role (cpu: the hybrid path "
+                   "on the CPU, Triton attention under TRITON_INTERPRET=1)")
+    p.add_argument("--no-overlap", action="store_true", help="with --gpus: no dual-batch attention/MoE overlap")
+    p.add_argument("--enforce-eager", action="store_true", help="with --gpus: run decode eagerly instead of "
+                   "replaying captured CUDA graphs")
+    p.add_argument("--gpu-experts", type=int, default=0, help="with --gpus: keep the N most used experts of each "
+                   "layer on the GPU (from --expert-profile, else from routing counts collected while serving)")
+    p.add_argument("--expert-profile", help="routing-frequency profile JSON {layer: [count per expert]}")
+
+
+def parse_gpus(text: str) -> list[int]:
+    try:
+        gpus = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--gpus wants comma-separated device indices, got {text!r}") from None
+    if not gpus:
+        raise argparse.ArgumentTypeError("--gpus needs at least one device index")
+    return gpus
+
+
+def engine_kwargs(a: argparse.Namespace) -> dict:
+    return dict(dtype=a.dtype, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
+                max_num_batched_tokens=a.max_num_batched_tokens, num_kv_blocks=a.num_kv_blocks,
+                kv_cache_bytes=int(a.kv_cache_gb * 2**30), backend=a.backend, expert_format=a.expert_format,
+                dense_format=a.dense_format, num_threads=a.threads, expert_pack=a.expert_pack, experts=a.experts,
+                expert_server=a.expert_server, gpus=getattr(a, "gpus", None), attn_device=a.attn_device,
+                overlap=not a.no_overlap, enforce_eager=a.enforce_eager, gpu_experts=a.gpu_experts,
+                expert_profile=a.expert_profile)
+
+
+def explain_gpus(gpus: list[int] | None) -> None:
+    if gpus and len(gpus) > 1:
+        print(f"hybridd: GPU {gpus[0]} runs attention, the KV cache and the dense layers; GPU(s) "
+              f"{','.join(map(str, gpus[1:]))} are reserved for streamed prefill (SLP), which is not built yet, "
+              "and stay idle for now", file=sys.stderr)

@@ -1,0 +1,88 @@
+"""`hybridd generate`: complete one prompt in this process and exit (text, or one JSON object)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from hybrid.cli.engine_args import add_engine_args, engine_kwargs, explain_gpus, parse_gpus
+from hybrid.sampling_params import SamplingParams
+from hybrid.tokenizer import TokenizerError
+
+
+def register(sub) -> None:
+    g = sub.add_parser("generate", help="complete one prompt and exit")
+    add_engine_args(g)
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-ids", type=_parse_ids, help="prompt token ids, comma-separated")
+    g.add_argument("--gpus", type=parse_gpus, help="hybrid path: attention, KV and dense layers on this CUDA "
+                   "device, routed experts in the expert process (with --attn-device cpu: the CPU plays the GPU)")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--json", action="store_true", help="print one JSON object with ids, text and timings")
+    g.set_defaults(func=cmd_generate)
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--prompt-ids wants comma-separated integers, got {text!r}") from None
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    import torch
+
+    from hybrid.llm import LLM
+
+    if a.threads and a.backend == "torch":
+        torch.set_num_threads(a.threads)
+    llm = LLM(a.model, **engine_kwargs(a))
+    explain_gpus(a.gpus)
+    engine = llm.engine
+    if a.prompt_ids is not None:
+        if a.chat:
+            raise ValueError("--chat needs --prompt text, not --prompt-ids")
+        prompt = a.prompt_ids
+    elif a.chat:
+        if engine.tokenizer is None:
+            raise TokenizerError("this model has no tokenizer, so --chat is unavailable")
+        prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": a.prompt}])
+    else:
+        prompt = a.prompt
+    params = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, max_tokens=a.max_tokens,
+                            seed=a.seed, stop=a.stop or [], ignore_eos=a.ignore_eos)
+    rid = engine.add_request(prompt, params)
+    final = None
+    try:
+        while final is None:
+            for out in engine.step():
+                if out.request_id != rid:
+                    continue
+                if not a.json:
+                    sys.stdout.write(out.new_text)
+                    sys.stdout.flush()
+                if out.finished:
+                    final = out
+    finally:
+        engine.close()
+    if a.json:
+        print(json.dumps({
+            "token_ids": final.token_ids, "text": final.text, "prompt_tokens": len(final.prompt_token_ids),
+            "ttft_s": final.ttft_s, "tpot_s": final.tpot_s, "finish_reason": final.finish_reason,
+        }))
+    else:
+        sys.stdout.write("\n")
+        n = len(final.token_ids)
+        tps = 1.0 / final.tpot_s if final.tpot_s else float("nan")
+        print(f"[{len(final.prompt_token_ids)} prompt tokens, {n} generated, finish={final.finish_reason}, "
+              f"ttft {final.ttft_s:.3f}s, {tps:.1f} tok/s decode]", file=sys.stderr)
+    return 0

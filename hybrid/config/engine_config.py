@@ -1,0 +1,130 @@
+"""Engine configuration: batch limits, KV pool size, compute dtype, kernels and where attention and experts run."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from hybrid.config.model_config import DTYPES, ConfigError, ModelConfig
+
+
+@dataclass
+class EngineConfig:
+    """Limits of one engine instance: batch sizes, KV pool and compute dtype."""
+
+    model: str | Path
+    dtype: str = "auto"
+    device: str = "cpu"
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_bytes: int = 1 << 30
+    seed: int = 0
+    backend: str = "cpu"
+    expert_format: str = "auto"
+    dense_format: str = "auto"
+    num_threads: int | None = None
+    expert_pack: str | Path | None = None
+    experts: str = "inline"
+    expert_server: str | None = None
+    expert_timeout_s: float = 30.0
+    gpus: list[int] | None = None
+    attn_device: str | None = None
+    attention: str = "auto"
+    overlap: bool = True
+    enforce_eager: bool = False
+    gpu_experts: int = 0
+    expert_profile: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.gpus is not None:
+            self._hybrid()
+        if self.attention not in ("auto", "torch", "cpu", "triton"):
+            raise ConfigError(f"attention must be auto, torch, cpu or triton, got {self.attention!r}")
+        if self.attention == "auto":
+            self.attention = "cpu" if self.backend == "cpu" else "torch"
+        if self.attention == "cpu" and (self.backend != "cpu" or self.gpus is not None):
+            raise ConfigError("attention=cpu is the cpu backend's C++ paged attention; use backend=cpu without --gpus")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be auto or one of {sorted(DTYPES)}, got {self.dtype!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ConfigError("num_kv_blocks must be >= 1")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError("max_model_len must be >= 2")
+        if self.backend not in ("cpu", "torch"):
+            raise ConfigError(f"backend must be cpu (C++ kernels) or torch (reference), got {self.backend!r}")
+        if self.expert_format not in ("auto", "bf16", "fp8", "int8", "int4"):
+            raise ConfigError(f"expert_format must be auto, bf16, fp8, int8 or int4, got {self.expert_format!r}")
+        if self.dense_format not in ("auto", "bf16", "fp8", "int8"):
+            raise ConfigError(f"dense_format must be auto, bf16, fp8 or int8, got {self.dense_format!r}")
+        if self.backend == "cpu" and self.device != "cpu":
+            raise ConfigError(f"the cpu kernels run on the CPU; device={self.device!r} needs backend=torch")
+        if self.experts not in ("inline", "process"):
+            raise ConfigError(f"experts must be inline or process, got {self.experts!r}")
+        if self.expert_server is not None and self.experts != "process":
+            raise ConfigError("expert_server is the control address of an expert process: use experts=process")
+        if self.expert_timeout_s <= 0:
+            raise ConfigError("expert_timeout_s must be positive")
+        if self.backend == "torch" and self.experts == "process" and self.gpus is None:
+            raise ConfigError("the expert process runs the cpu kernels; use backend=cpu with experts=process")
+        if self.backend == "torch" and self.expert_pack is not None and self.gpus is None:
+            raise ConfigError("an expert pack is run by the cpu backend's kernels, not the torch reference")
+        if self.backend == "torch" and (self.dense_format != "auto" or (self.expert_format != "auto"
+                                                                        and self.gpus is None)):
+            raise ConfigError("expert_format / dense_format need the cpu backend; the torch reference computes "
+                              "with the checkpoint's weights in the compute dtype")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ConfigError("num_threads must be >= 1")
+        if (self.gpu_experts or self.expert_profile) and self.gpus is None:
+            raise ConfigError("gpu_experts / expert_profile keep experts on a GPU: use them with --gpus")
+        if self.enforce_eager and self.gpus is None:
+            raise ConfigError("enforce_eager turns off the hybrid path's decode graphs: use it with --gpus")
+        if self.gpu_experts < 0:
+            raise ConfigError("gpu_experts must be >= 0")
+
+    def _hybrid(self) -> None:
+        """--gpus: attention, KV cache and dense layers on the device (torch + Triton attention), routed
+        experts in the expert process. attn_device="cpu" plays the GPU's role on the CPU, same code path."""
+        if not self.gpus or any(g < 0 for g in self.gpus):
+            raise ConfigError(f"gpus must list CUDA device indices, got {self.gpus}")
+        device = self.attn_device or f"cuda:{self.gpus[0]}"
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise ConfigError(f"--gpus {','.join(map(str, self.gpus))} needs CUDA, and torch sees no GPU here; "
+                              "use --cpu-only, or --attn-device cpu to run the hybrid path with the CPU as device")
+        if device not in ("cpu",) and not device.startswith("cuda"):
+            raise ConfigError(f"attn_device must be cpu or cuda[:N], got {device!r}")
+        self.device, self.backend, self.experts = device, "torch", "process"
+        if self.attention == "auto":
+            self.attention = "triton"
+
+    @property
+    def hybrid(self) -> bool:
+        return self.gpus is not None
+
+    def torch_dtype(self, model: ModelConfig) -> torch.dtype:
+        return model.checkpoint_dtype if self.dtype == "auto" else DTYPES[self.dtype]
+
+    def resolve(self, model: ModelConfig, kv_bytes_per_token: int) -> tuple[int, int]:
+        """Returns (max_model_len, num_kv_blocks), checking that one full-length sequence fits the pool."""
+        max_len = min(self.max_model_len or model.max_position_embeddings, model.max_position_embeddings)
+        blocks = self.num_kv_blocks
+        if blocks is None:
+            wanted = math.ceil(max_len / self.block_size) * min(self.max_num_seqs, 4)
+            affordable = self.kv_cache_bytes // (kv_bytes_per_token * self.block_size)
+            blocks = max(1, min(wanted, affordable))
+        if blocks * self.block_size < max_len:
+            if self.max_model_len is not None:
+                raise ConfigError(
+                    f"the KV pool holds {blocks * self.block_size} tokens, less than max_model_len={max_len}; "
+                    "raise num_kv_blocks / kv_cache_bytes or lower max_model_len"
+                )
+            max_len = blocks * self.block_size
+        return max_len, blocks

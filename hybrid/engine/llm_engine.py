@@ -1,0 +1,139 @@
+"""The engine loop: admits requests, schedules a batch, runs the model, samples, detokenizes, finishes."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+
+from hybrid.config import EngineConfig, ModelConfig
+from hybrid.engine.detokenizer import IncrementalDetokenizer
+from hybrid.engine.model_runner import ModelRunner
+from hybrid.engine.outputs import RequestOutput
+from hybrid.engine.sampler import Sampler
+from hybrid.engine.scheduler import Scheduler
+from hybrid.engine.sequence import Sequence
+from hybrid.experts.base import Experts
+from hybrid.mem_cache.block_manager import BlockManager
+from hybrid.request_checks import InvalidRequest, RequestLimits, check_prompt
+from hybrid.sampling_params import SamplingParams
+from hybrid.tokenizer import Tokenizer, TokenizerError
+
+log = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, expert_impl: Experts | None = None):
+        self.config = config
+        self.model_config = ModelConfig.from_dir(config.model)
+        try:
+            self.tokenizer: Tokenizer | None = Tokenizer(self.model_config.model_dir)
+        except TokenizerError as e:
+            log.warning("%s", e)
+            self.tokenizer = None
+        self.runner = ModelRunner(self.model_config, config, expert_impl)
+        self.max_model_len = self.runner.max_model_len
+        self.scheduler = Scheduler(BlockManager(self.runner.kv_pool.num_blocks, config.block_size),
+                                   config.max_num_seqs, config.max_num_batched_tokens)
+        self.sampler = Sampler()
+        self.eos_ids = set(self.model_config.eos_token_ids)
+        self.seqs: dict[str, Sequence] = {}
+        self.detok: dict[str, IncrementalDetokenizer] = {}
+        self._ids = itertools.count()
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise TokenizerError("this model has no tokenizer; pass token ids")
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Queues a request under `request_id` (one is made when not given) and returns that id; raises
+        InvalidRequest (a ValueError) for prompts the engine can never serve."""
+        params = params or SamplingParams()
+        ids = self.encode(prompt)
+        check_prompt(ids, self.limits)
+        if request_id is None:
+            request_id = str(next(self._ids))
+        if request_id in self.seqs:
+            raise InvalidRequest(f"request id {request_id!r} is already running")
+        seq = Sequence(request_id, ids, params)
+        self.seqs[seq.request_id] = seq
+        if self.tokenizer is not None:
+            self.detok[seq.request_id] = IncrementalDetokenizer(self.tokenizer.backend, params.stop,
+                                                            params.skip_special_tokens)
+        self.scheduler.add(seq)
+        return seq.request_id
+
+    @property
+    def limits(self) -> RequestLimits:
+        return RequestLimits(self.model_config.vocab_size, self.max_model_len)
+
+    def abort(self, request_id: str) -> None:
+        seq = self.seqs.pop(request_id, None)
+        if seq is not None:
+            self.scheduler.finish(seq)
+            seq.finish("abort")
+            self.detok.pop(request_id, None)
+
+    def close(self) -> None:
+        """Disconnects from (and stops, if this engine started it) the expert process."""
+        self.runner.experts.close()
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """Runs one batch; returns an output for each request that got a new token or finished."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        logits = self.runner.execute(batch)
+        sampling = [item.seq for item in batch if item.samples]
+        tokens = self.sampler(logits, sampling)
+        for item in batch:
+            item.seq.num_computed_tokens += item.num_tokens
+        return [self._advance(seq, tok) for seq, tok in zip(sampling, tokens)]
+
+    def _advance(self, seq: Sequence, token: int) -> RequestOutput:
+        seq.append(token)
+        p = seq.params
+        detok = self.detok.get(seq.request_id)
+        stopped_on_text = detok.step(token) if detok is not None else None
+        if stopped_on_text is not None:
+            seq.finish("stop")
+        elif (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            seq.finish("stop")
+        elif seq.num_completion_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            seq.finish("length")
+        if seq.is_finished:
+            self.scheduler.finish(seq)
+            self.seqs.pop(seq.request_id, None)
+            self.detok.pop(seq.request_id, None)
+        return self._output(seq, [token], detok)
+
+    def _output(self, seq: Sequence, new_ids: list[int], detok: IncrementalDetokenizer | None) -> RequestOutput:
+        ttft = tpot = None
+        if seq.first_token_time is not None:
+            ttft = seq.first_token_time - seq.arrival_time
+        if seq.finish_time is not None and seq.num_completion_tokens > 1:
+            tpot = (seq.finish_time - seq.first_token_time) / (seq.num_completion_tokens - 1)
+        return RequestOutput(
+            request_id=seq.request_id, prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens],
+            token_ids=seq.completion_ids, text=detok.text if detok else "", new_token_ids=new_ids,
+            new_text=detok.take_delta(seq.is_finished) if detok else "", finished=seq.is_finished,
+            finish_reason=seq.finish_reason, ttft_s=ttft, tpot_s=tpot, num_preemptions=seq.num_preemptions,
+        )
+
+    def generate(self, prompts: list[str | list[int]],
+                 params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
+        """Runs the prompts to completion together; outputs in prompt order."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        done: dict[str, RequestOutput] = {}
+        while len(done) < len(ids):
+            for out in self.step():
+                if out.finished:
+                    done[out.request_id] = out
+        return [done[i] for i in ids]

@@ -1,0 +1,129 @@
+"""Loads a model onto its device, owns its KV pool and runs one scheduled batch to next-token logits.
+
+The runner builds itself in named steps: threads, experts, attention backend, model, KV pool, decode graphs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybrid.checkpoint.reader import CheckpointReader
+from hybrid.config import ConfigError, EngineConfig, ModelConfig
+from hybrid.engine.scheduler import ScheduledSeq
+from hybrid.experts.base import Experts
+from hybrid.experts.loader import build_experts
+from hybrid.graphs.decode_graphs import DecodeGraphs
+from hybrid.layers.attention.backend import AttentionBackend
+from hybrid.layers.attention.registry import create_attention_backend
+from hybrid.layers.forward_batch import HostBatch
+from hybrid.mem_cache.kv_pool import KVPool
+from hybrid.model_loader.loader import load_model
+from hybrid.models.causal_lm import CausalLM
+
+
+class ModelRunner:
+    def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, experts: Experts | None = None):
+        self.config, self.engine_config = model_config, engine_config
+        self.dtype = engine_config.torch_dtype(model_config)
+        if engine_config.backend == "cpu" and self.dtype == torch.float16:
+            raise ConfigError("the cpu kernels compute in bfloat16 or float32, not float16: use dtype=bfloat16 "
+                              "(--dtype bfloat16), or backend=torch")
+        self.device = torch.device(engine_config.device)
+        self.block_size = engine_config.block_size
+        self.overlap = engine_config.hybrid and engine_config.overlap
+        self.reader = CheckpointReader(model_config.model_dir, model_config.fp8_block)
+        self.init_threads()
+        self.experts = self.init_experts(experts)
+        self.attention = self.init_attention()
+        self.model = self.init_model()
+        self.kv_pool = self.init_kv_pool()
+        self.graphs = self.init_graphs()
+
+    def init_threads(self) -> None:
+        if self.engine_config.backend != "cpu":
+            return
+        # The kernels' pinned pool owns the cores; torch's own intra-op threads would spin against it.
+        torch.set_num_threads(1)
+        if self.engine_config.experts == "process":
+            from cpu_kernels.moe import set_pool_spin
+            from cpu_kernels.thread_pool import SHARED_CORE_SPIN_US
+
+            set_pool_spin(SHARED_CORE_SPIN_US)  # the expert process computes on these cores between calls
+
+    def init_experts(self, given: Experts | None) -> Experts:
+        return build_experts(self.engine_config, self.config, self.reader, self.dtype, self.device, given)
+
+    def init_attention(self) -> AttentionBackend:
+        return create_attention_backend(self.engine_config.attention, self.device, self.engine_config.num_threads)
+
+    def init_model(self) -> CausalLM:
+        return load_model(self.config, self.engine_config, self.reader, self.experts, self.dtype, self.device)
+
+    @property
+    def uses_graphs(self) -> bool:
+        """Graph replays keep per-sequence values in device tensors, which only a graph-safe backend reads."""
+        return self.engine_config.hybrid and not self.engine_config.enforce_eager and self.attention.graph_safe
+
+    def init_kv_pool(self) -> KVPool:
+        """Sizes the pool from the engine's limits (which also fixes the context length) and allocates it."""
+        token_shapes = [s[2:] for s in self.model.kv_cache_shapes(1, 1)]
+        layers = self.config.num_hidden_layers
+        per_token = KVPool.bytes_per_token(token_shapes, layers, self.dtype)
+        self.max_model_len, num_blocks = self.engine_config.resolve(self.config, per_token)
+        # Graph replays point their padding rows at one extra block that the block manager never hands out.
+        return KVPool(token_shapes, layers, num_blocks, self.block_size, self.dtype, self.device,
+                      extra_blocks=1 if self.uses_graphs else 0)
+
+    def init_graphs(self) -> DecodeGraphs | None:
+        if not self.uses_graphs:
+            return None
+        pool = self.kv_pool
+        return DecodeGraphs(self.model.model, pool.caches, self.attention, pool.pad_block, self.block_size,
+                            self.max_model_len, self.engine_config.max_num_seqs, self.dtype, self.device,
+                            lanes=2 if self.overlap else 1)
+
+    def host_batch(self, batch: list[ScheduledSeq]) -> HostBatch:
+        ids, positions, slots = [], [], []
+        starts, lens, ctx_lens, tables, sample_rows = [], [], [], [], []
+        for item in batch:
+            seq, n = item.seq, item.num_tokens
+            begin = seq.num_computed_tokens
+            starts.append(len(ids))
+            ids.extend(seq.token_ids[begin:begin + n])
+            pos = range(begin, begin + n)
+            positions.extend(pos)
+            slots.extend(seq.block_table[p // self.block_size] * self.block_size + p % self.block_size for p in pos)
+            lens.append(n)
+            ctx_lens.append(begin + n)
+            tables.append(list(seq.block_table))
+            if item.samples:
+                sample_rows.append(len(ids) - 1)
+        return HostBatch(ids, positions, slots, starts, lens, ctx_lens, tables, sample_rows)
+
+    def overlaps(self, batch: list[ScheduledSeq]) -> bool:
+        """Dual-batch overlap runs decode steps of two or more sequences with the experts out of process."""
+        return self.overlap and len(batch) >= 2 and all(item.num_tokens == 1 for item in batch)
+
+    @torch.inference_mode()
+    def execute(self, batch: list[ScheduledSeq], all_logits: bool = False) -> torch.Tensor:
+        """Logits [num sampling seqs, vocab] in float32, or for every query row when all_logits is set.
+        Decode steps replay captured graphs unless the engine runs eagerly or the batch is too large."""
+        if not all_logits and self.overlaps(batch):
+            half = len(batch) // 2
+            a, b = self.host_batch(batch[:half]), self.host_batch(batch[half:])
+            if self.graphs is not None and self.graphs.fits(a) and self.graphs.fits(b):
+                hidden_a, hidden_b = self.graphs.run_overlapped(a, b)
+            else:
+                (ids_a, fb_a), (ids_b, fb_b) = (h.to_device(self.device, self.kv_pool.caches, self.attention)
+                                                for h in (a, b))
+                hidden_a, hidden_b = self.model.model.forward_overlapped(ids_a, fb_a, ids_b, fb_b)
+            return self.model.compute_logits(torch.cat([hidden_a[a.sample_rows], hidden_b[b.sample_rows]])).float()
+        host = self.host_batch(batch)
+        if not all_logits and self.graphs is not None and self.graphs.fits(host):
+            hidden = self.graphs.run(host)
+        else:
+            input_ids, fb = host.to_device(self.device, self.kv_pool.caches, self.attention)
+            hidden = self.model(input_ids, fb)
+        if not all_logits:
+            hidden = hidden[host.sample_rows]
+        return self.model.compute_logits(hidden).float()

@@ -1,0 +1,22 @@
+"""What the engine reports about a request after each step and when it finishes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestOutput:
+    """Cumulative completion (token_ids, text) plus what is new since the last report (new_*)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    new_token_ids: list[int] = field(default_factory=list)
+    new_text: str = ""
+    finished: bool = False
+    finish_reason: str | None = None
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    num_preemptions: int = 0

@@ -1,0 +1,92 @@
+"""Continuous batching with chunked prefill and recompute preemption over a paged KV pool."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from hybrid.engine.sequence import Sequence, SequenceStatus
+from hybrid.mem_cache.block_manager import BlockManager
+
+
+@dataclass
+class ScheduledSeq:
+    """`num_tokens` tokens of `seq`, starting at seq.num_computed_tokens, run in this step."""
+
+    seq: Sequence
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this step reaches the end of the sequence, so a new token is sampled."""
+        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
+
+
+class Scheduler:
+    """Each step first advances running sequences (decodes and unfinished prompt chunks), oldest first,
+    then admits waiting ones, within a token budget. When the KV pool cannot hold a running sequence's
+    next tokens, the most recently admitted sequence is preempted: its blocks are freed and it is
+    recomputed from its prompt and generated tokens when readmitted."""
+
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.blocks = block_manager
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence) -> None:
+        """Removes a finished or aborted sequence and frees its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.release(seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.release(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def schedule(self) -> list[ScheduledSeq]:
+        budget = self.max_num_batched_tokens
+        batch: list[ScheduledSeq] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            target = seq.num_computed_tokens + n
+            while not self.blocks.can_grow(seq, target) and self.running[-1] is not seq:
+                self._preempt(self.running[-1])
+                preempted = True
+            if not self.blocks.can_grow(seq, target):
+                self._preempt(seq)
+                preempted = True
+                break
+            self.blocks.grow(seq, target)
+            batch.append(ScheduledSeq(seq, n))
+            budget -= n
+            i += 1
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            seq = self.waiting[0]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self.blocks.can_grow(seq, seq.num_computed_tokens + n):
+                break
+            self.blocks.grow(seq, seq.num_computed_tokens + n)
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.append(ScheduledSeq(seq, n))
+            budget -= n
+        return batch

@@ -1,0 +1,1 @@
+"""Routed experts behind one interface (base.py): torch reference, kernels, the expert process, hot experts."""

@@ -1,0 +1,40 @@
+"""The routed-experts interface every model calls.
+
+A model hands one layer's hidden states with top-k ids and weights to an `Experts` object and gets
+the weighted sum of expert outputs back. The torch reference, the C++ kernels, the expert process and
+hot experts on the device implement the same interface, so models never change when the experts move.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+
+import torch
+
+
+def expert_weight_name(layer: int, expert: int, proj: str) -> str:
+    return f"model.layers.{layer}.mlp.experts.{expert}.{proj}.weight"
+
+
+class Experts(ABC):
+    """Routed experts of every MoE layer: out[t] = sum_j w[t, j] * expert_{ids[t, j]}(x[t])."""
+
+    @abstractmethod
+    def forward(self, layer: int, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
+                topk_weights: torch.Tensor) -> torch.Tensor:
+        """hidden_states [T, H] in the model dtype, topk_ids [T, k] int64, topk_weights [T, k] -> [T, H]."""
+
+    def __call__(self, layer: int, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
+                 topk_weights: torch.Tensor) -> torch.Tensor:
+        return self.forward(layer, hidden_states, topk_ids, topk_weights)
+
+    def submit(self, layer: int, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
+               topk_weights: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """Starts a call and returns what waits for its result. In-process experts compute here; the expert
+        process returns at once, so the caller can run attention of another micro-batch meanwhile."""
+        out = self.forward(layer, hidden_states, topk_ids, topk_weights)
+        return lambda: out
+
+    def close(self) -> None:
+        """Releases what the implementation holds outside this process (nothing for in-process experts)."""

@@ -1,0 +1,49 @@
+"""Builds the `Experts` an engine config asks for: the torch reference, the kernels in this process (packed now
+or mapped from a pack), or the expert process; optionally with the hottest experts kept on the device."""
+
+from __future__ import annotations
+
+import torch
+
+from hybrid.checkpoint.reader import CheckpointReader
+from hybrid.config import EngineConfig, ModelConfig
+from hybrid.experts.base import Experts
+from hybrid.experts.kernel_experts import KernelExperts
+from hybrid.experts.torch_experts import TorchExperts
+
+
+def load_experts(backend: str, reader: CheckpointReader, config: ModelConfig, dtype: torch.dtype,
+                 expert_format: str = "auto", num_threads: int | None = None, pack_dir=None) -> Experts:
+    """The in-process experts for `backend`: 'cpu' kernels (from a mapped pack when `pack_dir` is given,
+    else packed in RAM now) or the 'torch' reference."""
+    fmt = None if expert_format == "auto" else expert_format
+    if backend == "torch":
+        return TorchExperts.load(reader, config, dtype)
+    if pack_dir is not None:
+        from hybrid.experts.pack import load_pack
+
+        return KernelExperts(load_pack(pack_dir, config, fmt), num_threads)
+    return KernelExperts.load(reader, config, fmt, num_threads)
+
+
+def build_experts(engine: EngineConfig, model: ModelConfig, reader: CheckpointReader, dtype: torch.dtype,
+                  device: torch.device, given: Experts | None = None) -> Experts:
+    """The engine's experts: `given`, else in the expert process or in this process; behind hot experts on
+    the device when asked."""
+    if given is not None:
+        experts = given
+    elif engine.experts == "process":
+        from hybrid.experts.process.process_experts import process_experts
+
+        fmt = None if engine.expert_format == "auto" else engine.expert_format
+        experts = process_experts(model.model_dir, engine.max_num_batched_tokens, model.num_experts_per_tok,
+                                  control=engine.expert_server, pack_dir=engine.expert_pack, fmt=fmt,
+                                  threads=engine.num_threads, timeout_s=engine.expert_timeout_s)
+    else:
+        experts = load_experts(engine.backend, reader, model, dtype, engine.expert_format, engine.num_threads,
+                               engine.expert_pack)
+    if engine.gpu_experts:
+        from hybrid.experts.hot_experts import HotExperts
+
+        experts = HotExperts(experts, reader, model, dtype, device, engine.gpu_experts, engine.expert_profile)
+    return experts

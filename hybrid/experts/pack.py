@@ -1,0 +1,185 @@
+"""The packed expert file: every routed expert of every MoE layer in the CPU kernels' tile layout, in one
+64-byte-aligned file that each process maps read-only and shared, so RAM holds the experts once.
+
+A pack directory holds `experts.bin` and its index `experts.json` (version, model fingerprint, format,
+shapes, and per tensor: offset, shape, dtype, crc32). The index is written last and atomically, so an
+interrupted pack never looks complete; a pack of another model, format or version is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import warnings
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from hybrid.checkpoint.reader import CheckpointReader
+from hybrid.config import ModelConfig
+from hybrid.config.home import hybridd_home
+from hybrid.experts.kernel_experts import default_expert_format, pack_layer
+
+PACK_VERSION = 3  # 2: int8 K padded to 64 (one AMX k step); 3: fp8 line pair flags
+EXPERTS_FILE = "experts.bin"
+INDEX_FILE = "experts.json"
+PARTIAL_SUFFIX = ".partial"
+ALIGN = 64
+FIELDS = ("w13_data", "w2_data", "w13_scales", "w2_scales", "w13_comp", "w2_comp", "w13_flags",
+          "w2_flags")
+DTYPES = {"uint8": torch.uint8, "float32": torch.float32, "int32": torch.int32}
+
+
+class PackError(ValueError):
+    """A pack directory that is missing, incomplete, corrupt or made for something else."""
+
+
+def model_fingerprint(model_dir: str | Path) -> str:
+    """Identifies a checkpoint by its config and the names and sizes of its weight files."""
+    model_dir = Path(model_dir)
+    h = hashlib.sha256((model_dir / "config.json").read_bytes())
+    for f in sorted(model_dir.glob("*.safetensors")):
+        h.update(f"{f.name}:{f.stat().st_size};".encode())
+    return h.hexdigest()[:32]
+
+
+def default_pack_dir(model_dir: str | Path, fmt: str) -> Path:
+    model_dir = Path(model_dir).resolve()
+    return hybridd_home() / "packs" / f"{model_dir.name}-{model_fingerprint(model_dir)[:8]}-{fmt}"
+
+
+def read_index(pack_dir: str | Path) -> dict:
+    pack_dir = Path(pack_dir)
+    index = pack_dir / INDEX_FILE
+    if not index.is_file() or not (pack_dir / EXPERTS_FILE).is_file():
+        raise PackError(f"{pack_dir}: no complete expert pack (run `hybridd pack MODEL_DIR --out {pack_dir}`)")
+    try:
+        return json.loads(index.read_text())
+    except json.JSONDecodeError as e:
+        raise PackError(f"{index}: unreadable pack index ({e})") from e
+
+
+def check_index(index: dict, pack_dir: Path, config: ModelConfig, fmt: str | None) -> None:
+    """Refuses a pack made by another pack version, for another model, or in another format."""
+    if index.get("version") != PACK_VERSION:
+        raise PackError(f"{pack_dir}: pack version {index.get('version')} is not {PACK_VERSION}; re-run hybridd pack")
+    if index.get("model_fingerprint") != model_fingerprint(config.model_dir):
+        raise PackError(f"{pack_dir}: packed from {index.get('model_dir')!r}, not from {str(config.model_dir)!r} "
+                        "(or that checkpoint changed); re-run hybridd pack")
+    if fmt is not None and index.get("format") != fmt:
+        raise PackError(f"{pack_dir}: experts are packed as {index.get('format')}, not {fmt}")
+    if sorted(int(k) for k in index["layers"]) != sorted(config.moe_layers):
+        raise PackError(f"{pack_dir}: the pack's MoE layers do not match the model's")
+
+
+def is_current(pack_dir: str | Path, config: ModelConfig, fmt: str) -> bool:
+    try:
+        check_index(read_index(pack_dir), Path(pack_dir), config, fmt)
+    except PackError:
+        return False
+    return True
+
+
+def expert_weight_count(config: ModelConfig) -> int:
+    """Weights of all routed experts: gate, up and down of every expert of every MoE layer."""
+    return len(config.moe_layers) * config.num_experts * 3 * config.hidden_size * config.moe_intermediate_size
+
+
+def expert_bytes_to_read(config: ModelConfig) -> int:
+    """Checkpoint bytes of all routed experts (fp8 weights one byte each, else two), for progress."""
+    return expert_weight_count(config) * (1 if config.fp8_block else 2)
+
+
+def write_pack(model_dir: str | Path, pack_dir: str | Path, fmt: str | None = None,
+               progress: Callable[[int], None] | None = None) -> bool:
+    """Packs the experts of `model_dir` into `pack_dir`. Returns False (and writes nothing) when an up-to-date
+    pack is already there. `progress(n)` is called with checkpoint bytes consumed."""
+    config = ModelConfig.from_dir(model_dir)
+    fmt = fmt or default_expert_format(config)
+    pack_dir = Path(pack_dir)
+    if is_current(pack_dir, config, fmt):
+        return False
+    pack_dir.mkdir(parents=True, exist_ok=True)
+    (pack_dir / INDEX_FILE).unlink(missing_ok=True)
+    reader = CheckpointReader(config.model_dir, config.fp8_block)
+    partial = pack_dir / (EXPERTS_FILE + PARTIAL_SUFFIX)
+    layers: dict[str, dict] = {}
+    per_layer = expert_bytes_to_read(config) // max(1, len(config.moe_layers))
+    with open(partial, "wb") as f:
+        for layer in config.moe_layers:
+            packed = pack_layer(reader, config, layer, fmt)
+            entry = {"hidden": packed.hidden, "inter": packed.inter, "kp13": packed.kp13, "kp2": packed.kp2,
+                     "block_k": packed.block_k, "group": packed.group, "tensors": {}}
+            for field in FIELDS:
+                t = getattr(packed, field)
+                if t is None:
+                    continue
+                f.write(b"\0" * (-f.tell() % ALIGN))
+                raw = t.contiguous().view(torch.uint8).numpy()
+                entry["tensors"][field] = {"offset": f.tell(), "shape": list(t.shape),
+                                           "dtype": str(t.dtype).removeprefix("torch."), "crc32": zlib.crc32(raw)}
+                f.write(raw.data)
+            layers[str(layer)] = entry
+            if progress is not None:
+                progress(per_layer)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(partial, pack_dir / EXPERTS_FILE)
+    index = {"version": PACK_VERSION, "model_dir": str(config.model_dir), "model_fingerprint":
+             model_fingerprint(config.model_dir), "format": fmt, "num_experts": config.num_experts,
+             "layers": layers}
+    tmp = pack_dir / (INDEX_FILE + PARTIAL_SUFFIX)
+    tmp.write_text(json.dumps(index, indent=1))
+    os.replace(tmp, pack_dir / INDEX_FILE)
+    return True
+
+
+def _mapped(pack_dir: Path) -> np.memmap:
+    return np.memmap(pack_dir / EXPERTS_FILE, dtype=np.uint8, mode="r")
+
+
+def _tensor(mm: np.memmap, spec: dict) -> torch.Tensor:
+    dtype = DTYPES[spec["dtype"]]
+    count = int(np.prod(spec["shape"])) * dtype.itemsize
+    start = spec["offset"]
+    if start + count > mm.shape[0]:
+        raise PackError(f"pack tensor at offset {start} runs past the end of {EXPERTS_FILE} (truncated file?)")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # read-only shared mapping: the kernels never write it
+        flat = torch.from_numpy(mm[start:start + count])
+    return flat.view(dtype).view(spec["shape"])
+
+
+def load_pack(pack_dir: str | Path, config: ModelConfig, fmt: str | None = None) -> dict:
+    """Maps the pack shared and read-only; returns {layer: PackedExperts} whose tensors are views of the file."""
+    from cpu_kernels.moe import PackedExperts
+    from cpu_kernels.pack import Format
+
+    pack_dir = Path(pack_dir)
+    index = read_index(pack_dir)
+    check_index(index, pack_dir, config, fmt)
+    mm = _mapped(pack_dir)
+    layers = {}
+    for layer, entry in index["layers"].items():
+        t = {field: _tensor(mm, spec) for field, spec in entry["tensors"].items()}
+        layers[int(layer)] = PackedExperts(
+            Format.parse(index["format"]), entry["hidden"], entry["inter"], entry["kp13"], entry["kp2"],
+            t["w13_data"], t["w2_data"], t.get("w13_scales"), t.get("w2_scales"), t.get("w13_comp"),
+            t.get("w2_comp"), t.get("w13_flags"), t.get("w2_flags"), entry["block_k"], entry["group"])
+    return layers
+
+
+def verify_pack(pack_dir: str | Path) -> None:
+    """Re-reads every tensor and compares its crc32 with the index."""
+    pack_dir = Path(pack_dir)
+    index = read_index(pack_dir)
+    mm = _mapped(pack_dir)
+    for layer, entry in index["layers"].items():
+        for field, spec in entry["tensors"].items():
+            if zlib.crc32(_tensor(mm, spec).view(torch.uint8).numpy()) != spec["crc32"]:
+                raise PackError(f"{pack_dir / EXPERTS_FILE}: layer {layer} {field} fails its checksum; re-run "
+                                "hybridd pack")

@@ -1,0 +1,1 @@
+"""The expert process: its server, the engine-side client and the shared-memory call slots between them."""

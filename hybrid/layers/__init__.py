@@ -1,0 +1,1 @@
+"""Building blocks of the models: linears, norms, rotary embedding, routers, the routed MoE block, attention."""

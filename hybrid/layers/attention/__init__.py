@@ -1,0 +1,1 @@
+"""Attention over the paged KV cache behind one interface (backend.py): torch, C++ CPU and Triton backends."""

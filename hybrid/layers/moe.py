@@ -1,0 +1,36 @@
+"""The MoE block both architectures share: a router on the device, routed experts through `Experts`, and
+optional shared experts on the device that run while the routed ones are computed elsewhere.
+
+The block holds its parts; how a step runs them (in which order, overlapped or captured) is defined once,
+in hybrid/models/segments.py.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hybrid.experts.base import Experts
+
+
+class RoutedMoe(nn.Module):
+    """out = routed(x) [+ shared_experts(x)]. `gate(x)` returns (topk ids, topk weights); subclasses set
+    `gate` and, where the model has them, `shared_experts` (their checkpoint names)."""
+
+    def __init__(self, layer: int, experts: Experts):
+        super().__init__()
+        self.layer, self.experts = layer, experts
+        self.gate: nn.Module | None = None
+        self.shared_experts: nn.Module | None = None
+
+    @property
+    def has_device_part(self) -> bool:
+        return self.shared_experts is not None
+
+    def device_part(self, x: torch.Tensor) -> torch.Tensor | None:
+        """What the device computes for this block besides routing: the shared experts' output, if any."""
+        return None if self.shared_experts is None else self.shared_experts(x)
+
+    @staticmethod
+    def combine(routed: torch.Tensor, device_out: torch.Tensor | None) -> torch.Tensor:
+        return routed if device_out is None else routed + device_out

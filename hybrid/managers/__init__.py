@@ -1,0 +1,1 @@
+"""The daemon processes and their wiring: supervisor, engine server, the api side of the engine, typed messages."""

@@ -1,0 +1,253 @@
+"""The engine process: runs `LLMEngine` behind ZeroMQ for the api process.
+
+Messages are the typed structs of hybrid/managers/messages.py. In (PULL): AddRequest, AbortRequest, Hello (a
+restarted api asks for Ready). Out (PUSH): Progress while packing/loading, Ready with the engine's facts,
+TokenDelta per new token(s), RequestFailed for a request the engine cannot finish, and EngineStats every
+STATS_PERIOD_S and between steps (the api process treats a silent engine as hung). If the expert process
+dies, every in-flight request gets an error, the expert process is restarted and the engine keeps serving.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import time
+from collections import deque
+
+import zmq
+
+from hybrid.engine.llm_engine import LLMEngine
+from hybrid.engine.outputs import RequestOutput
+from hybrid.experts.process.client import ExpertServerError
+from hybrid.experts.process.process_experts import ProcessExperts
+from hybrid.managers.daemon_config import DaemonConfig
+from hybrid.managers.messages import (
+    AbortRequest,
+    AddRequest,
+    DecodeError,
+    EngineInfo,
+    EngineStats,
+    Fatal,
+    FromEngine,
+    Hello,
+    Progress,
+    Ready,
+    RequestFailed,
+    ToEngine,
+    TokenDelta,
+    encode,
+    request_id_of,
+    to_engine_decoder,
+)
+
+log = logging.getLogger("hybridd.engine")
+
+STATS_PERIOD_S = 0.25
+RATE_WINDOW_S = 5.0
+
+
+class EngineServer:
+    def __init__(self, config: DaemonConfig):
+        self.config = config
+        self._ctx = zmq.Context()
+        self.inbox = self._ctx.socket(zmq.PULL)
+        self.inbox.bind(config.paths.engine_in)
+        self.outbox = self._ctx.socket(zmq.PUSH)
+        self.outbox.setsockopt(zmq.LINGER, 1000)
+        self.outbox.connect(config.paths.engine_out)
+        self.engine: LLMEngine | None = None
+        self.in_flight: set[str] = set()  # request ids from the api that have not finished
+        self.stopping = False
+        self._generated: deque[tuple[float, int]] = deque()
+        self._last_stats = 0.0
+
+    def send(self, msg: FromEngine) -> None:
+        self.outbox.send(encode(msg))
+
+    def load(self) -> None:
+        engine_config = self.config.engine_config()
+        if engine_config.experts == "process" and engine_config.expert_server is None:
+            self._pack(engine_config)
+        self.send(Progress("loading model"))
+        self.engine = LLMEngine(engine_config)
+        self.send(Ready(os.getpid(), self.info()))
+
+    def _pack(self, engine_config) -> None:
+        from hybrid.config import ModelConfig
+        from hybrid.experts.kernel_experts import default_expert_format
+        from hybrid.experts.pack import default_pack_dir, expert_bytes_to_read, is_current, write_pack
+
+        model = ModelConfig.from_dir(engine_config.model)
+        fmt = default_expert_format(model) if engine_config.expert_format == "auto" else engine_config.expert_format
+        pack_dir = engine_config.expert_pack or default_pack_dir(engine_config.model, fmt)
+        if is_current(pack_dir, model, fmt):
+            return
+        total, done, last = expert_bytes_to_read(model), 0, 0.0
+
+        def progress(n: int) -> None:
+            nonlocal done, last
+            done += n
+            if time.monotonic() - last > 0.2:
+                last = time.monotonic()
+                self.send(Progress("packing experts", done, total))
+
+        log.info("packing %s experts as %s into %s", model.model_dir, fmt, pack_dir)
+        write_pack(engine_config.model, pack_dir, fmt, progress=progress)
+
+    def info(self) -> EngineInfo:
+        e = self.engine
+        return EngineInfo(
+            model=self.config.model_name, model_dir=str(e.model_config.model_dir),
+            architecture=e.model_config.model_type, max_model_len=e.max_model_len,
+            vocab_size=e.model_config.vocab_size, num_kv_blocks=e.runner.kv_pool.num_blocks,
+            block_size=e.config.block_size, max_num_seqs=e.config.max_num_seqs,
+            mode="hybrid" if e.config.hybrid else "cpu-only",
+            devices=[e.config.device] + (["experts: cpu"] if e.config.hybrid else []),
+            attention=e.config.attention, overlap=e.config.hybrid and e.config.overlap, backend=e.config.backend,
+            kernel_path=self.kernel_path(), experts=e.config.experts, expert_pid=self.expert_pid(),
+        )
+
+    def kernel_path(self) -> str:
+        from cpu_kernels.moe import kernel_isa_name
+
+        c = self.engine.config
+        if c.hybrid:
+            decode = "decode graphs" if self.engine.runner.graphs is not None else "eager decode"
+            return f"experts {kernel_isa_name()}, attention {c.attention} on {c.device}, {decode}"
+        return f"{kernel_isa_name()}, attention {c.attention}" if c.backend == "cpu" else "torch reference"
+
+    def stats(self) -> EngineStats:
+        e = self.engine
+        now = time.monotonic()
+        while self._generated and now - self._generated[0][0] > RATE_WINDOW_S:
+            self._generated.popleft()
+        bm = e.scheduler.blocks
+        return EngineStats(pid=os.getpid(), running=len(e.scheduler.running), waiting=len(e.scheduler.waiting),
+                           kv_blocks_used=bm.num_blocks - bm.num_free, kv_blocks_total=bm.num_blocks,
+                           tokens_per_s=sum(n for _, n in self._generated) / RATE_WINDOW_S,
+                           expert_pid=self.expert_pid())
+
+    def expert_pid(self) -> int | None:
+        experts = self.process_experts()
+        return experts.client.server_pid if experts is not None else None
+
+    def process_experts(self) -> ProcessExperts | None:
+        """The expert process's client, also when hot experts on the device wrap it."""
+        experts = self.engine.runner.experts
+        experts = getattr(experts, "remote", experts)
+        return experts if isinstance(experts, ProcessExperts) else None
+
+    def receive(self, raw: bytes) -> None:
+        try:
+            msg = to_engine_decoder.decode(raw)
+        except DecodeError as e:
+            rid = request_id_of(raw)
+            log.warning("refusing a malformed message: %s", e)
+            if rid is not None:
+                self.send(RequestFailed(rid, 400, f"malformed request: {e}"))
+            return
+        self.handle(msg)
+
+    def handle(self, msg: ToEngine) -> None:
+        if isinstance(msg, AddRequest):
+            try:
+                self.engine.add_request(msg.prompt_ids, msg.params, msg.request_id)
+            except ValueError as e:
+                self.send(RequestFailed(msg.request_id, 400, str(e)))
+                return
+            self.in_flight.add(msg.request_id)
+        elif isinstance(msg, Hello):
+            self.send(Ready(os.getpid(), self.info()))
+        elif isinstance(msg, AbortRequest):
+            if msg.request_id in self.in_flight:
+                self.in_flight.discard(msg.request_id)
+                self.engine.abort(msg.request_id)
+
+    def fail_all(self, status: int, message: str) -> None:
+        for rid in list(self.in_flight):
+            self.engine.abort(rid)
+            self.send(RequestFailed(rid, status, message))
+        self.in_flight.clear()
+
+    def emit(self, out: RequestOutput) -> None:
+        if out.request_id not in self.in_flight:
+            return
+        self._generated.append((time.monotonic(), len(out.new_token_ids)))
+        self.send(TokenDelta(out.request_id, out.new_token_ids, out.new_text, out.finished, out.finish_reason,
+                             len(out.prompt_token_ids), len(out.token_ids)))
+        if out.finished:
+            self.in_flight.discard(out.request_id)
+
+    def step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except ExpertServerError as e:
+            log.error("expert process failed: %s; restarting it", e)
+            self.fail_all(503, f"the expert process failed ({e}); hybridd is restarting it, retry the request")
+            self.restart_experts()
+            return
+        for out in outputs:
+            self.emit(out)
+
+    def restart_experts(self) -> None:
+        experts = self.process_experts()
+        if experts is not None:
+            experts.restart()
+            log.info("expert process restarted (pid %d)", experts.client.server_pid)
+
+    def serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.inbox, zmq.POLLIN)
+        while not self.stopping:
+            busy = self.engine.has_unfinished()
+            if poller.poll(0 if busy else int(STATS_PERIOD_S * 1000)):
+                while True:
+                    try:
+                        raw = self.inbox.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self.receive(raw)
+            if self.engine.has_unfinished():
+                self.step()
+            if time.monotonic() - self._last_stats >= STATS_PERIOD_S or not busy:
+                self._last_stats = time.monotonic()
+                self.send(self.stats())
+        self.fail_all(503, "hybridd is stopping; the request was aborted")
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+        self.inbox.close(linger=0)
+        self.outbox.close()
+        self._ctx.term()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="hybridd engine process")
+    ap.add_argument("--config", required=True, help="daemon.json written by the supervisor")
+    a = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    server = EngineServer(DaemonConfig.load(a.config))
+
+    def stop(*_) -> None:
+        server.stopping = True
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    try:
+        server.load()
+        server.serve()
+    except Exception as e:
+        log.exception("engine failed")
+        server.send(Fatal(f"{type(e).__name__}: {e}"))
+        return 1
+    finally:
+        server.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""The typed messages between the api process and the engine process, encoded with msgspec's msgpack.
+
+Every message is a tagged struct; a decoder for one direction accepts exactly that direction's messages and
+validates their fields (types, and SamplingParams' own checks), so neither side parses untyped dicts. One
+request id (made by the api, also the id in the OpenAI response) names a request end to end.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from hybrid.sampling_params import SamplingParams
+
+
+class AddRequest(msgspec.Struct, tag="add"):
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+class AbortRequest(msgspec.Struct, tag="abort"):
+    request_id: str
+
+
+class Hello(msgspec.Struct, tag="hello"):
+    """A restarted api asks the engine to repeat its Ready."""
+
+
+class EngineInfo(msgspec.Struct):
+    """The engine's facts, as /status and `hybridd status` show them."""
+
+    model: str
+    model_dir: str
+    architecture: str
+    max_model_len: int
+    vocab_size: int
+    num_kv_blocks: int
+    block_size: int
+    max_num_seqs: int
+    mode: str
+    devices: list[str]
+    attention: str
+    overlap: bool
+    backend: str
+    kernel_path: str
+    experts: str
+    expert_pid: int | None
+
+
+class Progress(msgspec.Struct, tag="progress"):
+    """Packing or loading, before Ready."""
+
+    phase: str
+    done: int = 0
+    total: int | None = None
+
+
+class Ready(msgspec.Struct, tag="ready"):
+    pid: int
+    info: EngineInfo
+
+
+class TokenDelta(msgspec.Struct, tag="out"):
+    """A request's new token(s) and the text safe to stream; the last one has finished=True."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class RequestFailed(msgspec.Struct, tag="error"):
+    """A request the engine refused (status 4xx) or could not finish (5xx)."""
+
+    request_id: str
+    status: int
+    message: str
+
+
+class EngineStats(msgspec.Struct, tag="stats"):
+    """Sent every STATS_PERIOD_S and between steps: the api treats a silent engine as hung."""
+
+    pid: int
+    running: int
+    waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    tokens_per_s: float
+    expert_pid: int | None
+
+
+class Fatal(msgspec.Struct, tag="fatal"):
+    message: str
+
+
+ToEngine = AddRequest | AbortRequest | Hello
+FromEngine = Progress | Ready | TokenDelta | RequestFailed | EngineStats | Fatal
+
+_encoder = msgspec.msgpack.Encoder()
+to_engine_decoder = msgspec.msgpack.Decoder(ToEngine)
+from_engine_decoder = msgspec.msgpack.Decoder(FromEngine)
+DecodeError = msgspec.DecodeError
+
+
+def encode(msg: ToEngine | FromEngine) -> bytes:
+    return _encoder.encode(msg)
+
+
+def request_id_of(raw: bytes) -> str | None:
+    """The request id of a message that failed validation, so its sender can still be answered."""
+    try:
+        loose = msgspec.msgpack.decode(raw)
+    except msgspec.DecodeError:
+        return None
+    rid = loose.get("request_id") if isinstance(loose, dict) else None
+    return rid if isinstance(rid, str) else None
+
+
+def as_json(struct: msgspec.Struct | None) -> dict | None:
+    """A struct as plain JSON-ready values (for /status)."""
+    return None if struct is None else msgspec.to_builtins(struct)

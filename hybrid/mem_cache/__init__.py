@@ -1,0 +1,1 @@
+"""The paged KV cache: the pool of per-layer cache tensors and the allocation of its blocks to sequences."""

@@ -1,0 +1,58 @@
+"""The cpu backend's dense weights packed for the C++ kernels straight from the checkpoint: fp8 weights keep
+their block scales, others are packed as bf16 (or the format asked for); linears sharing an input become one
+matrix where their formats allow it."""
+
+from __future__ import annotations
+
+import torch
+
+from hybrid.checkpoint.reader import CheckpointReader
+from hybrid.layers.linear import Linear, shared_input_groups
+
+# kv_b_proj stays a torch weight: MLA's absorbed decode reads it as per-head matrices.
+UNPACKED_LINEARS = ("kv_b_proj",)
+
+
+def _pack_stacked(reader: CheckpointReader, parts: list[tuple[str, tuple[int, ...]]], fmt: str):
+    """One PackedLinear of the weights `parts` (checkpoint name, shape) stacked along their outputs, or None
+    where fp8 block scales cannot be stacked with them (a part before the last ends inside a scale block, or
+    fp8 parts beside others)."""
+    from cpu_kernels.linear import PackedLinear
+
+    def stacked(tensors: list[torch.Tensor]) -> torch.Tensor:
+        return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+
+    fp8 = [fmt in ("auto", "fp8") and reader.is_fp8(name) for name, _ in parts]
+    if all(fp8):
+        if any(shape[0] % reader.fp8_block[0] for _, shape in parts[:-1]):
+            return None
+        return PackedLinear.pack(stacked([reader.checked(name, shape) for name, shape in parts]), "fp8",
+                                 stacked([reader.get(f"{name}_scale_inv") for name, _ in parts]),
+                                 block=reader.fp8_block)
+    if any(fp8):
+        return None
+    weight = stacked([reader.weight(name, shape, torch.bfloat16) for name, shape in parts])
+    return PackedLinear.pack(weight, "bf16" if fmt == "auto" else fmt)
+
+
+def pack_dense_linears(model: torch.nn.Module, reader: CheckpointReader, fmt: str = "auto",
+                       tied_embeddings: bool = False) -> None:
+    """Moves every dense Linear to the CPU kernels straight from the checkpoint (before the other weights
+    load, so no dequantized copy is ever made). Linears that share an input (SharedInputLinears) are packed
+    as one matrix where their formats allow it."""
+    names = {id(module): name for name, module in model.named_modules()}
+    stacked = set()
+    for group in shared_input_groups(model):
+        parts = [(f"{names[id(m)]}.weight", tuple(m.weight.shape)) for m in group.linears]
+        packed = _pack_stacked(reader, parts, fmt)
+        if packed is not None:
+            group.use_kernel(packed)
+            stacked.update(id(m) for m in group.linears)
+    for name, module in model.named_modules():
+        if (not isinstance(module, Linear) or name.rsplit(".", 1)[-1] in UNPACKED_LINEARS
+                or id(module) in stacked):
+            continue
+        wname = f"{name}.weight"
+        if wname not in reader and name == "lm_head" and tied_embeddings:
+            wname = "model.embed_tokens.weight"
+        module.use_kernel(_pack_stacked(reader, [(wname, tuple(module.weight.shape))], fmt))

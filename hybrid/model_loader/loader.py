@@ -1,0 +1,30 @@
+"""Builds a model from the registry and loads it onto its device. With the cpu backend its dense linears are
+packed for the C++ kernels first and its norms, rotary embedding and routers switch to their kernels."""
+
+from __future__ import annotations
+
+import torch
+
+from hybrid.checkpoint.reader import CheckpointReader, load_weights
+from hybrid.config import EngineConfig, ModelConfig
+from hybrid.experts.base import Experts
+from hybrid.layers.norm import RMSNorm
+from hybrid.layers.rotary_embedding import RotaryEmbedding
+from hybrid.layers.router import GroupedSigmoidRouter, SoftmaxTopKRouter
+from hybrid.model_loader.dense_pack import pack_dense_linears
+from hybrid.models.causal_lm import CausalLM
+from hybrid.models.registry import build_model
+
+KERNEL_MODULES = (RMSNorm, RotaryEmbedding, SoftmaxTopKRouter, GroupedSigmoidRouter)
+
+
+def load_model(model_config: ModelConfig, engine_config: EngineConfig, reader: CheckpointReader, experts: Experts,
+               dtype: torch.dtype, device: torch.device) -> CausalLM:
+    model = build_model(model_config, experts, dtype)
+    if engine_config.backend == "cpu":
+        pack_dense_linears(model, reader, engine_config.dense_format, model_config.tie_word_embeddings)
+        for module in model.modules():
+            if isinstance(module, KERNEL_MODULES):
+                module.use_kernel()
+    load_weights(model, reader, model_config.tie_word_embeddings)
+    return model.to(device)

@@ -1,0 +1,46 @@
+"""The checks every request passes before it reaches a scheduler, in one place: the api process runs them to
+answer 400 before queueing, the engine runs the same ones for requests from the Python API and the wire."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class InvalidRequest(ValueError):
+    """A request no engine of this model can serve; `param` and `code` follow OpenAI's error fields."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What a request is checked against: the model's vocabulary and the engine's context length."""
+
+    vocab_size: int
+    max_model_len: int
+
+
+def check_prompt(prompt_ids: list[int], limits: RequestLimits) -> None:
+    """Refuses an empty prompt, ids outside the vocabulary, and a prompt that leaves no room to generate."""
+    if not prompt_ids:
+        raise InvalidRequest("the prompt is empty", param="prompt")
+    bad = [t for t in prompt_ids if not 0 <= t < limits.vocab_size]
+    if bad:
+        raise InvalidRequest(f"token ids {bad[:5]} are outside the vocabulary [0, {limits.vocab_size})", param="prompt")
+    if len(prompt_ids) >= limits.max_model_len:
+        raise InvalidRequest(f"this model's maximum context length is {limits.max_model_len} tokens; the prompt has "
+                             f"{len(prompt_ids)} and at least one must be generated", param="messages",
+                             code="context_length_exceeded")
+
+
+def resolve_max_tokens(requested: int | None, prompt_len: int, limits: RequestLimits) -> int:
+    """The completion budget: `requested` if it fits the context after the prompt, else an error; all the room
+    left when nothing was asked for (OpenAI's semantics)."""
+    room = limits.max_model_len - prompt_len
+    if requested is not None and requested > room:
+        raise InvalidRequest(f"max_tokens={requested} does not fit: the prompt has {prompt_len} tokens of the "
+                             f"{limits.max_model_len}-token context, leaving {room}", param="max_tokens",
+                             code="context_length_exceeded")
+    return room if requested is None else requested
