@@ -9,6 +9,8 @@ top-level packages gpu, cpu_kernels and server. hybrid/__init__.py is the lazy p
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -111,3 +113,22 @@ def test_the_cycle_finder_finds_a_planted_cycle():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert find_cycle(graph) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_the_cpu_engine_runs_without_triton():
+    """triton is an optional extra (gpu, test): a CPU-only install must load and run an engine without it."""
+    code = """
+import sys
+class NoTriton:
+    def find_spec(self, name, path=None, target=None):
+        if name == "triton" or name.startswith("triton."):
+            raise ImportError("triton is not installed here")
+sys.meta_path.insert(0, NoTriton())
+import hybrid.managers.engine_server
+from hybrid import LLM, SamplingParams
+out = LLM().generate([5, 6, 7], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0]
+assert len(out.token_ids) == 3 and "triton" not in sys.modules
+print("ok")
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]

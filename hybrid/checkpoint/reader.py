@@ -106,12 +106,3 @@ class CheckpointReader:
             except ValueError as e:
                 raise CheckpointError(f"{self.file_of(scale_name)}: tensor {scale_name!r}: {e}") from e
         return t.to(dtype)
-
-
-def load_weights(module: torch.nn.Module, reader: CheckpointReader, tied_embeddings: bool = False) -> None:
-    """Fills every parameter of `module` from the checkpoint tensor of the same name, checking shapes."""
-    for name, param in module.named_parameters():
-        source = name
-        if name == "lm_head.weight" and name not in reader and tied_embeddings:
-            source = "model.embed_tokens.weight"
-        param.data = reader.weight(source, tuple(param.shape), param.dtype)

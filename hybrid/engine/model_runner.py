@@ -5,6 +5,8 @@ The runner builds itself in named steps: threads, experts, attention backend, mo
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from hybrid.checkpoint.reader import CheckpointReader
@@ -12,13 +14,15 @@ from hybrid.config import ConfigError, EngineConfig, ModelConfig
 from hybrid.engine.scheduler import ScheduledSeq
 from hybrid.experts.base import Experts
 from hybrid.experts.loader import build_experts
-from hybrid.graphs.decode_graphs import DecodeGraphs
 from hybrid.layers.attention.backend import AttentionBackend
 from hybrid.layers.attention.registry import create_attention_backend
 from hybrid.layers.forward_batch import HostBatch
 from hybrid.mem_cache.kv_pool import KVPool
 from hybrid.model_loader.loader import load_model
 from hybrid.models.causal_lm import CausalLM
+
+if TYPE_CHECKING:
+    from hybrid.graphs.decode_graphs import DecodeGraphs
 
 
 class ModelRunner:
@@ -31,11 +35,11 @@ class ModelRunner:
         self.device = torch.device(engine_config.device)
         self.block_size = engine_config.block_size
         self.overlap = engine_config.hybrid and engine_config.overlap
-        self.reader = CheckpointReader(model_config.model_dir, model_config.fp8_block)
+        reader = CheckpointReader(model_config.model_dir, model_config.fp8_block)
         self.init_threads()
-        self.experts = self.init_experts(experts)
+        self.experts = self.init_experts(reader, experts)
         self.attention = self.init_attention()
-        self.model = self.init_model()
+        self.model = self.init_model(reader)
         self.kv_pool = self.init_kv_pool()
         self.graphs = self.init_graphs()
 
@@ -50,14 +54,14 @@ class ModelRunner:
 
             set_pool_spin(SHARED_CORE_SPIN_US)  # the expert process computes on these cores between calls
 
-    def init_experts(self, given: Experts | None) -> Experts:
-        return build_experts(self.engine_config, self.config, self.reader, self.dtype, self.device, given)
+    def init_experts(self, reader: CheckpointReader, given: Experts | None) -> Experts:
+        return build_experts(self.engine_config, self.config, reader, self.dtype, self.device, given)
 
     def init_attention(self) -> AttentionBackend:
         return create_attention_backend(self.engine_config.attention, self.device, self.engine_config.num_threads)
 
-    def init_model(self) -> CausalLM:
-        return load_model(self.config, self.engine_config, self.reader, self.experts, self.dtype, self.device)
+    def init_model(self, reader: CheckpointReader) -> CausalLM:
+        return load_model(self.config, self.engine_config, reader, self.experts, self.dtype, self.device)
 
     @property
     def uses_graphs(self) -> bool:
@@ -77,6 +81,8 @@ class ModelRunner:
     def init_graphs(self) -> DecodeGraphs | None:
         if not self.uses_graphs:
             return None
+        from hybrid.graphs.decode_graphs import DecodeGraphs  # Triton: only engines that replay graphs need it
+
         pool = self.kv_pool
         return DecodeGraphs(self.model.model, pool.caches, self.attention, pool.pad_block, self.block_size,
                             self.max_model_len, self.engine_config.max_num_seqs, self.dtype, self.device,

@@ -1,11 +1,12 @@
-"""Builds a model from the registry and loads it onto its device. With the cpu backend its dense linears are
-packed for the C++ kernels first and its norms, rotary embedding and routers switch to their kernels."""
+"""Builds a model from the registry, fills its weights from the checkpoint and puts it on its device. With the
+cpu backend its dense linears are packed for the C++ kernels first and its norms, rotary embedding and routers
+switch to their kernels."""
 
 from __future__ import annotations
 
 import torch
 
-from hybrid.checkpoint.reader import CheckpointReader, load_weights
+from hybrid.checkpoint.reader import CheckpointReader
 from hybrid.config import EngineConfig, ModelConfig
 from hybrid.experts.base import Experts
 from hybrid.layers.norm import RMSNorm
@@ -16,6 +17,15 @@ from hybrid.models.causal_lm import CausalLM
 from hybrid.models.registry import build_model
 
 KERNEL_MODULES = (RMSNorm, RotaryEmbedding, SoftmaxTopKRouter, GroupedSigmoidRouter)
+
+
+def load_weights(module: torch.nn.Module, reader: CheckpointReader, tied_embeddings: bool = False) -> None:
+    """Fills every parameter of `module` from the checkpoint tensor of the same name, checking shapes."""
+    for name, param in module.named_parameters():
+        source = name
+        if name == "lm_head.weight" and name not in reader and tied_embeddings:
+            source = "model.embed_tokens.weight"
+        param.data = reader.weight(source, tuple(param.shape), param.dtype)
 
 
 def load_model(model_config: ModelConfig, engine_config: EngineConfig, reader: CheckpointReader, experts: Experts,
