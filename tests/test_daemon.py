@@ -129,6 +129,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": MODEL, "prompt": [7] * 4200}, 400, "context length"),
     ("/v1/completions", {"model": MODEL, "prompt": "word " * 5000}, 400, "context length"),
     ("/v1/completions", {"model": MODEL, "prompt": ["a", "b"]}, 400, "one prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": [1, 2], "seed": 2**70}, 400, "seed"),
     ("/v1/nothing-here", {}, 404, ""),
 ]
 

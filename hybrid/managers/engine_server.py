@@ -144,10 +144,10 @@ class EngineServer:
         try:
             msg = to_engine_decoder.decode(raw)
         except DecodeError as e:
-            rid = request_id_of(raw)
             log.warning("refusing a malformed message: %s", e)
+            rid = request_id_of(raw)
             if rid is not None:
-                self.send(RequestFailed(rid, 400, f"malformed request: {e}"))
+                self.fail(rid, 400, f"malformed request: {e}")
             return
         self.handle(msg)
 
@@ -156,7 +156,7 @@ class EngineServer:
             try:
                 self.engine.add_request(msg.prompt_ids, msg.params, msg.request_id)
             except ValueError as e:
-                self.send(RequestFailed(msg.request_id, 400, str(e)))
+                self.fail(msg.request_id, 400, str(e))
                 return
             self.in_flight.add(msg.request_id)
         elif isinstance(msg, Hello):
@@ -166,11 +166,16 @@ class EngineServer:
                 self.in_flight.discard(msg.request_id)
                 self.engine.abort(msg.request_id)
 
+    def fail(self, request_id: str, status: int, message: str) -> None:
+        """Tells the api a request failed; one still running here is aborted, as the api has dropped it."""
+        if request_id in self.in_flight:
+            self.in_flight.discard(request_id)
+            self.engine.abort(request_id)
+        self.send(RequestFailed(request_id, status, message))
+
     def fail_all(self, status: int, message: str) -> None:
         for rid in list(self.in_flight):
-            self.engine.abort(rid)
-            self.send(RequestFailed(rid, status, message))
-        self.in_flight.clear()
+            self.fail(rid, status, message)
 
     def emit(self, out: RequestOutput) -> None:
         if out.request_id not in self.in_flight:

@@ -120,5 +120,7 @@ def request_id_of(raw: bytes) -> str | None:
 
 
 def as_json(struct: msgspec.Struct | None) -> dict | None:
-    """A struct as plain JSON-ready values (for /status)."""
-    return None if struct is None else msgspec.to_builtins(struct)
+    """A struct's fields as plain JSON-ready values, without the message tag (for /status and /health)."""
+    if struct is None:
+        return None
+    return {k: v for k, v in msgspec.to_builtins(struct).items() if k != "type"}
