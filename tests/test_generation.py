@@ -123,3 +123,17 @@ def test_chat_template_is_applied(llm):
     ids = tok.apply_chat_template([{"role": "user", "content": "hello"}])
     assert tok.decode(ids, skip_special_tokens=False) == "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"
     assert llm.chat([{"role": "user", "content": "hello"}], SamplingParams(max_tokens=4))[0].token_ids
+
+
+def test_request_ids_are_the_callers_or_fresh_and_never_shared(llm):
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    assert engine.add_request([5, 6, 7], params, request_id="0") == "0"
+    with pytest.raises(ValueError, match="already running"):
+        engine.add_request([5, 6, 7], params, request_id="0")
+    fresh = engine.add_request([5, 6, 7], params)
+    assert fresh != "0"
+    finished = set()
+    while engine.has_unfinished():
+        finished.update(out.request_id for out in engine.step() if out.finished)
+    assert finished == {"0", fresh}

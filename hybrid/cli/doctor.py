@@ -149,7 +149,6 @@ def register(sub) -> None:
 def cmd_doctor(a: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from hybrid.cli.doctor import diagnose, render
     from hybrid.llm import DEFAULT_MODEL_DIR
 
     Console().print(render(diagnose(Path(a.model) if a.model else DEFAULT_MODEL_DIR, int(a.kv_cache_gb * 2**30))))

@@ -15,10 +15,9 @@ from hybrid.config import ConfigError
 from hybrid.experts.pack import PackError
 from hybrid.experts.process.client import ExpertServerError
 from hybrid.managers.supervisor import DaemonError
-from hybrid.request_checks import InvalidRequest
 from hybrid.tokenizer import TokenizerError
 
-USER_ERRORS = (ConfigError, CheckpointError, PackError, ExpertServerError, TokenizerError, InvalidRequest, ValueError,
+USER_ERRORS = (ConfigError, CheckpointError, PackError, ExpertServerError, TokenizerError, ValueError,
                FileNotFoundError, DaemonError, StreamError)
 
 
@@ -45,10 +44,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hybridd: error: cannot reach the daemon{where}: {e} (is it running? `hybridd status`)",
               file=sys.stderr)
         return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())
 
 
 if __name__ == "__main__":

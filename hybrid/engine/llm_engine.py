@@ -55,7 +55,7 @@ class LLMEngine:
         ids = self.encode(prompt)
         check_prompt(ids, self.limits)
         if request_id is None:
-            request_id = str(next(self._ids))
+            request_id = next(rid for rid in map(str, self._ids) if rid not in self.seqs)
         if request_id in self.seqs:
             raise InvalidRequest(f"request id {request_id!r} is already running")
         seq = Sequence(request_id, ids, params)

@@ -16,7 +16,7 @@ import torch
 class KVPool:
     def __init__(self, token_shapes: list[tuple[int, ...]], num_layers: int, num_blocks: int, block_size: int,
                  dtype: torch.dtype, device: torch.device, extra_blocks: int = 0):
-        self.num_blocks, self.block_size, self.dtype, self.device = num_blocks, block_size, dtype, device
+        self.num_blocks, self.block_size = num_blocks, block_size
         self.caches: list[tuple[torch.Tensor, ...]] = [
             tuple(torch.zeros(num_blocks + extra_blocks, block_size, *shape, dtype=dtype, device=device)
                   for shape in token_shapes)
@@ -32,6 +32,3 @@ class KVPool:
     def pad_block(self) -> int:
         """The first block past the usable ones (valid only when the pool was made with extra_blocks)."""
         return self.num_blocks
-
-    def layer(self, index: int) -> tuple[torch.Tensor, ...]:
-        return self.caches[index]
