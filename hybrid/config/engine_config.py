@@ -40,6 +40,7 @@ class EngineConfig:
     enforce_eager: bool = False
     gpu_experts: int = 0
     expert_profile: str | None = None
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.gpus is not None:

@@ -13,6 +13,7 @@ from hybrid.engine.sampler import Sampler
 from hybrid.engine.scheduler import Scheduler
 from hybrid.engine.sequence import Sequence
 from hybrid.experts.base import Experts
+from hybrid.mem_cache.block_hash_cache import BlockHashCache
 from hybrid.mem_cache.block_manager import BlockManager
 from hybrid.request_checks import InvalidRequest, RequestLimits, check_prompt
 from hybrid.sampling_params import SamplingParams
@@ -32,7 +33,14 @@ class LLMEngine:
             self.tokenizer = None
         self.runner = ModelRunner(self.model_config, config, expert_impl)
         self.max_model_len = self.runner.max_model_len
-        self.scheduler = Scheduler(BlockManager(self.runner.kv_pool.num_blocks, config.block_size),
+        prefix_cache = None
+        if config.enable_prefix_caching:
+            # Everything that changes what a block holds: the checkpoint, the compute dtype, the kernels and
+            # weight formats that computed the layers before it.
+            salt = "|".join(map(str, (self.model_config.model_dir.resolve(), self.runner.dtype, config.backend,
+                                      config.expert_format, config.dense_format))).encode()
+            prefix_cache = BlockHashCache(config.block_size, salt)
+        self.scheduler = Scheduler(BlockManager(self.runner.kv_pool.num_blocks, config.block_size, prefix_cache),
                                    config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler()
         self.eos_ids = set(self.model_config.eos_token_ids)
@@ -92,8 +100,7 @@ class LLMEngine:
         logits = self.runner.execute(batch)
         sampling = [item.seq for item in batch if item.samples]
         tokens = self.sampler(logits, sampling)
-        for item in batch:
-            item.seq.num_computed_tokens += item.num_tokens
+        self.scheduler.advance(batch)
         return [self._advance(seq, tok) for seq, tok in zip(sampling, tokens)]
 
     def _advance(self, seq: Sequence, token: int) -> RequestOutput:
@@ -124,6 +131,7 @@ class LLMEngine:
             token_ids=seq.completion_ids, text=detok.text if detok else "", new_token_ids=new_ids,
             new_text=detok.take_delta(seq.is_finished) if detok else "", finished=seq.is_finished,
             finish_reason=seq.finish_reason, ttft_s=ttft, tpot_s=tpot, num_preemptions=seq.num_preemptions,
+            num_cached_tokens=seq.num_cached_tokens,
         )
 
     def generate(self, prompts: list[str | list[int]],

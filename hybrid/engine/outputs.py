@@ -20,3 +20,4 @@ class RequestOutput:
     ttft_s: float | None = None
     tpot_s: float | None = None
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache

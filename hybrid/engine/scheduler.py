@@ -24,7 +24,8 @@ class ScheduledSeq:
 
 class Scheduler:
     """Each step first advances running sequences (decodes and unfinished prompt chunks), oldest first,
-    then admits waiting ones, within a token budget. When the KV pool cannot hold a running sequence's
+    then admits waiting ones, within a token budget; an admitted sequence starts after the longest prefix the
+    block manager's prefix cache holds. When the KV pool cannot hold a running sequence's
     next tokens, the most recently admitted sequence is preempted: its blocks are freed and it is
     recomputed from its prompt and generated tokens when readmitted."""
 
@@ -34,6 +35,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.queried_tokens = 0  # prompt tokens of first admissions, looked up in the prefix cache
+        self.hit_tokens = 0  # of those, reused from it
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -48,6 +51,12 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.blocks.release(seq)
+
+    def advance(self, batch: list[ScheduledSeq]) -> None:
+        """Records a step's computed tokens; the full blocks they complete become reusable prefixes."""
+        for item in batch:
+            item.seq.num_computed_tokens += item.num_tokens
+            self.blocks.cache_computed(item.seq)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -80,10 +89,18 @@ class Scheduler:
             i += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             seq = self.waiting[0]
+            cached = self.blocks.match_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self.blocks.can_grow(seq, seq.num_computed_tokens + n):
+                if cached:
+                    self.blocks.release(seq)
+                    seq.num_computed_tokens = 0
                 break
             self.blocks.grow(seq, seq.num_computed_tokens + n)
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = cached
+                self.queried_tokens += seq.num_prompt_tokens
+                self.hit_tokens += cached
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

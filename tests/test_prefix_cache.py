@@ -1,0 +1,183 @@
+"""The prefix cache: full KV blocks found by their chained token hashes are reused, and a request prefills
+only the rest. Greedy tokens must be those of an engine without the cache on every test model, for a prompt
+repeated, a multi-turn chat, two requests sharing a prefix at the same time, a pool smaller than the cached
+content, and preemption of a request whose blocks are shared; reference counts return to zero when the engine
+drains, and `num_cached_tokens` is the reused length."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import prompt_ids
+
+from hybrid import LLM, SamplingParams
+from hybrid.engine.sequence import Sequence
+from hybrid.mem_cache.block_hash_cache import BlockHashCache
+from hybrid.mem_cache.block_manager import BlockManager
+
+BS = 16  # the engine's default block size
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+def reusable(tokens: int) -> int:
+    """Tokens a cached run of `tokens` computed tokens gives a longer prompt: its full blocks."""
+    return tokens // BS * BS
+
+
+def assert_drained(llm: LLM) -> None:
+    blocks = llm.engine.scheduler.blocks
+    assert not llm.engine.has_unfinished()
+    assert sum(blocks.ref) == 0 and blocks.num_free == blocks.num_blocks
+
+
+def both(model, **kwargs) -> tuple[LLM, LLM]:
+    return LLM(model, dtype="float32", **kwargs), LLM(model, dtype="float32", enable_prefix_caching=False, **kwargs)
+
+
+def run_to_end(llm: LLM, requests: list[tuple[list[int], SamplingParams]], add_after: dict[int, int] | None = None):
+    """Runs requests, adding request i after add_after[i] engine steps (else at once); outputs in order."""
+    engine, add_after = llm.engine, add_after or {}
+    ids: dict[int, str] = {}
+    done = {}
+    step = 0
+    while len(done) < len(requests):
+        for i, (prompt, params) in enumerate(requests):
+            if i not in ids and add_after.get(i, 0) <= step:
+                ids[i] = engine.add_request(prompt, params)
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        step += 1
+    return [done[ids[i]] for i in range(len(requests))]
+
+
+def test_same_prompt_twice(any_model):
+    cached, plain = both(any_model)
+    prompt = prompt_ids(45, seed=1)
+    first, second = cached.generate(prompt, greedy(6))[0], cached.generate(prompt, greedy(6))[0]
+    want = plain.generate(prompt, greedy(6))[0]
+    assert first.token_ids == second.token_ids == want.token_ids
+    assert first.num_cached_tokens == 0 and second.num_cached_tokens == reusable(44) == 32
+    assert want.num_cached_tokens == 0
+    assert_drained(cached)
+    assert cached.engine.scheduler.blocks.num_cached > 0 and plain.engine.scheduler.blocks.num_cached == 0
+
+
+def test_multi_turn_conversation(any_model):
+    cached, plain = both(any_model)
+    history, computed = prompt_ids(30, seed=2), 0
+    for turn in range(3):
+        got = cached.generate(history, greedy(9))[0]
+        want = plain.generate(history, greedy(9))[0]
+        assert got.token_ids == want.token_ids
+        if turn:
+            # The previous turn computed its prompt and all but its last generated token.
+            assert got.num_cached_tokens == reusable(min(computed, len(history) - 1))
+            assert got.num_cached_tokens > 0
+        computed = len(history) + len(got.token_ids) - 1
+        history = history + got.token_ids + prompt_ids(11, seed=10 + turn)
+    assert_drained(cached)
+
+
+def test_two_requests_sharing_a_prefix_at_the_same_time(any_model):
+    """B arrives while A is still prefilling in 16-token chunks: it reuses what A has computed so far."""
+    cached, plain = both(any_model, max_num_batched_tokens=16)
+    shared = prompt_ids(48, seed=3)
+    a = (shared + prompt_ids(20, seed=4), greedy(8))
+    b = (shared + prompt_ids(7, seed=5), greedy(8))
+    got = run_to_end(cached, [a, b], add_after={1: 3})
+    want = run_to_end(plain, [a, b], add_after={1: 3})
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert got[0].num_cached_tokens == 0 and got[1].num_cached_tokens == 48
+    assert_drained(cached)
+
+
+def test_a_pool_smaller_than_the_cached_content(any_model):
+    """12 blocks hold 192 tokens; six 50-token prompts (4 blocks each) overflow it, so cached blocks are evicted,
+    least recently used first, and the most recent prompt is still found."""
+    cached, plain = both(any_model, num_kv_blocks=12, max_num_seqs=1)
+    prompts = [prompt_ids(50, seed=20 + i) for i in range(6)]
+    order = prompts + [prompts[5], prompts[0]]
+    got = [cached.generate(p, greedy(5))[0] for p in order]
+    want = [plain.generate(p, greedy(5))[0] for p in order]
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    blocks = cached.engine.scheduler.blocks
+    assert blocks.num_cached <= blocks.num_blocks
+    assert got[6].num_cached_tokens == 48  # prompts[5], the most recent, survived
+    assert got[7].num_cached_tokens == 0  # prompts[0], the least recent, was evicted
+    assert_drained(cached)
+
+
+def test_preemption_of_a_request_whose_blocks_are_shared(any_model):
+    """Two requests share a 48-token prefix (3 blocks) in a 10-block pool; their generations outgrow it, so the
+    newer one is preempted while its prefix blocks are still used by the other, then recomputed."""
+    cached, plain = both(any_model, num_kv_blocks=10)
+    shared = prompt_ids(48, seed=6)
+    reqs = [(shared + prompt_ids(5, seed=7), greedy(50)), (shared + prompt_ids(3, seed=8), greedy(50))]
+    got = run_to_end(cached, reqs, add_after={1: 1})
+    want = run_to_end(plain, reqs, add_after={1: 1})
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert got[1].num_cached_tokens == 48
+    assert cached.engine.scheduler.num_preemptions > 0
+    assert_drained(cached)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+def test_the_hybrid_path_and_decode_graphs_reuse_the_device_cache(gqa_and_mla, overlap, device):
+    pytest.importorskip("triton")
+    kw = dict(gpus=[0], attn_device=device, overlap=overlap, max_num_batched_tokens=32)
+    cached, plain = both(gqa_and_mla, **kw)
+    assert cached.engine.runner.graphs is not None
+    history = prompt_ids(40, seed=9)
+    for _ in range(2):
+        got = run_to_end(cached, [(history, greedy(6)), (history[:33] + [7, 8], greedy(6))])
+        want = run_to_end(plain, [(history, greedy(6)), (history[:33] + [7, 8], greedy(6))])
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+        history = history + got[0].token_ids + prompt_ids(5, seed=11)
+    assert got[0].num_cached_tokens > 0
+    assert_drained(cached)
+    cached.close()
+    plain.close()
+
+
+def test_blocks_are_shared_by_reference_and_evicted_only_when_needed():
+    cache = BlockHashCache(4, b"model")
+    bm = BlockManager(6, 4, cache)
+    a = Sequence("a", list(range(1, 11)), greedy(1))
+    bm.grow(a, 10)
+    a.num_computed_tokens = 10
+    bm.cache_computed(a)
+    assert bm.num_cached == 2 and a.num_indexed_blocks == 2
+    b = Sequence("b", list(range(1, 9)) + [50, 51], greedy(1))
+    assert bm.match_prefix(b) == 8 and b.block_table == a.block_table[:2]
+    assert [bm.ref[x] for x in b.block_table] == [2, 2]
+    bm.release(a)
+    assert [bm.ref[x] for x in b.block_table] == [1, 1] and bm.num_free == 4
+    bm.release(b)
+    assert sum(bm.ref) == 0 and bm.num_free == 6 and bm.num_cached == 2
+    c = Sequence("c", list(range(100, 124)), greedy(1))
+    bm.grow(c, 24)  # all six blocks: the two cached ones are evicted last, and then forgotten
+    assert bm.num_cached == 0 and bm.num_free == 0
+    bm.release(c)
+    d = Sequence("d", list(range(1, 11)), greedy(1))
+    assert bm.match_prefix(d) == 0 and d.block_table == []
+
+
+def test_a_prompt_of_whole_blocks_still_computes_its_last_token():
+    cache = BlockHashCache(4, b"model")
+    bm = BlockManager(8, 4, cache)
+    a = Sequence("a", list(range(1, 9)), greedy(1))
+    bm.grow(a, 8)
+    a.num_computed_tokens = 8
+    bm.cache_computed(a)
+    b = Sequence("b", list(range(1, 9)), greedy(1))
+    assert bm.match_prefix(b) == 4  # one block of two: the last token must be computed to sample from it
+
+
+def test_another_salt_shares_nothing():
+    tokens = list(range(1, 9))
+    one, two = Sequence("a", tokens, greedy(1)), Sequence("b", tokens, greedy(1))
+    assert BlockHashCache(4, b"model-a").hashes(one, 2) != BlockHashCache(4, b"model-b").hashes(two, 2)
