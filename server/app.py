@@ -59,6 +59,7 @@ class RequestStats:
 
     def __init__(self, metrics: Metrics, prompt_tokens: int):
         self.metrics, self.prompt_tokens = metrics, prompt_tokens
+        self.cached_tokens = 0
         self.start = time.perf_counter()
         self.first: float | None = None
         self.completion_tokens = 0
@@ -68,8 +69,14 @@ class RequestStats:
         if self.first is None:
             self.first = time.perf_counter()
             self.metrics.ttft.observe(self.first - self.start)
+            self.cached_tokens = msg.cached_tokens
+            self.metrics.prefix_queried.inc(self.prompt_tokens)
+            self.metrics.prefix_hits.inc(msg.cached_tokens)
         self.metrics.generation_tokens.inc(msg.completion_tokens - self.completion_tokens)
         self.completion_tokens = msg.completion_tokens
+
+    def usage(self) -> dict:
+        return usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
 
     def end(self, outcome: str) -> None:
         end = time.perf_counter()
@@ -167,7 +174,7 @@ def build_app(config: DaemonConfig, client: EngineClient, tokenizer: Tokenizer |
                         if msg.finished:
                             outcome = msg.finish_reason
                 if include_usage:
-                    yield _sse(chunk(rid, created, None, None, usage(stats.prompt_tokens, stats.completion_tokens)))
+                    yield _sse(chunk(rid, created, None, None, stats.usage()))
                 yield _sse("[DONE]")
             except EngineError as e:
                 outcome = "error"
@@ -202,7 +209,7 @@ def build_app(config: DaemonConfig, client: EngineClient, tokenizer: Tokenizer |
             stats.end("error")
             raise ApiError(e.status, str(e)) from None
         stats.end(reason)
-        return JSONResponse(chunk(rid, created, text, reason, usage(stats.prompt_tokens, stats.completion_tokens),
+        return JSONResponse(chunk(rid, created, text, reason, stats.usage(),
                                   final=True))
 
     def chat_chunk(rid, created, text, reason, use=None, final=False) -> dict:

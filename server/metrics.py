@@ -24,6 +24,10 @@ class Metrics:
                                      labels, registry=self.registry).labels(model)
         self.generation_tokens = Counter("hybridd_generation_tokens", "Generated tokens", labels,
                                          registry=self.registry).labels(model)
+        self.prefix_queried = Counter("hybridd_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                      labels, registry=self.registry).labels(model)
+        self.prefix_hits = Counter("hybridd_prefix_cache_hits", "Prompt tokens whose KV came from the prefix cache",
+                                   labels, registry=self.registry).labels(model)
         self._finished = Counter("hybridd_requests", "Requests by outcome (stop, length, abort, error, rejected)",
                                  ["model", "outcome"], registry=self.registry)
         self.model = model

@@ -185,9 +185,28 @@ def test_web_page_is_served(daemon):
     assert "/v1/chat/completions" in r.text and "http" not in r.text.split("<script>")[1].replace("https://", "")
 
 
+def test_prefix_cache_reports_cached_tokens(daemon, client):
+    prompt = list(range(300, 380))  # 80 tokens no other test sends: 64 of them reusable (4 full blocks)
+    queried = metric(daemon, "hybridd_prefix_cache_queries_total")
+    hits = metric(daemon, "hybridd_prefix_cache_hits_total")
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    first, second = client.completions.create(**kw), client.completions.create(**kw)
+    assert first.choices[0].text == second.choices[0].text
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens == 64
+    chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 64
+    assert metric(daemon, "hybridd_prefix_cache_queries_total") == queried + 3 * len(prompt)
+    assert metric(daemon, "hybridd_prefix_cache_hits_total") == hits + 2 * 64
+    time.sleep(0.6)  # engine stats arrive four times a second
+    stats = httpx.get(f"{daemon.url}/status", headers=daemon.headers).json()["stats"]
+    assert stats["prefix_cache"] and stats["kv_blocks_cached"] >= 4 and stats["prefix_hit_tokens"] >= 128
+
+
 def test_cli_status_chat_and_refusals(daemon):
     r = daemon.cli("status")
     assert r.returncode == 0 and kernel_isa_name() in r.stdout and "KV cache" in r.stdout and MODEL in r.stdout
+    assert "prefix cache" in r.stdout and "blocks cached" in r.stdout
     r = daemon.cli("chat", "--max-tokens", "8", stdin="Hello there\n/exit\n")
     assert r.returncode == 0, r.stderr
     assert "tok/s" in r.stderr and r.stdout.strip()

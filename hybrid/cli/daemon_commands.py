@@ -173,6 +173,7 @@ def cmd_status(a: argparse.Namespace) -> int:
         ("kernel path", info.get("kernel_path", "?")),
         ("experts", f"{info.get('experts', '?')}" + (f" (pid {info['expert_pid']})" if info.get("expert_pid") else "")),
         ("KV cache", f"{used}/{total} blocks ({used / total:.0%})" if total else "?"),
+        ("prefix cache", _prefix_cache_row(stats)),
         ("requests", f"{stats.get('running', 0)} running, {stats.get('waiting', 0)} waiting, "
                      f"{s['pending']}/{s['max_pending']} admitted"),
         ("recent tokens/s", f"{stats.get('tokens_per_s', 0.0):.1f}"),
@@ -182,6 +183,14 @@ def cmd_status(a: argparse.Namespace) -> int:
         t.add_row(k, str(v))
     Console().print(t)
     return 0
+
+
+def _prefix_cache_row(stats: dict) -> str:
+    if not stats.get("prefix_cache"):
+        return "off"
+    queried, hits = stats.get("prefix_queried_tokens", 0), stats.get("prefix_hit_tokens", 0)
+    rate = f", {hits / queried:.0%} of {queried} prompt tokens reused" if queried else ""
+    return f"{stats.get('kv_blocks_cached', 0)} blocks cached{rate}"
 
 
 def cmd_chat(a: argparse.Namespace) -> int:

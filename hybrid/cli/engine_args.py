@@ -33,6 +33,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-experts", type=int, default=0, help="with --gpus: keep the N most used experts of each "
                    "layer on the GPU (from --expert-profile, else from routing counts collected while serving)")
     p.add_argument("--expert-profile", help="routing-frequency profile JSON {layer: [count per expert]}")
+    p.add_argument("--no-prefix-cache", action="store_true", help="prefill every prompt whole instead of reusing "
+                   "the KV blocks of a prefix computed before (a chat's history)")
 
 
 def parse_gpus(text: str) -> list[int]:
@@ -52,7 +54,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
                 dense_format=a.dense_format, num_threads=a.threads, expert_pack=a.expert_pack, experts=a.experts,
                 expert_server=a.expert_server, gpus=getattr(a, "gpus", None), attn_device=a.attn_device,
                 overlap=not a.no_overlap, enforce_eager=a.enforce_eager, gpu_experts=a.gpu_experts,
-                expert_profile=a.expert_profile)
+                expert_profile=a.expert_profile, enable_prefix_caching=not a.no_prefix_cache)
 
 
 def explain_gpus(gpus: list[int] | None) -> None:

@@ -128,7 +128,9 @@ class EngineServer:
         return EngineStats(pid=os.getpid(), running=len(e.scheduler.running), waiting=len(e.scheduler.waiting),
                            kv_blocks_used=bm.num_blocks - bm.num_free, kv_blocks_total=bm.num_blocks,
                            tokens_per_s=sum(n for _, n in self._generated) / RATE_WINDOW_S,
-                           expert_pid=self.expert_pid())
+                           expert_pid=self.expert_pid(), kv_blocks_cached=bm.num_cached,
+                           prefix_cache=bm.cache is not None, prefix_queried_tokens=e.scheduler.queried_tokens,
+                           prefix_hit_tokens=e.scheduler.hit_tokens)
 
     def expert_pid(self) -> int | None:
         experts = self.process_experts()
@@ -182,7 +184,7 @@ class EngineServer:
             return
         self._generated.append((time.monotonic(), len(out.new_token_ids)))
         self.send(TokenDelta(out.request_id, out.new_token_ids, out.new_text, out.finished, out.finish_reason,
-                             len(out.prompt_token_ids), len(out.token_ids)))
+                             len(out.prompt_token_ids), len(out.token_ids), out.num_cached_tokens))
         if out.finished:
             self.in_flight.discard(out.request_id)
 

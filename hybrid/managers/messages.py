@@ -70,6 +70,7 @@ class TokenDelta(msgspec.Struct, tag="out"):
     finish_reason: str | None
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
 class RequestFailed(msgspec.Struct, tag="error"):
@@ -90,6 +91,10 @@ class EngineStats(msgspec.Struct, tag="stats"):
     kv_blocks_total: int
     tokens_per_s: float
     expert_pid: int | None
+    kv_blocks_cached: int = 0  # blocks holding reusable prefix content, in use or evictable
+    prefix_cache: bool = False
+    prefix_queried_tokens: int = 0  # prompt tokens admitted since the engine started
+    prefix_hit_tokens: int = 0  # of those, found in the prefix cache
 
 
 class Fatal(msgspec.Struct, tag="fatal"):
