@@ -143,13 +143,18 @@ def test_the_hybrid_path_and_decode_graphs_reuse_the_device_cache(gqa_and_mla, o
     plain.close()
 
 
+def computed(bm: BlockManager, rid: str, token_ids: list[int]) -> Sequence:
+    """A sequence whose tokens all have KV in the pool, its full blocks indexed."""
+    seq = Sequence(rid, token_ids, greedy(1))
+    bm.grow(seq, len(token_ids))
+    seq.num_computed_tokens = len(token_ids)
+    bm.cache_computed(seq)
+    return seq
+
+
 def test_blocks_are_shared_by_reference_and_evicted_only_when_needed():
-    cache = BlockHashCache(4, b"model")
-    bm = BlockManager(6, 4, cache)
-    a = Sequence("a", list(range(1, 11)), greedy(1))
-    bm.grow(a, 10)
-    a.num_computed_tokens = 10
-    bm.cache_computed(a)
+    bm = BlockManager(6, 4, BlockHashCache(4, b"model"))
+    a = computed(bm, "a", list(range(1, 11)))
     assert bm.num_cached == 2 and a.num_indexed_blocks == 2
     b = Sequence("b", list(range(1, 9)) + [50, 51], greedy(1))
     assert bm.match_prefix(b) == 8 and b.block_table == a.block_table[:2]
@@ -167,12 +172,8 @@ def test_blocks_are_shared_by_reference_and_evicted_only_when_needed():
 
 
 def test_a_prompt_of_whole_blocks_still_computes_its_last_token():
-    cache = BlockHashCache(4, b"model")
-    bm = BlockManager(8, 4, cache)
-    a = Sequence("a", list(range(1, 9)), greedy(1))
-    bm.grow(a, 8)
-    a.num_computed_tokens = 8
-    bm.cache_computed(a)
+    bm = BlockManager(8, 4, BlockHashCache(4, b"model"))
+    computed(bm, "a", list(range(1, 9)))
     b = Sequence("b", list(range(1, 9)), greedy(1))
     assert bm.match_prefix(b) == 4  # one block of two: the last token must be computed to sample from it
 
