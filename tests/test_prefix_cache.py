@@ -82,16 +82,28 @@ def test_multi_turn_conversation(any_model):
 
 
 def test_two_requests_sharing_a_prefix_at_the_same_time(any_model):
-    """B arrives while A is still prefilling in 16-token chunks: it reuses what A has computed so far."""
+    """B arrives while A is still prefilling in 16-token chunks. A, running, takes each step's budget until its
+    prompt is done, so B is admitted next to A's first decode steps: it reuses A's blocks of their shared 96
+    tokens, and the two run together on those blocks (each referenced twice)."""
     cached, plain = both(any_model, max_num_batched_tokens=16)
-    shared = prompt_ids(48, seed=3)
+    shared = prompt_ids(96, seed=3)
     a = (shared + prompt_ids(20, seed=4), greedy(8))
-    b = (shared + prompt_ids(7, seed=5), greedy(8))
-    got = run_to_end(cached, [a, b], add_after={1: 3})
+    b = (shared + prompt_ids(20, seed=5), greedy(8))
+    engine, blocks = cached.engine, cached.engine.scheduler.blocks
+    rid_a = engine.add_request(*a)
+    outs = {}
+    for _ in range(3):
+        outs.update((o.request_id, o) for o in engine.step() if o.finished)
+    rid_b = engine.add_request(*b)
+    seq_a, seq_b = engine.seqs[rid_a], engine.seqs[rid_b]
+    while seq_b.num_computed_tokens == 0:
+        outs.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert seq_b.block_table[:6] == seq_a.block_table[:6] and [blocks.ref[x] for x in seq_b.block_table[:6]] == [2] * 6
+    while engine.has_unfinished():
+        outs.update((o.request_id, o) for o in engine.step() if o.finished)
     want = run_to_end(plain, [a, b], add_after={1: 3})
-    assert [o.token_ids for o in got] == [o.token_ids for o in want]
-    assert got[0].num_cached_tokens == 0 and got[1].num_cached_tokens == 48
-    assert_drained(cached)
+    assert [outs[rid_a].token_ids, outs[rid_b].token_ids] == [o.token_ids for o in want]
+    assert outs[rid_a].num_cached_tokens == 0 and outs[rid_b].num_cached_tokens == 96
 
 
 def test_a_pool_smaller_than_the_cached_content(any_model):
@@ -103,8 +115,6 @@ def test_a_pool_smaller_than_the_cached_content(any_model):
     got = [cached.generate(p, greedy(5))[0] for p in order]
     want = [plain.generate(p, greedy(5))[0] for p in order]
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
-    blocks = cached.engine.scheduler.blocks
-    assert blocks.num_cached <= blocks.num_blocks
     assert got[6].num_cached_tokens == 48  # prompts[5], the most recent, survived
     assert got[7].num_cached_tokens == 0  # prompts[0], the least recent, was evicted
     assert_drained(cached)
@@ -163,12 +173,19 @@ def test_blocks_are_shared_by_reference_and_evicted_only_when_needed():
     assert [bm.ref[x] for x in b.block_table] == [1, 1] and bm.num_free == 4
     bm.release(b)
     assert sum(bm.ref) == 0 and bm.num_free == 6 and bm.num_cached == 2
-    c = Sequence("c", list(range(100, 124)), greedy(1))
-    bm.grow(c, 24)  # all six blocks: the two cached ones are evicted last, and then forgotten
+    c = Sequence("c", list(range(100, 116)), greedy(1))
+    bm.grow(c, 16)  # the four empty blocks: the cached ones are not evicted while empty ones remain
+    assert bm.num_cached == 2 and bm.num_free == 2
+    again = Sequence("again", list(range(1, 11)), greedy(1))
+    assert bm.match_prefix(again) == 8
+    bm.release(again)
+    d = Sequence("d", list(range(200, 208)), greedy(1))
+    bm.grow(d, 8)  # now only the two parked blocks are left: evicted, and their content forgotten
     assert bm.num_cached == 0 and bm.num_free == 0
     bm.release(c)
-    d = Sequence("d", list(range(1, 11)), greedy(1))
-    assert bm.match_prefix(d) == 0 and d.block_table == []
+    bm.release(d)
+    e = Sequence("e", list(range(1, 11)), greedy(1))
+    assert bm.match_prefix(e) == 0 and e.block_table == []
 
 
 def test_a_prompt_of_whole_blocks_still_computes_its_last_token():
