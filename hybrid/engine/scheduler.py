@@ -61,7 +61,6 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.blocks.release(seq)
-        seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -92,9 +91,7 @@ class Scheduler:
             cached = self.blocks.match_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self.blocks.can_grow(seq, seq.num_computed_tokens + n):
-                if cached:
-                    self.blocks.release(seq)
-                    seq.num_computed_tokens = 0
+                self.blocks.release(seq)  # gives back what match_prefix took
                 break
             self.blocks.grow(seq, seq.num_computed_tokens + n)
             if seq.num_preemptions == 0:

@@ -68,8 +68,9 @@ class BlockManager:
             self.cache.index(seq)
 
     def release(self, seq: CachingSequence) -> None:
-        """Drops the sequence's references. Cached blocks are parked tail first, so that an evicting cache gives
-        up a sequence's last blocks before its prefix; empty ones rejoin the free list in table order."""
+        """Drops the sequence's references; with its blocks goes its computed KV (num_computed_tokens 0), undoing
+        match_prefix as well as grow. Cached blocks are parked tail first, so that an evicting cache gives up a
+        sequence's last blocks before its prefix; empty ones rejoin the free list in table order."""
         emptied = []
         for block in reversed(seq.block_table):
             self.ref[block] -= 1
@@ -81,3 +82,4 @@ class BlockManager:
         self.free.extend(reversed(emptied))
         seq.block_table = []
         seq.num_indexed_blocks = 0
+        seq.num_computed_tokens = 0
