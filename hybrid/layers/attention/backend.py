@@ -1,8 +1,8 @@
 """The attention-backend interface: how a model's attention writes and reads the paged KV cache.
 
-A backend supplies three primitives -- `store` (rows into cache slots), `paged` (every query row of a step over
-its sequence's cached context) and `causal` (query rows over one contiguous K/V block) -- and says, per step,
-whether DeepSeek's MLA attends every row in latent space. From those this class builds what models call:
+A backend supplies `paged` (every query row of a step over its sequence's cached context), may replace the
+torch defaults of `store` (rows into cache slots) and `causal` (query rows over one contiguous K/V block), and
+says per step whether DeepSeek's MLA attends every row in latent space. From those this class builds what models call:
 `gqa` for grouped-query attention and `mla` for multi-head latent attention. Models call those two methods
 only and never ask which backend they have.
 """
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from gpu.paged_reference import gather_cache, softmax_attention
+from gpu.paged_reference import gather_cache, softmax_attention, write_cache
 
 if TYPE_CHECKING:
     from hybrid.layers.forward_batch import ForwardBatch
@@ -47,9 +47,10 @@ class AttentionBackend(ABC):
     # graph that replays it with rewritten inputs attends correctly (the decode graphs need this).
     graph_safe = False
 
-    @abstractmethod
     def store(self, cache: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Tensor) -> None:
-        """values[n] into flat slot slot_mapping[n] (slot = block * block_size + offset)."""
+        """values[n] into flat slot slot_mapping[n] (slot = block * block_size + offset). In torch here; a backend
+        with a kernel for it overrides this."""
+        write_cache(cache, slot_mapping, values)
 
     @abstractmethod
     def paged(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,

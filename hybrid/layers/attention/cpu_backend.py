@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from cpu_kernels.attention import paged_attention
-from gpu.paged_reference import write_cache
 from hybrid.layers.attention.backend import AttentionBackend
 
 if TYPE_CHECKING:
@@ -23,9 +22,6 @@ if TYPE_CHECKING:
 class CpuAttention(AttentionBackend):
     def __init__(self, num_threads: int | None = None):
         self.num_threads = num_threads
-
-    def store(self, cache: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Tensor) -> None:
-        write_cache(cache, slot_mapping, values)
 
     def paged(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
               scale: float) -> torch.Tensor:

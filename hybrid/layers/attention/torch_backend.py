@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from gpu.paged_reference import paged_attention, write_cache
+from gpu.paged_reference import paged_attention
 from hybrid.layers.attention.backend import AttentionBackend
 
 if TYPE_CHECKING:
@@ -15,9 +15,6 @@ if TYPE_CHECKING:
 
 
 class TorchAttention(AttentionBackend):
-    def store(self, cache: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Tensor) -> None:
-        write_cache(cache, slot_mapping, values)
-
     def paged(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
               scale: float) -> torch.Tensor:
         return paged_attention(q, k_cache, v_cache, batch.query_starts, batch.query_lens, batch.context_lens,
