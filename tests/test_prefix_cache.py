@@ -90,17 +90,21 @@ def test_two_requests_sharing_a_prefix_at_the_same_time(any_model):
     a = (shared + prompt_ids(20, seed=4), greedy(8))
     b = (shared + prompt_ids(20, seed=5), greedy(8))
     engine, blocks = cached.engine, cached.engine.scheduler.blocks
-    rid_a = engine.add_request(*a)
     outs = {}
-    for _ in range(3):
+
+    def step() -> None:
         outs.update((o.request_id, o) for o in engine.step() if o.finished)
+
+    rid_a = engine.add_request(*a)
+    for _ in range(3):
+        step()
     rid_b = engine.add_request(*b)
     seq_a, seq_b = engine.seqs[rid_a], engine.seqs[rid_b]
     while seq_b.num_computed_tokens == 0:
-        outs.update((o.request_id, o) for o in engine.step() if o.finished)
+        step()
     assert seq_b.block_table[:6] == seq_a.block_table[:6] and [blocks.ref[x] for x in seq_b.block_table[:6]] == [2] * 6
     while engine.has_unfinished():
-        outs.update((o.request_id, o) for o in engine.step() if o.finished)
+        step()
     want = run_to_end(plain, [a, b], add_after={1: 3})
     assert [outs[rid_a].token_ids, outs[rid_b].token_ids] == [o.token_ids for o in want]
     assert outs[rid_a].num_cached_tokens == 0 and outs[rid_b].num_cached_tokens == 96
