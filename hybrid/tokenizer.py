@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from tokenizers import Tokenizer as BackendTokenizer
 
+# Roles whose content is text a person typed: it is tokenized with special tokens read as plain text.
+TYPED_ROLES = ("user", "system", "tool")
+# A content placeholder the template passes through untouched: private-use code points no tokenizer merges with.
+_SLOT = "\ue000{}\ue001"
+_SLOT_RE = re.compile("(\ue000\\d+\ue001)")
+
 
 class TokenizerError(ValueError):
-    """A tokenizer that is missing or cannot serve the request."""
+    """A tokenizer that is broken or cannot serve the request."""
+
+
+class MissingTokenizer(TokenizerError):
+    """A model directory without tokenizer.json: it can still serve token ids."""
 
 
 class Tokenizer:
@@ -16,11 +27,17 @@ class Tokenizer:
 
     def __init__(self, model_dir: str | Path):
         model_dir = Path(model_dir)
-        if not (model_dir / "tokenizer.json").is_file():
-            raise TokenizerError(f"{model_dir}: no tokenizer.json; pass token ids (--prompt-ids) instead of text")
+        path = model_dir / "tokenizer.json"
+        if not path.is_file():
+            raise MissingTokenizer(f"{model_dir}: no tokenizer.json; pass token ids (--prompt-ids) instead of text")
         from transformers import AutoTokenizer
 
-        self.hf = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        try:
+            BackendTokenizer.from_file(str(path))
+            self.hf = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        except Exception as e:  # tokenizers and transformers raise many types for a broken file
+            first = " ".join(str(e).split())[:300]
+            raise TokenizerError(f"{path}: not a tokenizer this version of `tokenizers` can load ({first})") from None
         self.backend: BackendTokenizer = self.hf.backend_tokenizer
         self.vocab_size = len(self.hf)
 
@@ -32,10 +49,27 @@ class Tokenizer:
         return self.hf.encode(text, add_special_tokens=True)
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        """Renders the conversation; the template's own markers become special tokens, while a marker a user
+        typed (`<|im_end|>` in a message) stays text, so nobody can forge a turn boundary."""
         if not getattr(self.hf, "chat_template", None):
             raise TokenizerError("this model's tokenizer has no chat_template")
-        text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return self.hf.encode(text, add_special_tokens=False)
+        typed: dict[str, str] = {}
+        slotted = []
+        for i, m in enumerate(messages):
+            content = m.get("content")
+            if m.get("role") in TYPED_ROLES and isinstance(content, str) and content:
+                slot = _SLOT.format(i)
+                typed[slot] = content
+                m = {**m, "content": slot}
+            slotted.append(m)
+        text = self.hf.apply_chat_template(slotted, tokenize=False, add_generation_prompt=True)
+        ids: list[int] = []
+        for piece in _SLOT_RE.split(text):
+            if piece in typed:
+                ids += self.hf.encode(typed[piece], add_special_tokens=False, split_special_tokens=True)
+            elif piece:
+                ids += self.hf.encode(piece, add_special_tokens=False)
+        return ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)

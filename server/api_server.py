@@ -10,7 +10,7 @@ import uvicorn
 
 from hybrid.managers.daemon_config import DaemonConfig
 from hybrid.managers.engine_client import EngineClient
-from hybrid.tokenizer import Tokenizer, TokenizerError
+from hybrid.tokenizer import MissingTokenizer, Tokenizer
 from server.app import build_app
 
 GRACEFUL_SHUTDOWN_S = 10
@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     config = DaemonConfig.load(a.config)
     try:
         tokenizer = Tokenizer(config.model)
-    except TokenizerError as e:
+    except MissingTokenizer as e:
         logging.getLogger("hybridd.api").warning("%s; only token-id completions are served", e)
         tokenizer = None
     client = EngineClient(config.paths.engine_in, config.paths.engine_out, config.engine_timeout_s)

@@ -45,7 +45,7 @@ def test_strided_rows_as_in_deepseek_q(dtype):
 @pytest.mark.parametrize("rope_type", ["default", "yarn"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_rotary_embedding_module_gives_the_same_bits_through_the_kernel(rope_type, dtype):
-    cfg = RopeConfig(rotary_dim=64, theta=10000.0, rope_type=rope_type, factor=4.0,
+    cfg = RopeConfig(rotary_dim=64, rope_theta=10000.0, rope_type=rope_type, factor=4.0,
                      original_max_position_embeddings=256, interleave=rope_type == "yarn")
     torch_rope, kernel_rope = RotaryEmbedding(cfg), RotaryEmbedding(cfg)
     kernel_rope.use_kernel()

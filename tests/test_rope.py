@@ -50,7 +50,7 @@ def test_cos_sin_are_computed_once_per_step_except_for_static_batches(monkeypatc
     from hybrid.layers.forward_batch import ForwardBatch
     from hybrid.layers.rotary_embedding import RotaryEmbedding
 
-    rope = RotaryEmbedding(RopeConfig(theta=10000.0, rotary_dim=8))
+    rope = RotaryEmbedding(RopeConfig(rope_theta=10000.0, rotary_dim=8))
     calls = []
     real = rope.cos_sin
     monkeypatch.setattr(rope, "cos_sin", lambda *a: calls.append(1) or real(*a))

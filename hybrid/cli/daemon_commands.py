@@ -104,9 +104,14 @@ def cmd_start(a: argparse.Namespace) -> int:
     from hybrid.llm import DEFAULT_MODEL_DIR
     from hybrid.managers.daemon_config import DaemonConfig
     from hybrid.managers.supervisor import Supervisor, check_port_free, launch, running_daemon
+    from hybrid.tokenizer import MissingTokenizer, Tokenizer
 
     model = str(Path(a.model).resolve()) if a.model else str(DEFAULT_MODEL_DIR)
     ModelConfig.from_dir(model)
+    try:
+        Tokenizer(model)
+    except MissingTokenizer:
+        pass
     config = DaemonConfig(model=model, host=a.host, port=a.port, api_key=a.api_key,
                           served_model_name=a.served_model_name, max_queue=a.max_queue,
                           engine={k: v for k, v in engine_kwargs(a).items() if v is not None})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -13,6 +14,9 @@ SUPPORTED_ARCHITECTURES = {
     "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 
+# model_type values of checkpoints whose architecture we run under another name (Kimi-K2 is DeepSeek-V3's).
+MODEL_TYPE_ALIASES = {"kimi_k2": "deepseek_v3"}
+
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
@@ -20,11 +24,29 @@ class ConfigError(ValueError):
     """A model directory or engine setting that hybridd cannot run."""
 
 
+def check_positive(owner: object, ints: tuple[str, ...] = (), floats: tuple[str, ...] = (),
+                   optional: tuple[str, ...] = ()) -> None:
+    """Refuses fields that must be positive: `ints` as integers, `floats` as finite numbers; `optional` ones
+    (listed in either) may also be None. The message names the field, as the file spells it."""
+    for name in ints + floats:
+        v = getattr(owner, name)
+        if v is None and name in optional:
+            continue
+        if name in ints:
+            ok = isinstance(v, int) and not isinstance(v, bool) and v > 0
+            what = "a positive integer"
+        else:
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+            what = "a positive finite number"
+        if not ok:
+            raise ConfigError(f"{name} must be {what}, got {v!r}")
+
+
 @dataclass
 class RopeConfig:
     """Rotary embedding parameters, normalized from `rope_scaling` (old) or `rope_parameters` (new)."""
 
-    theta: float
+    rope_theta: float
     rotary_dim: int
     interleave: bool = False
     rope_type: str = "default"
@@ -38,6 +60,13 @@ class RopeConfig:
     truncate: bool = True
 
     def __post_init__(self) -> None:
+        check_positive(self, floats=("rope_theta", "factor", "beta_fast", "beta_slow", "attention_factor"),
+                       ints=("original_max_position_embeddings",),
+                       optional=("attention_factor", "original_max_position_embeddings"))
+        for name in ("mscale", "mscale_all_dim"):
+            v = getattr(self, name)
+            if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v)):
+                raise ConfigError(f"{name} must be a finite number, got {v!r}")
         if self.rope_type not in ("default", "yarn"):
             raise ConfigError(f"rope type {self.rope_type!r} is not supported (default and yarn are)")
         if self.rotary_dim % 2:
@@ -83,6 +112,18 @@ class ModelConfig:
     fp8_block: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
+        check_positive(self, ints=("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                                   "num_key_value_heads", "intermediate_size", "moe_intermediate_size",
+                                   "num_experts_per_tok", "max_position_embeddings", "head_dim", "n_group",
+                                   "topk_group"),
+                       floats=("rms_norm_eps", "routed_scaling_factor"))
+        if not isinstance(self.num_experts, int) or self.num_experts < 0:
+            raise ConfigError(f"the number of routed experts must be >= 0, got {self.num_experts!r}")
+        if self.moe_layers and self.num_experts == 0:
+            raise ConfigError("MoE layers with 0 routed experts")
+        if self.is_mla:
+            check_positive(self, ints=("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                                       "q_lora_rank"), optional=("q_lora_rank",))
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError("num_attention_heads must be a multiple of num_key_value_heads")
         if self.moe_layers and not 1 <= self.num_experts_per_tok <= self.num_experts:
@@ -100,88 +141,127 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
+        """Parses config.json through transformers' own config class for the architecture (which knows every
+        renamed field and old spelling), then validates the numbers into this dataclass."""
         model_dir = Path(model_dir)
         path = model_dir / "config.json"
         if not path.is_file():
             raise ConfigError(f"{model_dir}: no config.json (is this a Hugging Face model directory?)")
         try:
             raw = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"{path}: not valid JSON ({e})") from e
-        archs = raw.get("architectures") or []
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        model_type = SUPPORTED_ARCHITECTURES.get(arch) if arch else None
-        if model_type is None or raw.get("model_type") not in (model_type, None):
-            raise ConfigError(
-                f"{path}: unsupported architecture {archs or raw.get('model_type')!r}; "
-                f"hybridd runs {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
-            )
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: not a JSON object")
+        model_type = _model_type(path, raw)
         try:
-            return _parse(model_dir, model_type, raw)
-        except KeyError as e:
-            raise ConfigError(f"{path}: missing field {e.args[0]!r}") from e
+            return _parse(model_dir, model_type, _hf_config(model_type, raw))
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from None
 
 
-def _eos_ids(model_dir: Path, raw: dict) -> list[int]:
-    ids = raw.get("eos_token_id")
+def _model_type(path: Path, raw: dict) -> str:
+    archs = raw.get("architectures") or []
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    declared = MODEL_TYPE_ALIASES.get(raw.get("model_type"), raw.get("model_type"))
+    model_type = SUPPORTED_ARCHITECTURES[arch] if arch else declared
+    if model_type not in SUPPORTED_ARCHITECTURES.values() or declared not in (model_type, None):
+        raise ConfigError(f"{path}: unsupported architecture {archs or raw.get('model_type')!r}; "
+                          f"hybridd runs {', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
+    return model_type
+
+
+def _hf_config(model_type: str, raw: dict):
+    """The transformers config object for `raw`; its type checks become one-line ConfigErrors."""
+    from transformers import DeepseekV3Config, Qwen3MoeConfig
+
+    cls = Qwen3MoeConfig if model_type == "qwen3_moe" else DeepseekV3Config
+    fields = {k: v for k, v in raw.items() if k not in ("model_type", "auto_map", "architectures")}
+    try:
+        return cls.from_dict(fields)
+    except Exception as e:  # the class's strict field validators raise their own types; all mean a bad file
+        raise ConfigError(" ".join(str(e).split())) from None
+
+
+def _eos_ids(model_dir: Path, hf) -> list[int]:
+    ids = hf.eos_token_id
     gen = model_dir / "generation_config.json"
     if gen.is_file():
-        ids = json.loads(gen.read_text()).get("eos_token_id", ids)
+        try:
+            ids = json.loads(gen.read_text()).get("eos_token_id", ids)
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
+            raise ConfigError(f"{gen}: not a valid generation config ({e})") from None
     if ids is None:
         return []
-    return [ids] if isinstance(ids, int) else list(ids)
+    ids = [ids] if isinstance(ids, int) else ids
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ConfigError(f"eos_token_id must be a token id or a list of them, got {ids!r}")
+    return ids
 
 
-def _rope(raw: dict, rotary_dim: int, interleave: bool) -> RopeConfig:
-    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
-    theta = params.pop("rope_theta", raw.get("rope_theta", 10000.0))
+def _rope(hf, rotary_dim: int, interleave: bool) -> RopeConfig:
+    params = dict(getattr(hf, "rope_parameters", None) or {})
+    theta = params.pop("rope_theta", getattr(hf, "rope_theta", 10000.0))
     rope_type = params.pop("rope_type", params.pop("type", "default"))
-    known = {f for f in RopeConfig.__dataclass_fields__ if f not in ("theta", "rotary_dim", "interleave", "rope_type")}
+    known = set(RopeConfig.__dataclass_fields__) - {"rope_theta", "rotary_dim", "interleave", "rope_type"}
     return RopeConfig(
-        theta=float(theta), rotary_dim=rotary_dim, interleave=interleave, rope_type=rope_type,
+        rope_theta=theta, rotary_dim=rotary_dim, interleave=interleave, rope_type=rope_type,
         **{k: v for k, v in params.items() if k in known and v is not None},
     )
 
 
-def _parse(model_dir: Path, model_type: str, raw: dict) -> ModelConfig:
-    dtype_name = raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"
+def _dtype(hf) -> torch.dtype:
+    dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None) or torch.bfloat16
+    if isinstance(dtype, str):
+        dtype = DTYPES.get(dtype, torch.bfloat16)
+    return dtype if dtype in DTYPES.values() else torch.bfloat16
+
+
+def _parse(model_dir: Path, model_type: str, hf) -> ModelConfig:
     common = dict(
-        model_dir=model_dir, model_type=model_type, vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"],
-        num_hidden_layers=raw["num_hidden_layers"], num_attention_heads=raw["num_attention_heads"],
-        intermediate_size=raw["intermediate_size"], moe_intermediate_size=raw["moe_intermediate_size"],
-        num_experts_per_tok=raw["num_experts_per_tok"], norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
-        rms_norm_eps=raw.get("rms_norm_eps", 1e-6), max_position_embeddings=raw["max_position_embeddings"],
-        checkpoint_dtype=DTYPES.get(dtype_name, torch.bfloat16), eos_token_ids=_eos_ids(model_dir, raw),
-        bos_token_id=raw.get("bos_token_id"), tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        model_dir=model_dir, model_type=model_type, vocab_size=hf.vocab_size, hidden_size=hf.hidden_size,
+        num_hidden_layers=hf.num_hidden_layers, num_attention_heads=hf.num_attention_heads,
+        intermediate_size=hf.intermediate_size, moe_intermediate_size=hf.moe_intermediate_size,
+        num_experts_per_tok=hf.num_experts_per_tok, norm_topk_prob=bool(hf.norm_topk_prob),
+        rms_norm_eps=hf.rms_norm_eps, max_position_embeddings=hf.max_position_embeddings,
+        checkpoint_dtype=_dtype(hf), eos_token_ids=_eos_ids(model_dir, hf),
+        bos_token_id=hf.bos_token_id, tie_word_embeddings=bool(hf.tie_word_embeddings),
     )
-    quant = raw.get("quantization_config")
+    quant = getattr(hf, "quantization_config", None)
     if quant:
+        quant = quant if isinstance(quant, dict) else quant.to_dict()
         if quant.get("quant_method") != "fp8" or quant.get("fmt", "e4m3") != "e4m3":
-            raise ConfigError(f"{model_dir}: quantization {quant.get('quant_method')!r} is not supported "
+            raise ConfigError(f"quantization {quant.get('quant_method')!r} is not supported "
                               "(DeepSeek-style fp8 e4m3 block quantization is)")
         common["fp8_block"] = tuple(quant.get("weight_block_size") or (128, 128))
-    layers = raw["num_hidden_layers"]
+    layers = hf.num_hidden_layers
     if model_type == "qwen3_moe":
-        head_dim = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
-        step = raw.get("decoder_sparse_step", 1)
-        dense = set(raw.get("mlp_only_layers") or [])
-        moe_layers = [i for i in range(layers) if i not in dense and raw["num_experts"] > 0 and (i + 1) % step == 0]
+        head_dim = getattr(hf, "head_dim", None) or _div(hf.hidden_size, hf.num_attention_heads)
+        step = hf.decoder_sparse_step or 1
+        dense = set(hf.mlp_only_layers or [])
+        moe_layers = [i for i in range(layers) if i not in dense and hf.num_experts > 0 and (i + 1) % step == 0]
         return ModelConfig(
-            **common, num_key_value_heads=raw["num_key_value_heads"], num_experts=raw["num_experts"],
-            head_dim=head_dim, moe_layers=moe_layers, rope=_rope(raw, head_dim, interleave=False),
+            **common, num_key_value_heads=hf.num_key_value_heads, num_experts=hf.num_experts,
+            head_dim=head_dim, moe_layers=moe_layers, rope=_rope(hf, head_dim, interleave=False),
         )
-    if raw.get("topk_method", "noaux_tc") != "noaux_tc" or raw.get("scoring_func", "sigmoid") != "sigmoid":
-        raise ConfigError(f"{model_dir}: only noaux_tc sigmoid routing (DeepSeek-V3/R1) is supported")
-    first_dense = raw.get("first_k_dense_replace", 0)
-    freq = raw.get("moe_layer_freq", 1)
+    if getattr(hf, "topk_method", "noaux_tc") != "noaux_tc" or getattr(hf, "scoring_func", "sigmoid") != "sigmoid":
+        raise ConfigError("only noaux_tc sigmoid routing (DeepSeek-V3/R1) is supported")
+    first_dense = hf.first_k_dense_replace or 0
+    freq = getattr(hf, "moe_layer_freq", 1) or 1
     return ModelConfig(
-        **common, num_key_value_heads=raw.get("num_key_value_heads") or raw["num_attention_heads"],
-        num_experts=raw["n_routed_experts"], n_shared_experts=raw.get("n_shared_experts") or 0,
-        routed_scaling_factor=raw.get("routed_scaling_factor", 1.0), n_group=raw.get("n_group") or 1,
-        topk_group=raw.get("topk_group") or 1, q_lora_rank=raw.get("q_lora_rank"),
-        kv_lora_rank=raw["kv_lora_rank"], qk_nope_head_dim=raw["qk_nope_head_dim"],
-        qk_rope_head_dim=raw["qk_rope_head_dim"], v_head_dim=raw["v_head_dim"],
-        head_dim=raw["qk_nope_head_dim"] + raw["qk_rope_head_dim"],
+        **common, num_key_value_heads=hf.num_key_value_heads or hf.num_attention_heads,
+        num_experts=hf.n_routed_experts, n_shared_experts=hf.n_shared_experts or 0,
+        routed_scaling_factor=hf.routed_scaling_factor, n_group=hf.n_group or 1,
+        topk_group=hf.topk_group or 1, q_lora_rank=hf.q_lora_rank,
+        kv_lora_rank=hf.kv_lora_rank, qk_nope_head_dim=hf.qk_nope_head_dim,
+        qk_rope_head_dim=hf.qk_rope_head_dim, v_head_dim=hf.v_head_dim,
+        head_dim=hf.qk_nope_head_dim + hf.qk_rope_head_dim,
         moe_layers=[i for i in range(first_dense, layers) if i % freq == 0],
-        rope=_rope(raw, raw["qk_rope_head_dim"], interleave=raw.get("rope_interleave", True)),
+        rope=_rope(hf, hf.qk_rope_head_dim, interleave=hf.rope_interleave),
     )
+
+
+def _div(a, b) -> int:
+    if not isinstance(a, int) or not isinstance(b, int) or b <= 0:
+        raise ConfigError(f"hidden_size {a!r} / num_attention_heads {b!r} gives no head_dim")
+    return a // b

@@ -17,7 +17,7 @@ from hybrid.mem_cache.block_hash_cache import BlockHashCache
 from hybrid.mem_cache.block_manager import BlockManager
 from hybrid.request_checks import InvalidRequest, RequestLimits, check_prompt
 from hybrid.sampling_params import SamplingParams
-from hybrid.tokenizer import Tokenizer, TokenizerError
+from hybrid.tokenizer import MissingTokenizer, Tokenizer, TokenizerError
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ class LLMEngine:
         self.model_config = ModelConfig.from_dir(config.model)
         try:
             self.tokenizer: Tokenizer | None = Tokenizer(self.model_config.model_dir)
-        except TokenizerError as e:
+        except MissingTokenizer as e:
             log.warning("%s", e)
             self.tokenizer = None
         self.runner = ModelRunner(self.model_config, config, expert_impl)

@@ -27,7 +27,7 @@ def yarn_softmax_scale(rope: RopeConfig, scale: float) -> float:
 
 
 def inv_freq_and_scaling(rope: RopeConfig) -> tuple[torch.Tensor, float]:
-    dim, base = rope.rotary_dim, rope.theta
+    dim, base = rope.rotary_dim, rope.rope_theta
     pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)
     if rope.rope_type == "default":
         return 1.0 / pos_freqs, 1.0
