@@ -4,10 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# Below this temperature sampling is greedy: dividing logits by it would overflow float32.
+GREEDY_BELOW = 1e-5
+MAX_LOGPROBS = 20
+SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed accepts
+
 
 @dataclass
 class SamplingParams:
-    """temperature 0 means greedy; top_k 0 and top_p 1 disable those filters; seed makes sampling repeatable."""
+    """temperature 0 (or below GREEDY_BELOW) means greedy; top_k 0 and top_p 1 disable those filters; seed makes
+    sampling repeatable. logprobs=k reports each generated token's log-probability and the k most likely
+    alternatives; prompt_logprobs=k does the same for the prompt's tokens (the first has none)."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -18,6 +25,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -32,7 +41,13 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]:
+            raise ValueError(f"seed must be in [-2**63, 2**64), got {self.seed}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and not 0 <= k <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {k}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW

@@ -7,7 +7,8 @@ import torch
 from conftest import prompt_ids
 
 from hybrid import LLM, SamplingParams
-from hybrid.engine.sampler import filter_logits
+from hybrid.engine.sampler import Sampler, filter_logits
+from hybrid.engine.sequence import Sequence
 
 
 @pytest.fixture(scope="module")
@@ -137,3 +138,76 @@ def test_request_ids_are_the_callers_or_fresh_and_never_shared(llm):
     while engine.has_unfinished():
         finished.update(out.request_id for out in engine.step() if out.finished)
     assert finished == {"0", fresh}
+
+
+@pytest.mark.parametrize("params", [dict(temperature=1e-40), dict(temperature=1e-7, top_p=0.5),
+                                    dict(temperature=1.0, top_p=1e-46), dict(temperature=0.8, top_p=1e-46, top_k=3)],
+                         ids=["tiny-temperature", "tiny-temperature-top-p", "tiny-top-p", "tiny-top-p-top-k"])
+def test_sampling_is_total_degenerate_settings_act_greedy(llm, params):
+    ids = prompt_ids(12, seed=7)
+    greedy = llm.generate(ids, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))[0].token_ids
+    out = llm.generate(ids, SamplingParams(**params, seed=1, max_tokens=10, ignore_eos=True))[0]
+    assert out.error is None and out.token_ids == greedy
+
+
+def test_rows_of_logits_that_are_not_numbers_fail_only_their_request():
+    nan, inf = float("nan"), float("inf")
+    logits = torch.tensor([[0.0, 2.0, 1.0], [nan, 1.0, 0.0], [0.0, inf, 1.0], [-inf, -inf, -inf], [-inf, 3.0, -inf]])
+    seqs = [Sequence(str(i), [1], SamplingParams(temperature=t, seed=0)) for i, t in enumerate([0, 1, 0, 1, 1])]
+    assert [s.token for s in Sampler()(logits, seqs)] == [1, None, None, None, 1]
+
+
+def test_a_request_with_nan_logits_fails_and_its_batch_neighbour_finishes(llm, monkeypatch):
+    real = llm.engine.runner.execute
+    poisoned = []
+
+    def execute(batch, **kw):
+        logits = real(batch, **kw).clone()
+        rows = [item.seq.request_id for item in batch if item.samples]
+        if "bad" in rows:
+            logits[rows.index("bad")] = float("nan")
+            poisoned.append(True)
+        return logits
+
+    monkeypatch.setattr(llm.engine.runner, "execute", execute)
+    engine = llm.engine
+    engine.add_request(prompt_ids(10, seed=8), SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), "good")
+    engine.add_request(prompt_ids(11, seed=9), SamplingParams(temperature=0.7, max_tokens=6, ignore_eos=True), "bad")
+    done = drain(engine)
+    assert poisoned
+    assert done["bad"].finish_reason == "error" and "not numbers" in done["bad"].error
+    assert done["good"].error is None and len(done["good"].token_ids) == 6
+    assert not engine.has_unfinished() and engine.scheduler.blocks.num_free == engine.scheduler.blocks.num_blocks
+
+
+def test_an_exception_in_a_step_fails_that_step_only(llm, monkeypatch):
+    engine = llm.engine
+    real = engine.runner.execute
+    calls = {"n": 0}
+
+    def execute(batch, **kw):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("boom")
+        return real(batch, **kw)
+
+    monkeypatch.setattr(engine.runner, "execute", execute)
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    engine.add_request(prompt_ids(9, seed=10), params, "a")
+    engine.add_request(prompt_ids(9, seed=11), params, "b")
+    done = drain(engine)
+    assert {r: o.finish_reason for r, o in done.items()} == {"a": "error", "b": "error"}
+    assert "RuntimeError: boom" in done["a"].error
+    assert engine.scheduler.blocks.num_free == engine.scheduler.blocks.num_blocks
+    # and the engine serves the next request normally
+    again = llm.generate(prompt_ids(9, seed=10), params)[0]
+    assert again.error is None and len(again.token_ids) == 5
+
+
+def drain(engine) -> dict:
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return done

@@ -74,6 +74,9 @@ def cmd_generate(a: argparse.Namespace) -> int:
                     final = out
     finally:
         engine.close()
+    if final.error is not None:
+        print(f"hybridd: error: {final.error}", file=sys.stderr)
+        return 1
     if a.json:
         print(json.dumps({
             "token_ids": final.token_ids, "text": final.text, "prompt_tokens": len(final.prompt_token_ids),

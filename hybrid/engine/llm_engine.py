@@ -13,6 +13,7 @@ from hybrid.engine.sampler import Sampler
 from hybrid.engine.scheduler import Scheduler
 from hybrid.engine.sequence import Sequence
 from hybrid.experts.base import Experts
+from hybrid.experts.process.client import ExpertServerError
 from hybrid.mem_cache.block_hash_cache import BlockHashCache
 from hybrid.mem_cache.block_manager import BlockManager
 from hybrid.request_checks import InvalidRequest, RequestLimits, check_prompt
@@ -93,15 +94,26 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
-        """Runs one batch; returns an output for each request that got a new token or finished."""
+        """Runs one batch; returns an output for each request that got a new token or finished. An exception
+        while running the batch fails that batch's requests (each gets an output with finish_reason "error")
+        and leaves the engine serving; only a failed expert process propagates, for its owner to restart."""
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        logits = self.runner.execute(batch)
-        sampling = [item.seq for item in batch if item.samples]
-        tokens = self.sampler(logits, sampling)
+        try:
+            logits = self.runner.execute(batch)
+            sampling = [item.seq for item in batch if item.samples]
+            samples = self.sampler(logits, sampling)
+        except ExpertServerError:
+            raise
+        except Exception as e:
+            log.exception("a step of %d requests failed; failing them and serving on", len(batch))
+            return [self._fail(item.seq, f"the engine failed while running this request: {type(e).__name__}: "
+                               f"{e}") for item in batch]
         self.scheduler.advance(batch)
-        return [self._advance(seq, tok) for seq, tok in zip(sampling, tokens)]
+        return [self._advance(seq, s.token) if s.token is not None else
+                self._fail(seq, "the model produced logits that are not numbers (NaN or infinite) for this request")
+                for seq, s in zip(sampling, samples)]
 
     def _advance(self, seq: Sequence, token: int) -> RequestOutput:
         seq.append(token)
@@ -119,6 +131,14 @@ class LLMEngine:
             self.seqs.pop(seq.request_id, None)
             self.detok.pop(seq.request_id, None)
         return self._output(seq, [token], detok)
+
+    def _fail(self, seq: Sequence, message: str) -> RequestOutput:
+        log.error("request %s failed: %s", seq.request_id, message)
+        self.abort(seq.request_id)
+        seq.finish_reason = "error"
+        out = self._output(seq, [], None)
+        out.error = message
+        return out
 
     def _output(self, seq: Sequence, new_ids: list[int], detok: IncrementalDetokenizer | None) -> RequestOutput:
         ttft = tpot = None

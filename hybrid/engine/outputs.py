@@ -21,3 +21,4 @@ class RequestOutput:
     tpot_s: float | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    error: str | None = None  # why a request with finish_reason "error" failed

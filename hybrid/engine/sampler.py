@@ -1,14 +1,32 @@
-"""Turns next-token logits into token ids: greedy, or temperature with top-k / top-p, optionally seeded."""
+"""Turns next-token logits into token ids: greedy, or temperature with top-k / top-p, optionally seeded.
+
+Sampling is total: any accepted SamplingParams gives a token for finite logits (a tiny temperature acts as
+greedy, a top-p that keeps nothing keeps the top token); a row of logits that are not numbers gives no token,
+and the engine fails that request alone.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 
 from hybrid.engine.sequence import Sequence
 
 
+@dataclass
+class Sample:
+    """One row's draw: `token` is None when the row's logits were not numbers; `logprob` and `top` (the most
+    likely tokens with their log-probabilities, best first) are filled when the request asked for logprobs."""
+
+    token: int | None
+    logprob: float | None = None
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Masks (to -inf) tokens outside the top-k and outside the smallest set whose probability reaches top_p."""
+    """Masks (to -inf) tokens outside the top-k and outside the smallest set whose probability reaches top_p;
+    the most likely token always survives."""
     if 0 < top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -16,23 +34,46 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
         sorted_logits, order = torch.sort(logits, descending=True)
         probs = torch.softmax(sorted_logits, dim=-1)
         mass_before = torch.cumsum(probs, dim=-1) - probs
+        sorted_drop = mass_before >= top_p
+        sorted_drop[0] = False
         drop = torch.zeros_like(logits, dtype=torch.bool)
-        drop[order] = mass_before >= top_p
+        drop[order] = sorted_drop
         logits = logits.masked_fill(drop, float("-inf"))
     return logits
 
 
+def broken_rows(logits: torch.Tensor) -> torch.Tensor:
+    """Rows no token can be drawn from: any NaN or +inf, or nothing above -inf."""
+    return torch.isnan(logits).any(-1) | torch.isposinf(logits).any(-1) | torch.isneginf(logits).all(-1)
+
+
+def top_logprobs(logits: torch.Tensor, token: int, k: int) -> tuple[float, list[tuple[int, float]]]:
+    """The model's log-probability of `token` and its k most likely tokens (before temperature and filters)."""
+    logp = torch.log_softmax(logits, dim=-1)
+    top = torch.topk(logp, k) if k else None
+    pairs = list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else []
+    return float(logp[token]), pairs
+
+
 class Sampler:
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[Sample]:
         logits = logits.float()
+        broken = broken_rows(logits).tolist()
         greedy = logits.argmax(dim=-1).tolist()
         out = []
         for row, seq in enumerate(seqs):
             p = seq.params
-            if p.greedy:
-                out.append(greedy[row])
+            if broken[row]:
+                out.append(Sample(None))
                 continue
-            filtered = filter_logits(logits[row] / p.temperature, p.top_k, p.top_p)
-            probs = torch.softmax(filtered, dim=-1)
-            out.append(int(torch.multinomial(probs, 1, generator=seq.generator).item()))
+            if p.greedy:
+                token = greedy[row]
+            else:
+                filtered = filter_logits(logits[row] / p.temperature, p.top_k, p.top_p)
+                probs = torch.softmax(filtered, dim=-1)
+                token = int(torch.multinomial(probs, 1, generator=seq.generator).item())
+            sample = Sample(token)
+            if p.logprobs is not None:
+                sample.logprob, sample.top = top_logprobs(logits[row], token, p.logprobs)
+            out.append(sample)
         return out

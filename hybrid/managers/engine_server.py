@@ -182,6 +182,10 @@ class EngineServer:
     def emit(self, out: RequestOutput) -> None:
         if out.request_id not in self.in_flight:
             return
+        if out.error is not None:
+            self.in_flight.discard(out.request_id)
+            self.send(RequestFailed(out.request_id, 500, out.error))
+            return
         self._generated.append((time.monotonic(), len(out.new_token_ids)))
         self.send(TokenDelta(out.request_id, out.new_token_ids, out.new_text, out.finished, out.finish_reason,
                              len(out.prompt_token_ids), len(out.token_ids), out.num_cached_tokens))
