@@ -22,16 +22,17 @@ class RequestLimits:
     max_model_len: int
 
 
-def check_prompt(prompt_ids: list[int], limits: RequestLimits) -> None:
-    """Refuses an empty prompt, ids outside the vocabulary, and a prompt that leaves no room to generate."""
+def check_prompt(prompt_ids: list[int], limits: RequestLimits, param: str = "prompt") -> None:
+    """Refuses an empty prompt, ids outside the vocabulary, and a prompt that leaves no room to generate;
+    `param` is the request field the prompt came from (`prompt`, or `messages` for a chat)."""
     if not prompt_ids:
-        raise InvalidRequest("the prompt is empty", param="prompt")
+        raise InvalidRequest("the prompt is empty", param=param)
     bad = [t for t in prompt_ids if not 0 <= t < limits.vocab_size]
     if bad:
-        raise InvalidRequest(f"token ids {bad[:5]} are outside the vocabulary [0, {limits.vocab_size})", param="prompt")
+        raise InvalidRequest(f"token ids {bad[:5]} are outside the vocabulary [0, {limits.vocab_size})", param=param)
     if len(prompt_ids) >= limits.max_model_len:
         raise InvalidRequest(f"this model's maximum context length is {limits.max_model_len} tokens; the prompt has "
-                             f"{len(prompt_ids)} and at least one must be generated", param="messages",
+                             f"{len(prompt_ids)} and at least one must be generated", param=param,
                              code="context_length_exceeded")
 
 

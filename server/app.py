@@ -7,11 +7,11 @@ import json
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing, asynccontextmanager
 from pathlib import Path
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -22,6 +22,7 @@ from hybrid.managers.messages import TokenDelta, as_json
 from hybrid.request_checks import InvalidRequest, RequestLimits, check_prompt, resolve_max_tokens
 from hybrid.sampling_params import SamplingParams
 from hybrid.tokenizer import Tokenizer, TokenizerError
+from server.guard import RequestGuard
 from server.metrics import Metrics
 from server.protocol import (
     ChatCompletionRequest,
@@ -33,6 +34,7 @@ from server.protocol import (
     now,
     usage,
 )
+from server.responses import ChatShape, CompletionShape, ResponseShape, TokenText
 
 STATIC_DIR = Path(__file__).parent / "static"
 RETRY_AFTER_S = 2
@@ -54,11 +56,44 @@ def _sse(obj: dict | str) -> str:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
 
 
+class Admissions:
+    """Requests admitted and not yet ended, bounded: counted when admitted (not when their stream starts), so a
+    burst cannot overshoot. The event loop runs take() without awaiting, which makes it atomic."""
+
+    def __init__(self, bound: int):
+        self.bound, self.count = bound, 0
+
+    def take(self) -> bool:
+        if self.count >= self.bound:
+            return False
+        self.count += 1
+        return True
+
+    def give_back(self) -> None:
+        self.count -= 1
+
+
+class EndingStream(StreamingResponse):
+    """A stream whose request is ended (admission given back, outcome recorded) even if the client leaves
+    before its first chunk, when the body generator never starts and so never runs its finally."""
+
+    def __init__(self, content, stats: "RequestStats", **kw):
+        super().__init__(content, **kw)
+        self.stats = stats
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.stats.end("abort")
+
+
 class RequestStats:
     """One request's timings as the client sees them, recorded into the metrics when it ends."""
 
-    def __init__(self, metrics: Metrics, prompt_tokens: int):
-        self.metrics, self.prompt_tokens = metrics, prompt_tokens
+    def __init__(self, metrics: Metrics, prompt_tokens: int, on_end: Callable[[], None]):
+        self.metrics, self.prompt_tokens, self.on_end = metrics, prompt_tokens, on_end
+        self.ended = False
         self.cached_tokens = 0
         self.start = time.perf_counter()
         self.first: float | None = None
@@ -79,6 +114,11 @@ class RequestStats:
         return usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
 
     def end(self, outcome: str) -> None:
+        """Records the outcome and gives back the request's admission; only the first call counts."""
+        if self.ended:
+            return
+        self.ended = True
+        self.on_end()
         end = time.perf_counter()
         if outcome in ("stop", "length"):
             self.metrics.e2e.observe(end - self.start)
@@ -91,14 +131,8 @@ def build_app(config: DaemonConfig, client: EngineClient, tokenizer: Tokenizer |
     name = config.model_name
     metrics = Metrics(name)
     max_pending = config.engine_config().max_num_seqs + config.max_queue
-
-    def check_key(request: Request) -> None:
-        if config.api_key and request.url.path != "/health":
-            given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-            if request.method == "GET" and request.url.path == "/":
-                given = given or request.query_params.get("key", "")
-            if given != config.api_key:
-                raise ApiError(401, "missing or wrong API key (Authorization: Bearer KEY)", code="invalid_api_key")
+    admitted = Admissions(max_pending)
+    token_text = TokenText(tokenizer)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -106,8 +140,9 @@ def build_app(config: DaemonConfig, client: EngineClient, tokenizer: Tokenizer |
         yield
         await client.close()
 
-    app = FastAPI(title="hybridd", lifespan=lifespan, docs_url=None, redoc_url=None,
-                  dependencies=[Depends(check_key)])
+    app = FastAPI(title="hybridd", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.add_middleware(RequestGuard, key_sha256=config.api_key_sha256, bind_host=config.host,
+                       max_body_bytes=config.max_body_bytes)
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, e: ApiError):
@@ -116,7 +151,7 @@ def build_app(config: DaemonConfig, client: EngineClient, tokenizer: Tokenizer |
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, e: RequestValidationError):
         err = e.errors()[0]
-        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body") or err.get("ctx", {}).get("param", "")
         if err.get("type") == "json_invalid":
             return _error_response(ApiError(400, f"the request body is not valid JSON: {err.get('msg')}"))
         msg = err.get("msg", "invalid request").removeprefix("Value error, ")
@@ -131,24 +166,24 @@ def build_app(config: DaemonConfig, client: EngineClient, tokenizer: Tokenizer |
             raise ApiError(404, f"the model {req.model!r} does not exist; this daemon serves {name!r}",
                            param="model", code="model_not_found")
 
-    def admit(req: SamplingFields, prompt_ids: list[int]) -> tuple[SamplingParams, RequestStats]:
+    def admit(req: SamplingFields, prompt_ids: list[int], prompt_field: str) -> tuple[SamplingParams, RequestStats]:
         if not client.ready:
             raise ApiError(503, client.state.describe(), headers={"Retry-After": str(RETRY_AFTER_S)})
         info = client.state.info
         limits = RequestLimits(info.vocab_size, info.max_model_len)
         try:
-            check_prompt(prompt_ids, limits)
+            check_prompt(prompt_ids, limits, prompt_field)
             max_tokens = resolve_max_tokens(req.requested_max_tokens, len(prompt_ids), limits)
             params = req.sampling_params(max_tokens)
         except InvalidRequest as e:
             raise ApiError(400, str(e), param=e.param, code=e.code) from None
         except ValueError as e:
             raise ApiError(400, str(e)) from None
-        if client.num_pending >= max_pending:
+        if not admitted.take():
             metrics.finished("rejected")
-            raise ApiError(503, f"the server is busy: {client.num_pending} requests are queued or running; retry "
+            raise ApiError(503, f"the server is busy: {admitted.count} requests are queued or running; retry "
                            "shortly", headers={"Retry-After": str(RETRY_AFTER_S)})
-        return params, RequestStats(metrics, len(prompt_ids))
+        return params, RequestStats(metrics, len(prompt_ids), admitted.give_back)
 
     def need_tokenizer() -> Tokenizer:
         if tokenizer is None:
@@ -156,25 +191,24 @@ def build_app(config: DaemonConfig, client: EngineClient, tokenizer: Tokenizer |
         return tokenizer
 
     async def run(request: Request, stream: bool, prompt_ids: list[int], params: SamplingParams,
-                  stats: RequestStats, chunk, include_usage: bool, opening: dict | None = None) -> Response:
-        """Streams SSE chunks built by chunk(rid, created, text, finish_reason), after `opening` if given,
-        or returns the whole completion. `rid` names the request in the response id and in the engine."""
-        created, rid = now(), uuid.uuid4().hex
+                  stats: RequestStats, shape: ResponseShape, include_usage: bool) -> Response:
+        """Streams `shape`'s SSE chunks or returns its whole body; `shape.rid` names the request in the
+        response id and in the engine."""
 
         async def events() -> AsyncIterator[str]:
             outcome = "abort"
             try:
-                if opening is not None:
-                    yield _sse({**chunk(rid, created, "", None), "choices": [opening]})
-                async with aclosing(client.generate(rid, prompt_ids, params)) as gen:
+                if (opening := shape.opening()) is not None:
+                    yield _sse(opening)
+                async with aclosing(client.generate(shape.rid, prompt_ids, params)) as gen:
                     async for msg in gen:
                         stats.token(msg)
-                        if msg.text or msg.finished:
-                            yield _sse(chunk(rid, created, msg.text, msg.finish_reason))
+                        if (body := shape.chunk(msg)) is not None:
+                            yield _sse(body)
                         if msg.finished:
                             outcome = msg.finish_reason
                 if include_usage:
-                    yield _sse(chunk(rid, created, None, None, stats.usage()))
+                    yield _sse(shape.usage_chunk(stats.usage()))
                 yield _sse("[DONE]")
             except EngineError as e:
                 outcome = "error"
@@ -184,54 +218,31 @@ def build_app(config: DaemonConfig, client: EngineClient, tokenizer: Tokenizer |
                 stats.end(outcome)
 
         if stream:
-            return StreamingResponse(events(), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return EndingStream(events(), stats, media_type="text/event-stream",
+                                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-        async def collect() -> tuple[str, str]:
-            parts, reason = [], None
-            async with aclosing(client.generate(rid, prompt_ids, params)) as gen:
+        async def collect() -> None:
+            async with aclosing(client.generate(shape.rid, prompt_ids, params)) as gen:
                 async for msg in gen:
                     stats.token(msg)
-                    parts.append(msg.text)
-                    reason = msg.finish_reason
-            return "".join(parts), reason
+                    shape.add(msg)
 
         task = asyncio.create_task(collect())
-        while not task.done():
-            await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if not task.done() and await request.is_disconnected():
-                task.cancel()
-                stats.end("abort")
-                return Response(status_code=499)
         try:
-            text, reason = task.result()
-        except EngineError as e:
-            stats.end("error")
-            raise ApiError(e.status, str(e)) from None
-        stats.end(reason)
-        return JSONResponse(chunk(rid, created, text, reason, stats.usage(),
-                                  final=True))
-
-    def chat_chunk(rid, created, text, reason, use=None, final=False) -> dict:
-        if final:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason}
-            return {"id": f"chatcmpl-{rid}", "object": "chat.completion", "created": created, "model": name,
-                    "choices": [choice], "usage": use}
-        choices = [] if use else [{"index": 0, "delta": {"content": text}, "finish_reason": reason}]
-        body = {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk", "created": created, "model": name,
-                "choices": choices}
-        if use:
-            body["usage"] = use
-        return body
-
-    def text_chunk(rid, created, text, reason, use=None, final=False) -> dict:
-        choices = [] if use and not final else [{"index": 0, "text": text, "finish_reason": reason,
-                                                 "logprobs": None}]
-        body = {"id": f"cmpl-{rid}", "object": "text_completion", "created": created, "model": name,
-                "choices": choices}
-        if use:
-            body["usage"] = use
-        return body
+            while not task.done():
+                await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+                if not task.done() and await request.is_disconnected():
+                    return Response(status_code=499)
+            try:
+                task.result()
+            except EngineError as e:
+                stats.end("error")
+                raise ApiError(e.status, str(e)) from None
+            stats.end(shape.finish_reason)
+        finally:
+            task.cancel()
+            stats.end("abort")
+        return JSONResponse(shape.final(stats.usage()))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
@@ -240,32 +251,47 @@ def build_app(config: DaemonConfig, client: EngineClient, tokenizer: Tokenizer |
         try:
             messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                         for m in req.messages]
-            prompt_ids = tok.apply_chat_template(messages)
+            prompt_ids = await asyncio.to_thread(tok.apply_chat_template, messages)
         except (ValueError, TokenizerError) as e:
             raise ApiError(400, f"messages: {e}", param="messages") from None
         except Exception as e:  # a chat template raising on an odd conversation is the caller's error
             raise ApiError(400, f"messages: the chat template rejected them: {e}", param="messages") from None
-        params, stats = admit(req, prompt_ids)
-        opening = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-        return await run(request, req.stream, prompt_ids, params, stats, chat_chunk, req.include_usage, opening)
+        params, stats = admit(req, prompt_ids, "messages")
+        shape = ChatShape(uuid.uuid4().hex, name, now(), token_text, params.logprobs is not None)
+        return await run(request, req.stream, prompt_ids, params, stats, shape, req.include_usage)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
         check_model(req)
         if isinstance(req.prompt, str):
             try:
-                prompt_ids = need_tokenizer().encode(req.prompt)
+                prompt_ids = await asyncio.to_thread(need_tokenizer().encode, req.prompt)
             except TokenizerError as e:
                 raise ApiError(400, str(e), param="prompt") from None
         else:
             prompt_ids = list(req.prompt)
-        params, stats = admit(req, prompt_ids)
-        return await run(request, req.stream, prompt_ids, params, stats, text_chunk, req.include_usage)
+        params, stats = admit(req, prompt_ids, "prompt")
+        echo = None
+        if req.echo:
+            echo = req.prompt if isinstance(req.prompt, str) else ""
+            if not echo and tokenizer is not None:
+                echo = await asyncio.to_thread(tokenizer.decode, prompt_ids, False)
+        shape = CompletionShape(uuid.uuid4().hex, name, now(), token_text, params.logprobs is not None, echo,
+                                prompt_ids)
+        return await run(request, req.stream, prompt_ids, params, stats, shape, req.include_usage)
 
     @app.get("/v1/models")
     async def models():
         max_len = client.state.info.max_model_len if client.state.info else None
         return ModelList(data=[ModelCard(id=name, max_model_len=max_len)]).model_dump()
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != name:
+            raise ApiError(404, f"the model {model_id!r} does not exist; this daemon serves {name!r}",
+                           param="model", code="model_not_found")
+        max_len = client.state.info.max_model_len if client.state.info else None
+        return ModelCard(id=name, max_model_len=max_len).model_dump()
 
     @app.get("/health")
     async def health():
@@ -280,12 +306,12 @@ def build_app(config: DaemonConfig, client: EngineClient, tokenizer: Tokenizer |
         s = client.state
         return {"model": name, "status": s.status, "reason": s.reason, "engine_pid": s.pid, "restarts": s.restarts,
                 "info": as_json(s.info) or {}, "stats": as_json(s.stats) or {}, "progress": as_json(s.progress) or {},
-                "pending": client.num_pending,
+                "pending": admitted.count,
                 "max_pending": max_pending, "url": config.url, "api_pid": os.getpid()}
 
     @app.get("/metrics")
     async def prometheus():
-        body = metrics.render(client.state.stats, client.num_pending, client.ready)
+        body = metrics.render(client.state.stats, admitted.count, client.ready)
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/")

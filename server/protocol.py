@@ -5,11 +5,20 @@ from __future__ import annotations
 import time
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
-from hybrid.sampling_params import SamplingParams
+from hybrid.sampling_params import MAX_LOGPROBS, SEED_RANGE, SamplingParams
 
 MAX_STOP_SEQUENCES = 16
+# OpenAI fields hybridd does not implement, with the values that ask for nothing (and so are accepted).
+UNSUPPORTED = {
+    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}), "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0), "best_of": (None, 1),
+    "suffix": (None, ""), "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
+    "web_search_options": (None,), "min_p": (None, 0, 0.0), "min_tokens": (None, 0),
+}
 
 
 class StreamOptions(BaseModel):
@@ -27,13 +36,23 @@ class SamplingFields(BaseModel):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=-1)
-    seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)
+    seed: int | None = Field(default=None, ge=SEED_RANGE[0], lt=SEED_RANGE[1])
     stop: str | list[str] | None = Field(default=None, validate_default=True)
     n: int = Field(default=1, ge=1, le=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     user: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data):
+        if isinstance(data, dict):
+            for name, neutral in UNSUPPORTED.items():
+                if name in data and not any(data[name] == v and type(data[name]) is type(v) for v in neutral):
+                    raise PydanticCustomError("unsupported", "hybridd does not support this field yet",
+                                              {"param": name})
+        return data
 
     @field_validator("stop")
     @classmethod
@@ -47,7 +66,17 @@ class SamplingFields(BaseModel):
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0),
-                              max_tokens=max_tokens, seed=self.seed, stop=self.stop, ignore_eos=self.ignore_eos)
+                              max_tokens=max_tokens, seed=self.seed, stop=self.stop, ignore_eos=self.ignore_eos,
+                              logprobs=self.logprob_count, prompt_logprobs=self.prompt_logprob_count)
+
+    @property
+    def logprob_count(self) -> int | None:
+        """How many alternatives each generated token reports (None: no logprobs)."""
+        return None
+
+    @property
+    def prompt_logprob_count(self) -> int | None:
+        return None
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -75,11 +104,33 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise PydanticCustomError("logprobs", "top_logprobs needs logprobs: true",
+                                      {"param": "top_logprobs"})
+        return self
+
+    @property
+    def logprob_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    @property
+    def logprob_count(self) -> int | None:
+        return self.logprobs
+
+    @property
+    def prompt_logprob_count(self) -> int | None:
+        return self.logprobs if self.echo else None
 
     @field_validator("prompt")
     @classmethod

@@ -26,6 +26,8 @@ def register(sub) -> None:
     st.add_argument("--api-key", default=os.environ.get("HYBRIDD_API_KEY"),
                     help="require `Authorization: Bearer KEY` on every route but /health (env HYBRIDD_API_KEY)")
     st.add_argument("--served-model-name", help="model id in the API (default: the model directory's name)")
+    st.add_argument("--max-body-mb", type=float, default=4.0,
+                    help="largest request body accepted, in MiB (larger ones get 413)")
     st.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the running batch; "
                     "past it the API answers 503 with Retry-After")
     st.add_argument("--foreground", action="store_true", help="run in this terminal instead of the background")
@@ -63,7 +65,7 @@ def _wait_ready(config, proc, timeout_s: float) -> None:
     import httpx
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    from hybrid.managers.supervisor import stop_daemon
+    from hybrid.managers.supervisor import ALREADY_RUNNING_EXIT, stop_daemon
 
     def give_up(reason: str) -> DaemonError:
         if proc.poll() is None:
@@ -79,6 +81,9 @@ def _wait_ready(config, proc, timeout_s: float) -> None:
     with Progress(*columns, transient=True) as bar:
         task = bar.add_task(f"starting {config.model_name}", total=None)
         while True:
+            if proc.poll() == ALREADY_RUNNING_EXIT:
+                raise DaemonError(f"hybridd is already running with HYBRIDD_HOME={config.paths.home}; "
+                                  "`hybridd stop` stops it")
             if proc.poll() is not None:
                 raise give_up(f"the daemon exited with code {proc.returncode} while starting")
             try:
@@ -101,6 +106,7 @@ def _wait_ready(config, proc, timeout_s: float) -> None:
 
 def cmd_start(a: argparse.Namespace) -> int:
     from hybrid.config import ModelConfig
+    from hybrid.config.home import PRIVATE_UMASK
     from hybrid.llm import DEFAULT_MODEL_DIR
     from hybrid.managers.daemon_config import DaemonConfig
     from hybrid.managers.supervisor import Supervisor, check_port_free, launch, running_daemon
@@ -113,7 +119,7 @@ def cmd_start(a: argparse.Namespace) -> int:
     except MissingTokenizer:
         pass
     config = DaemonConfig(model=model, host=a.host, port=a.port, api_key=a.api_key,
-                          served_model_name=a.served_model_name, max_queue=a.max_queue,
+                          served_model_name=a.served_model_name, max_queue=a.max_queue, max_body_mb=a.max_body_mb,
                           engine={k: v for k, v in engine_kwargs(a).items() if v is not None})
     explain_gpus(a.gpus)
     running = running_daemon(config.paths)
@@ -122,6 +128,7 @@ def cmd_start(a: argparse.Namespace) -> int:
                           "`hybridd stop` stops it")
     check_port_free(a.host, a.port)
     if a.foreground:
+        os.umask(PRIVATE_UMASK)
         print(f"hybridd: serving {config.model_name} at {config.url} (Ctrl-C stops)", file=sys.stderr)
         return Supervisor(config).run()
     _wait_ready(config, launch(config), a.timeout)

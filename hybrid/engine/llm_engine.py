@@ -5,12 +5,14 @@ from __future__ import annotations
 import itertools
 import logging
 
+import torch
+
 from hybrid.config import EngineConfig, ModelConfig
 from hybrid.engine.detokenizer import IncrementalDetokenizer
 from hybrid.engine.model_runner import ModelRunner
-from hybrid.engine.outputs import RequestOutput
-from hybrid.engine.sampler import Sampler
-from hybrid.engine.scheduler import Scheduler
+from hybrid.engine.outputs import RequestOutput, TokenLogprob
+from hybrid.engine.sampler import Sample, Sampler, prompt_logprobs
+from hybrid.engine.scheduler import ScheduledSeq, Scheduler
 from hybrid.engine.sequence import Sequence
 from hybrid.experts.base import Experts
 from hybrid.experts.process.client import ExpertServerError
@@ -101,7 +103,10 @@ class LLMEngine:
         if not batch:
             return []
         try:
-            logits = self.runner.execute(batch)
+            if any(self._wants_prompt_logprobs(item.seq) for item in batch):
+                logits = self._record_prompt_logprobs(batch, self.runner.execute(batch, all_logits=True))
+            else:
+                logits = self.runner.execute(batch)
             sampling = [item.seq for item in batch if item.samples]
             samples = self.sampler(logits, sampling)
         except ExpertServerError:
@@ -111,11 +116,34 @@ class LLMEngine:
             return [self._fail(item.seq, f"the engine failed while running this request: {type(e).__name__}: "
                                f"{e}") for item in batch]
         self.scheduler.advance(batch)
-        return [self._advance(seq, s.token) if s.token is not None else
+        return [self._advance(seq, s) if s.token is not None else
                 self._fail(seq, "the model produced logits that are not numbers (NaN or infinite) for this request")
                 for seq, s in zip(sampling, samples)]
 
-    def _advance(self, seq: Sequence, token: int) -> RequestOutput:
+    @staticmethod
+    def _wants_prompt_logprobs(seq: Sequence) -> bool:
+        return seq.params.prompt_logprobs is not None and len(seq.prompt_logprobs) < seq.num_prompt_tokens
+
+    def _record_prompt_logprobs(self, batch: list[ScheduledSeq], rows: torch.Tensor) -> torch.Tensor:
+        """Appends prompt logprobs from a step run with every row's logits; returns the sampling rows. Row i of a
+        sequence's chunk predicts the token after position num_computed_tokens + i."""
+        start, sample_rows = 0, []
+        for item in batch:
+            seq, end = item.seq, start + item.num_tokens
+            if self._wants_prompt_logprobs(seq):
+                first = seq.num_computed_tokens + 1  # the position row `start` predicts
+                todo = range(max(first, len(seq.prompt_logprobs)), min(first + item.num_tokens, seq.num_prompt_tokens))
+                for pos, tl in zip(todo, prompt_logprobs(rows[start + todo.start - first:start + todo.stop - first],
+                                                         seq.token_ids[todo.start:todo.stop],
+                                                         seq.params.prompt_logprobs)):
+                    seq.prompt_logprobs.append(tl)
+            if item.samples:
+                sample_rows.append(end - 1)
+            start = end
+        return rows[sample_rows]
+
+    def _advance(self, seq: Sequence, sample: Sample) -> RequestOutput:
+        token = sample.token
         seq.append(token)
         p = seq.params
         detok = self.detok.get(seq.request_id)
@@ -130,7 +158,14 @@ class LLMEngine:
             self.scheduler.finish(seq)
             self.seqs.pop(seq.request_id, None)
             self.detok.pop(seq.request_id, None)
-        return self._output(seq, [token], detok)
+        if sample.logprob is not None:
+            seq.logprobs.append(TokenLogprob(token, sample.logprob, sample.top))
+        out = self._output(seq, [token], detok)
+        if sample.logprob is not None:
+            out.logprobs, out.new_logprobs = seq.logprobs, seq.logprobs[-1:]
+        if seq.params.prompt_logprobs is not None:
+            out.prompt_logprobs = seq.prompt_logprobs
+        return out
 
     def _fail(self, seq: Sequence, message: str) -> RequestOutput:
         log.error("request %s failed: %s", seq.request_id, message)

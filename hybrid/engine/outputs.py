@@ -6,6 +6,15 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class TokenLogprob:
+    """A token's log-probability under the model, with the most likely tokens at its position (best first)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
 class RequestOutput:
     """Cumulative completion (token_ids, text) plus what is new since the last report (new_*)."""
 
@@ -22,3 +31,6 @@ class RequestOutput:
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     error: str | None = None  # why a request with finish_reason "error" failed
+    logprobs: list[TokenLogprob] | None = None  # one per completion token, when the request asked for logprobs
+    new_logprobs: list[TokenLogprob] | None = None  # those of new_token_ids
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token (the first's is None)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hybrid.engine.outputs import TokenLogprob
 from hybrid.engine.sequence import Sequence
 
 
@@ -53,6 +54,20 @@ def top_logprobs(logits: torch.Tensor, token: int, k: int) -> tuple[float, list[
     top = torch.topk(logp, k) if k else None
     pairs = list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else []
     return float(logp[token]), pairs
+
+
+def prompt_logprobs(rows: torch.Tensor, token_ids: list[int], k: int) -> list[TokenLogprob]:
+    """For each row of logits, the log-probability of the prompt token it predicts and the k most likely."""
+    if not token_ids:
+        return []
+    logp = torch.log_softmax(rows.float(), dim=-1)
+    chosen = logp.gather(1, torch.tensor(token_ids).unsqueeze(1)).squeeze(1).tolist()
+    if k:
+        top = torch.topk(logp, k)
+        tops = [list(zip(i, v)) for i, v in zip(top.indices.tolist(), top.values.tolist())]
+    else:
+        tops = [[] for _ in token_ids]
+    return [TokenLogprob(t, lp, tp) for t, lp, tp in zip(token_ids, chosen, tops)]
 
 
 class Sampler:

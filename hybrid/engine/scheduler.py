@@ -88,7 +88,8 @@ class Scheduler:
             i += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             seq = self.waiting[0]
-            cached = self.blocks.match_prefix(seq)
+            # prompt logprobs need every prompt position's logits, so such a prompt is computed whole
+            cached = self.blocks.match_prefix(seq) if seq.params.prompt_logprobs is None else 0
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self.blocks.can_grow(seq, seq.num_computed_tokens + n):
                 self.blocks.release(seq)  # gives back what match_prefix took

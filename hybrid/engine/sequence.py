@@ -7,6 +7,7 @@ from enum import Enum, auto
 
 import torch
 
+from hybrid.engine.outputs import TokenLogprob
 from hybrid.sampling_params import SamplingParams
 
 
@@ -36,6 +37,8 @@ class Sequence:
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         self.generator: torch.Generator | None = None
+        self.prompt_logprobs: list[TokenLogprob | None] = [None]  # by position, when params.prompt_logprobs is set
+        self.logprobs: list[TokenLogprob] = []  # of the completion's tokens, when params.logprobs is set
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
 

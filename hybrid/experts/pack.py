@@ -21,7 +21,7 @@ import torch
 
 from hybrid.checkpoint.reader import CheckpointReader
 from hybrid.config import ModelConfig
-from hybrid.config.home import hybridd_home
+from hybrid.config.home import hybridd_home, make_private_dir, open_private, write_private
 from hybrid.experts.kernel_experts import default_expert_format, pack_layer
 
 PACK_VERSION = 3  # 2: int8 K padded to 64 (one AMX k step); 3: fp8 line pair flags
@@ -103,13 +103,13 @@ def write_pack(model_dir: str | Path, pack_dir: str | Path, fmt: str | None = No
     pack_dir = Path(pack_dir)
     if is_current(pack_dir, config, fmt):
         return False
-    pack_dir.mkdir(parents=True, exist_ok=True)
+    make_private_dir(pack_dir)
     (pack_dir / INDEX_FILE).unlink(missing_ok=True)
     reader = CheckpointReader(config.model_dir, config.fp8_block)
     partial = pack_dir / (EXPERTS_FILE + PARTIAL_SUFFIX)
     layers: dict[str, dict] = {}
     per_layer = expert_bytes_to_read(config) // max(1, len(config.moe_layers))
-    with open(partial, "wb") as f:
+    with os.fdopen(open_private(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "wb") as f:
         for layer in config.moe_layers:
             packed = pack_layer(reader, config, layer, fmt)
             entry = {"hidden": packed.hidden, "inter": packed.inter, "kp13": packed.kp13, "kp2": packed.kp2,
@@ -132,9 +132,7 @@ def write_pack(model_dir: str | Path, pack_dir: str | Path, fmt: str | None = No
     index = {"version": PACK_VERSION, "model_dir": str(config.model_dir), "model_fingerprint":
              model_fingerprint(config.model_dir), "format": fmt, "num_experts": config.num_experts,
              "layers": layers}
-    tmp = pack_dir / (INDEX_FILE + PARTIAL_SUFFIX)
-    tmp.write_text(json.dumps(index, indent=1))
-    os.replace(tmp, pack_dir / INDEX_FILE)
+    write_private(pack_dir / INDEX_FILE, json.dumps(index, indent=1))
     return True
 
 

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import InitVar, asdict, dataclass, field
 from pathlib import Path
 
 from hybrid.config import ConfigError, EngineConfig
-from hybrid.config.home import hybridd_home
+from hybrid.config.home import hybridd_home, make_private_dir, write_private
+
+
+def key_digest(key: str) -> str:
+    """What the daemon stores and compares instead of the API key itself."""
+    return hashlib.sha256(key.encode()).hexdigest()
 
 
 @dataclass
@@ -29,6 +35,10 @@ class DaemonPaths:
         return self.home / "run"
 
     @property
+    def lock_file(self) -> Path:
+        return self.run_dir / "supervisor.lock"
+
+    @property
     def config_file(self) -> Path:
         return self.run_dir / "daemon.json"
 
@@ -42,32 +52,39 @@ class DaemonPaths:
 
     def make(self) -> None:
         for d in (self.home, self.log_dir, self.run_dir):
-            d.mkdir(parents=True, exist_ok=True)
+            make_private_dir(d)
 
 
 @dataclass
 class DaemonConfig:
-    """engine holds EngineConfig fields; max_queue bounds requests waiting beyond the running batch."""
+    """engine holds EngineConfig fields; max_queue bounds requests waiting beyond the running batch. The API key
+    is kept only as its SHA-256 (`api_key` is accepted at construction and never stored)."""
 
     model: str
     host: str = "127.0.0.1"
     port: int = 8000
-    api_key: str | None = None
+    api_key: InitVar[str | None] = None
+    api_key_sha256: str | None = None
     served_model_name: str | None = None
     max_queue: int = 64
+    max_body_mb: float = 4.0
     engine_timeout_s: float = 120.0
     home: str = field(default_factory=lambda: str(hybridd_home()))
     engine: dict = field(default_factory=dict)
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, api_key: str | None) -> None:
         if not 0 < self.port < 65536:
             raise ConfigError(f"port must be in 1..65535, got {self.port}")
         if self.max_queue < 0:
             raise ConfigError("max_queue must be >= 0")
         if self.engine_timeout_s <= 0:
             raise ConfigError("engine_timeout_s must be positive")
-        if self.api_key == "":
+        if api_key == "":
             raise ConfigError("--api-key must not be empty")
+        if api_key is not None:
+            self.api_key_sha256 = key_digest(api_key)
+        if not 0 < self.max_body_mb <= 1024:
+            raise ConfigError(f"max_body_mb must be in (0, 1024], got {self.max_body_mb}")
         self.engine_config()
 
     def engine_config(self) -> EngineConfig:
@@ -86,8 +103,12 @@ class DaemonConfig:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.port}"
 
+    @property
+    def max_body_bytes(self) -> int:
+        return int(self.max_body_mb * 2**20)
+
     def save(self, path: Path) -> None:
-        path.write_text(json.dumps(asdict(self), indent=1))
+        write_private(path, json.dumps(asdict(self), indent=1))
 
     @classmethod
     def load(cls, path: str | Path) -> "DaemonConfig":

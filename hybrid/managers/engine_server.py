@@ -47,6 +47,7 @@ log = logging.getLogger("hybridd.engine")
 
 STATS_PERIOD_S = 0.25
 RATE_WINDOW_S = 5.0
+DRAIN_S = 5.0  # on SIGTERM, how long running requests may finish before the rest are failed
 
 
 class EngineServer:
@@ -155,6 +156,9 @@ class EngineServer:
 
     def handle(self, msg: ToEngine) -> None:
         if isinstance(msg, AddRequest):
+            if self.stopping:
+                self.send(RequestFailed(msg.request_id, 503, "hybridd is stopping; the request was not started"))
+                return
             try:
                 self.engine.add_request(msg.prompt_ids, msg.params, msg.request_id)
             except ValueError as e:
@@ -187,8 +191,10 @@ class EngineServer:
             self.send(RequestFailed(out.request_id, 500, out.error))
             return
         self._generated.append((time.monotonic(), len(out.new_token_ids)))
+        first = len(out.token_ids) == len(out.new_token_ids)
         self.send(TokenDelta(out.request_id, out.new_token_ids, out.new_text, out.finished, out.finish_reason,
-                             len(out.prompt_token_ids), len(out.token_ids), out.num_cached_tokens))
+                             len(out.prompt_token_ids), len(out.token_ids), out.num_cached_tokens, out.new_logprobs,
+                             out.prompt_logprobs if first else None))
         if out.finished:
             self.in_flight.discard(out.request_id)
 
@@ -208,11 +214,18 @@ class EngineServer:
         if experts is not None:
             experts.restart()
             log.info("expert process restarted (pid %d)", experts.client.server_pid)
+            self.send(Ready(os.getpid(), self.info()))  # so /status shows the new expert pid
 
     def serve(self) -> None:
+        """Runs until SIGTERM, then drains: new requests are refused, running ones get DRAIN_S to finish, and
+        whatever is left is failed so that every stream ends with an error event rather than a cut."""
         poller = zmq.Poller()
         poller.register(self.inbox, zmq.POLLIN)
-        while not self.stopping:
+        drain_until = None
+        while drain_until is None or (self.in_flight and time.monotonic() < drain_until):
+            if self.stopping and drain_until is None:
+                drain_until = time.monotonic() + DRAIN_S
+                log.info("stopping: draining %d requests for up to %.0fs", len(self.in_flight), DRAIN_S)
             busy = self.engine.has_unfinished()
             if poller.poll(0 if busy else int(STATS_PERIOD_S * 1000)):
                 while True:

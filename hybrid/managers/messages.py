@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
+from hybrid.engine.outputs import TokenLogprob
 from hybrid.sampling_params import SamplingParams
 
 
@@ -71,6 +72,8 @@ class TokenDelta(msgspec.Struct, tag="out"):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    logprobs: list[TokenLogprob] | None = None  # of token_ids, when the request asked for logprobs
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # in the first delta, when asked for
 
 
 class RequestFailed(msgspec.Struct, tag="error"):

@@ -6,6 +6,7 @@ Also the helpers `hybridd start/stop` use to find, launch and stop a supervisor 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import logging
 import os
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import psutil
 
+from hybrid.config.home import PRIVATE_UMASK, open_private, write_private
 from hybrid.managers.daemon_config import DaemonConfig, DaemonPaths
 
 log = logging.getLogger("hybridd.supervisor")
@@ -27,7 +29,8 @@ POLL_S = 0.2
 RESTART_WINDOW_S = 60.0
 MAX_BACKOFF_S = 30.0
 API_STOP_S = 20.0
-ENGINE_STOP_S = 15.0
+ENGINE_STOP_S = 20.0  # the engine drains for ENGINE_DRAIN_S, then fails what is left, then stops its experts
+ALREADY_RUNNING_EXIT = 3
 ROLE_MODULES = {"api": "server.api_server", "engine": "hybrid.managers.engine_server"}
 
 
@@ -51,7 +54,7 @@ class Supervisor:
         self.stopping = False
 
     def spawn(self, child: Child) -> None:
-        log_file = open(self.paths.log_dir / f"{child.role}.log", "ab")
+        log_file = os.fdopen(open_private(self.paths.log_dir / f"{child.role}.log"), "ab")
         cmd = [sys.executable, "-m", ROLE_MODULES[child.role], "--config", str(self.paths.config_file)]
         child.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT)
         log_file.close()
@@ -70,10 +73,18 @@ class Supervisor:
             self.spawn(child)
 
     def run(self) -> int:
+        """Serves until SIGTERM/SIGINT; raises DaemonError if another supervisor holds this home's lock."""
         self.paths.make()
+        lock = take_lock(self.paths)
+        try:
+            return self._run()
+        finally:
+            os.close(lock)
+
+    def _run(self) -> int:
         self.config.save(self.paths.config_file)
         write_pid_file(self.paths, {"pid": os.getpid(), "url": self.config.url, "model": self.config.model_name,
-                                    "api_key": bool(self.config.api_key),
+                                    "api_key": self.config.api_key_sha256 is not None,
                                     "create_time": psutil.Process().create_time()})
         signal.signal(signal.SIGTERM, self._stop)
         signal.signal(signal.SIGINT, self._stop)
@@ -96,9 +107,10 @@ class Supervisor:
         self.stopping = True
 
     def shutdown(self) -> None:
-        """api first (it drains in-flight streams, then refuses new ones), then the engine (which aborts
-        whatever is left and stops the expert process)."""
-        for role, limit in (("api", API_STOP_S), ("engine", ENGINE_STOP_S)):
+        """The engine first: it refuses new requests, lets running ones finish for a moment, fails what is left
+        (each stream gets an error event and [DONE] from the api) and stops the expert process; then the api,
+        whose streams have all ended."""
+        for role, limit in (("engine", ENGINE_STOP_S), ("api", API_STOP_S)):
             proc = self.children[role].proc
             if proc is None or proc.poll() is not None:
                 continue
@@ -111,10 +123,21 @@ class Supervisor:
                 proc.wait()
 
 
+def take_lock(paths: DaemonPaths) -> int:
+    """An exclusive lock on this home for the supervisor's lifetime, so two `hybridd start` at the same moment
+    give one supervisor; the kernel releases it when the process dies, however it dies."""
+    fd = open_private(paths.lock_file, os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise DaemonError(f"hybridd is already running with HYBRIDD_HOME={paths.home}; `hybridd stop` stops it") \
+            from None
+    return fd
+
+
 def write_pid_file(paths: DaemonPaths, record: dict) -> None:
-    tmp = paths.pid_file.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record))
-    os.replace(tmp, paths.pid_file)
+    write_private(paths.pid_file, json.dumps(record))
 
 
 def running_daemon(paths: DaemonPaths) -> dict | None:
@@ -144,10 +167,12 @@ def launch(config: DaemonConfig) -> subprocess.Popen:
     """Starts a supervisor in the background, detached from this terminal."""
     paths = config.paths
     paths.make()
-    config.save(paths.config_file)
-    log_file = open(paths.log_dir / "daemon.log", "ab")
-    proc = subprocess.Popen([sys.executable, "-m", "hybrid.managers.supervisor", "--config", str(paths.config_file)],
-                            stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
+    # Not daemon.json: a supervisor that loses the lock race must not overwrite the running one's settings.
+    request = paths.run_dir / f"start-{os.getpid()}.json"
+    config.save(request)
+    log_file = os.fdopen(open_private(paths.log_dir / "daemon.log"), "ab")
+    proc = subprocess.Popen([sys.executable, "-m", "hybrid.managers.supervisor", "--config", str(request),
+                             "--remove-config"], stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
                             start_new_session=True)
     log_file.close()
     return proc
@@ -190,9 +215,18 @@ def _kill_tree(pid: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="hybridd supervisor")
     ap.add_argument("--config", required=True)
+    ap.add_argument("--remove-config", action="store_true", help="delete --config once read")
     a = ap.parse_args(argv)
+    os.umask(PRIVATE_UMASK)  # sockets, logs and packs the daemon's processes create are private to this user
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return Supervisor(DaemonConfig.load(Path(a.config))).run()
+    config = DaemonConfig.load(Path(a.config))
+    if a.remove_config:
+        Path(a.config).unlink(missing_ok=True)
+    try:
+        return Supervisor(config).run()
+    except DaemonError as e:
+        log.error("%s", e)
+        return ALREADY_RUNNING_EXIT
 
 
 if __name__ == "__main__":

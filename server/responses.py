@@ -1,0 +1,154 @@
+"""The shapes of OpenAI responses: a chat completion or a text completion, whole or as SSE chunks, with
+`logprobs` in each API's own format (chat: `content` entries with bytes; completions: parallel lists with
+text offsets) and `echo` of the prompt on completions."""
+
+from __future__ import annotations
+
+import msgspec
+
+from hybrid.engine.outputs import TokenLogprob
+from hybrid.managers.messages import TokenDelta
+from hybrid.tokenizer import Tokenizer
+
+
+class TokenText:
+    """Token ids as the strings logprobs show (`token_id:N` for a model without a tokenizer)."""
+
+    def __init__(self, tokenizer: Tokenizer | None):
+        self.tokenizer = tokenizer
+
+    def __call__(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+class ResponseShape:
+    """Accumulates one request's deltas and renders its chunks and final body. `chunk` returns None when a
+    delta carries nothing to send (text held back by the stop-string check, and no logprobs)."""
+
+    object_name = ""
+    id_prefix = ""
+
+    def __init__(self, rid: str, model: str, created: int, token_text: TokenText, logprobs: bool):
+        self.rid, self.model, self.created, self.token_text, self.logprobs = rid, model, created, token_text, logprobs
+        self.parts: list[str] = []
+        self.entries: list = []
+        self.finish_reason: str | None = None
+
+    def body(self, choices: list[dict], chunk: bool, usage: dict | None = None) -> dict:
+        out = {"id": f"{self.id_prefix}-{self.rid}", "object": self.object_name + (".chunk" if chunk else ""),
+               "created": self.created, "model": self.model, "choices": choices}
+        if usage is not None or not chunk:
+            out["usage"] = usage
+        return out
+
+    def opening(self) -> dict | None:
+        return None
+
+    def usage_chunk(self, usage: dict) -> dict:
+        return self.body([], True, usage)
+
+    def add(self, msg: TokenDelta) -> tuple[str, list]:
+        """Records a delta; returns its text and logprob entries."""
+        text, entries = msg.text, self.new_entries(msg) if self.logprobs else []
+        self.parts.append(text)
+        self.entries += entries
+        if msg.finished:
+            self.finish_reason = msg.finish_reason
+        return text, entries
+
+    def new_entries(self, msg: TokenDelta) -> list:
+        raise NotImplementedError
+
+    def chunk(self, msg: TokenDelta) -> dict | None:
+        raise NotImplementedError
+
+    def final(self, usage: dict) -> dict:
+        raise NotImplementedError
+
+
+class ChatShape(ResponseShape):
+    object_name = "chat.completion"
+    id_prefix = "chatcmpl"
+
+    def opening(self) -> dict:
+        return self.body([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                           "finish_reason": None}], True)
+
+    def entry(self, lp: TokenLogprob) -> dict:
+        token = self.token_text(lp.token_id)
+        top = [{"token": (t := self.token_text(i)), "logprob": v, "bytes": list(t.encode())} for i, v in lp.top]
+        return {"token": token, "logprob": lp.logprob, "bytes": list(token.encode()), "top_logprobs": top}
+
+    def new_entries(self, msg: TokenDelta) -> list:
+        return [self.entry(lp) for lp in msg.logprobs or []]
+
+    def chunk(self, msg: TokenDelta) -> dict | None:
+        text, entries = self.add(msg)
+        if not (text or msg.finished or entries):
+            return None
+        logprobs = {"content": entries, "refusal": None} if self.logprobs else None
+        return self.body([{"index": 0, "delta": {"content": text}, "logprobs": logprobs,
+                           "finish_reason": msg.finish_reason}], True)
+
+    def final(self, usage: dict) -> dict:
+        logprobs = {"content": self.entries, "refusal": None} if self.logprobs else None
+        return self.body([{"index": 0, "message": {"role": "assistant", "content": "".join(self.parts)},
+                           "logprobs": logprobs, "finish_reason": self.finish_reason}], False, usage)
+
+
+class CompletionShape(ResponseShape):
+    """`echo` puts the prompt's text (and, with logprobs, its tokens' logprobs) before the completion."""
+
+    object_name = "text_completion"
+    id_prefix = "cmpl"
+
+    def __init__(self, rid: str, model: str, created: int, token_text: TokenText, logprobs: bool,
+                 echo_text: str | None, prompt_ids: list[int]):
+        super().__init__(rid, model, created, token_text, logprobs)
+        self.echo_text, self.first_prompt_id = echo_text, prompt_ids[0]
+        self.offset = 0
+
+    def body(self, choices: list[dict], chunk: bool, usage: dict | None = None) -> dict:
+        out = super().body(choices, False, usage)
+        if chunk and usage is None:
+            out.pop("usage")
+        return out
+
+    def new_entries(self, msg: TokenDelta) -> list:
+        """(token id, logprob, top) per token; the prompt's first token, which nothing predicts, has None."""
+        entries = []
+        if self.echo_text is not None and msg.prompt_logprobs:
+            entries = [(self.first_prompt_id, None, None) if lp is None else (lp.token_id, lp.logprob, lp.top)
+                       for lp in msg.prompt_logprobs]
+        return entries + [(lp.token_id, lp.logprob, lp.top) for lp in msg.logprobs or []]
+
+    def add(self, msg: TokenDelta) -> tuple[str, list]:
+        if self.echo_text is not None and not self.parts:
+            msg = msgspec.structs.replace(msg, text=self.echo_text + msg.text)
+        return super().add(msg)
+
+    def lists(self, entries: list) -> dict:
+        """OpenAI's legacy logprobs: parallel lists of tokens, their logprobs, top alternatives, text offsets."""
+        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for token_id, logprob, top in entries:
+            token = self.token_text(token_id)
+            out["tokens"].append(token)
+            out["token_logprobs"].append(logprob)
+            out["top_logprobs"].append(None if top is None else {self.token_text(t): v for t, v in top})
+            out["text_offset"].append(self.offset)
+            self.offset += len(token)
+        return out
+
+    def chunk(self, msg: TokenDelta) -> dict | None:
+        text, entries = self.add(msg)
+        if not (text or msg.finished or entries):
+            return None
+        logprobs = self.lists(entries) if self.logprobs else None
+        return self.body([{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": msg.finish_reason}], True)
+
+    def final(self, usage: dict) -> dict:
+        logprobs = self.lists(self.entries) if self.logprobs else None
+        return self.body([{"index": 0, "text": "".join(self.parts), "logprobs": logprobs,
+                           "finish_reason": self.finish_reason}], False, usage)

@@ -1,0 +1,328 @@
+"""A real daemon under requests and faults from the real world: degenerate sampling, bursts, racing starts,
+stops mid-stream, oversized or unauthenticated bodies, foreign Host headers, private files, logprobs and echo."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import psutil
+import pytest
+from daemon_harness import Daemon, free_port
+
+MODEL = "default_model"
+LONG = {"max_tokens": 3000, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    d = Daemon(tmp_path_factory.mktemp("home"), free_port())
+    d.start()
+    yield d
+    d.stop()
+
+
+@pytest.fixture
+def client(daemon) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{daemon.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def sse_events(body: str) -> list:
+    return [json.loads(x) if x != "[DONE]" else x for x in
+            (line.removeprefix("data: ") for line in body.splitlines() if line.startswith("data: "))]
+
+
+def test_degenerate_sampling_never_hurts_a_concurrent_stream(daemon, client):
+    before = daemon.status()
+    result: dict = {}
+
+    def stream():
+        with httpx.stream("POST", f"{daemon.url}/v1/completions", timeout=120,
+                          json={"model": MODEL, "prompt": "x", "stream": True, "max_tokens": 150,
+                                "ignore_eos": True}) as r:
+            result["body"] = r.read().decode()
+
+    t = threading.Thread(target=stream)
+    t.start()
+    time.sleep(0.5)
+    for extra in ({"top_p": 1e-46}, {"temperature": 1e-40}, {"temperature": 1e-40, "top_p": 1e-46, "top_k": 5}):
+        r = client.completions.create(model=MODEL, prompt="hello", max_tokens=8, extra_body=extra)
+        assert r.choices[0].finish_reason in ("stop", "length") and r.usage.completion_tokens >= 1
+    t.join(120)
+    events = sse_events(result["body"])
+    assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1] if isinstance(e, dict))
+    assert sum(len(e["choices"][0]["text"]) > 0 for e in events[:-1] if e["choices"]) > 10
+    after = daemon.status()
+    assert after["restarts"] == 0 and after["engine_pid"] == before["engine_pid"]
+
+
+def test_every_field_is_checked_at_the_api_with_its_name(daemon):
+    url = f"{daemon.url}/v1"
+    cases = [
+        ("chat/completions", {"seed": 2**64, "stream": True}, "seed"),
+        ("completions", {"seed": -(2**63) - 1}, "seed"),
+        ("chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ("chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+        ("chat/completions", {"tool_choice": "required"}, "tool_choice"),
+        ("completions", {"logit_bias": {"5": 10}}, "logit_bias"),
+        ("completions", {"best_of": 3}, "best_of"),
+        ("chat/completions", {"frequency_penalty": 0.5}, "frequency_penalty"),
+        ("chat/completions", {"n": 2}, "n"),
+        ("chat/completions", {"top_logprobs": 3}, "top_logprobs"),
+        ("chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ("completions", {"logprobs": 50}, "logprobs"),
+    ]
+    for route, extra, field in cases:
+        body = {"model": MODEL, **({"messages": [{"role": "user", "content": "x"}]} if route.startswith("chat")
+                                   else {"prompt": "x"}), **extra}
+        r = httpx.post(f"{url}/{route}", json=body, timeout=30)
+        assert r.status_code == 400, (extra, r.text)
+        err = r.json()["error"]
+        assert err["param"] == field and err["message"].startswith(f"{field}: "), (extra, err)
+    # neutral values of unsupported fields ask for nothing and are accepted
+    ok = httpx.post(f"{url}/chat/completions", timeout=30, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "tools": [],
+        "response_format": {"type": "text"}, "presence_penalty": 0, "logit_bias": {}})
+    assert ok.status_code == 200, ok.text
+    r = httpx.post(f"{url}/completions", json={"model": MODEL, "prompt": "word " * 5000}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    r = httpx.post(f"{url}/chat/completions", timeout=30,
+                   json={"model": MODEL, "messages": [{"role": "user", "content": "word " * 5000}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+
+
+def test_models_by_id(daemon, client):
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-17")
+
+
+def test_body_limit_and_tokenizing_off_the_event_loop(daemon):
+    r = httpx.post(f"{daemon.url}/v1/chat/completions", timeout=30, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "y" * (10 * 2**20)}]})
+    assert r.status_code == 413 and "larger than" in r.json()["error"]["message"]
+    # a 3.5 MB message takes seconds to tokenize: /health answers meanwhile
+    big: dict = {}
+
+    def post_big():
+        big["r"] = httpx.post(f"{daemon.url}/v1/chat/completions", timeout=60, json={
+            "model": MODEL, "messages": [{"role": "user", "content": "hello world, a long message. " * 120_000}]})
+
+    t = threading.Thread(target=post_big)
+    t.start()
+    time.sleep(0.6)
+    t0 = time.monotonic()
+    assert daemon.health().status_code == 200
+    health_s = time.monotonic() - t0
+    t.join(60)
+    assert big["r"].status_code == 400 and "context length" in big["r"].json()["error"]["message"]
+    assert health_s < 1.0
+
+
+def test_foreign_host_header_is_refused_without_a_key(daemon):
+    for host in ("evil.example.com", "evil.example.com:8000"):
+        r = httpx.get(f"{daemon.url}/v1/models", headers={"Host": host}, timeout=10)
+        assert r.status_code == 403 and "Host" in r.json()["error"]["message"]
+    for host in (f"localhost:{daemon.port}", f"127.0.0.1:{daemon.port}", "localhost"):
+        assert httpx.get(f"{daemon.url}/v1/models", headers={"Host": host}, timeout=10).status_code == 200
+
+
+def test_logprobs_in_openai_shapes_stream_and_not(daemon, client):
+    messages = [{"role": "user", "content": "Name a river."}]
+    full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
+                                          logprobs=True, top_logprobs=3)
+    content = full.choices[0].logprobs.content
+    assert len(content) == full.usage.completion_tokens
+    assert "".join(c.token for c in content) == full.choices[0].message.content
+    for c in content:
+        assert c.logprob <= 0 and len(c.top_logprobs) == 3 and c.top_logprobs[0].logprob >= c.logprob - 1e-4
+        assert c.top_logprobs[0].token == c.token  # greedy picks the most likely token
+        assert bytes(c.bytes).decode() == c.token
+    streamed = [ch for ch in client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8,
+                                                            temperature=0, logprobs=True, top_logprobs=3, stream=True)]
+    entries = [e for ch in streamed if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
+    assert [(e.token, round(e.logprob, 4)) for e in entries] == [(c.token, round(c.logprob, 4)) for c in content]
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+    r = client.completions.create(model=MODEL, prompt="The sea is", max_tokens=5, temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 5
+    assert "".join(lp.tokens) == r.choices[0].text and lp.text_offset[0] == 0
+    assert all(len(t) <= 2 and max(t.values()) >= v - 1e-4 for t, v in zip(lp.top_logprobs, lp.token_logprobs))
+
+
+def test_echo_with_prompt_logprobs_as_evaluation_harnesses_use_it(daemon, client):
+    prompt = "The sea is deep"
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0, logprobs=1, echo=True)
+    choice = r.choices[0]
+    assert choice.text.startswith(prompt)
+    lp = choice.logprobs
+    n = r.usage.prompt_tokens
+    assert len(lp.tokens) == n + 1 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v <= 0 for v in lp.token_logprobs[1:]) and "".join(lp.tokens) == choice.text
+    assert lp.text_offset == sorted(lp.text_offset)
+    # the same prompt logprobs from a stream, and again once the prompt is in the prefix cache
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0, logprobs=1,
+                                            echo=True, stream=True))
+    streamed = [v for ch in chunks if ch.choices and ch.choices[0].logprobs
+                for v in ch.choices[0].logprobs.token_logprobs]
+    assert [round(v, 4) if v is not None else None for v in streamed] == \
+        [round(v, 4) if v is not None else None for v in lp.token_logprobs]
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == choice.text
+    echo_only = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0, echo=True)
+    assert echo_only.choices[0].text.startswith(prompt) and echo_only.choices[0].logprobs is None
+
+
+def test_expert_process_restart_updates_status(daemon, client):
+    old = daemon.status()["info"]["expert_pid"]
+    os.kill(old, signal.SIGKILL)
+    with pytest.raises(openai.APIError):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=4)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        info = daemon.status()["info"]
+        if info["expert_pid"] != old:
+            break
+        time.sleep(0.2)
+    new = daemon.status()["info"]["expert_pid"]
+    assert new != old and psutil.pid_exists(new)
+    r = daemon.cli("status")
+    assert r.returncode == 0 and str(new) in r.stdout and str(old) not in r.stdout
+
+
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory):
+    old = os.umask(0o022)  # the daemon's files must be private whatever the umask
+    try:
+        d = Daemon(tmp_path_factory.mktemp("keyed"), free_port(), api_key="sesame-open")
+        d.start("--max-num-seqs", "2", "--max-queue", "2")
+    finally:
+        os.umask(old)
+    yield d
+    d.stop()
+
+
+def test_every_route_but_health_needs_the_key_checked_before_the_body(keyed):
+    for path in ("/openapi.json", "/docs", "/v1/models", f"/v1/models/{MODEL}", "/status", "/metrics", "/"):
+        r = httpx.get(f"{keyed.url}{path}", timeout=10)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", path
+    assert httpx.get(f"{keyed.url}/health", timeout=10).status_code == 200
+    r = httpx.post(f"{keyed.url}/v1/chat/completions", content="{not json", timeout=10,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 401
+    for scheme in ("Bearer", "bearer", "BEARER"):
+        r = httpx.get(f"{keyed.url}/openapi.json", headers={"Authorization": f"{scheme} sesame-open"}, timeout=10)
+        assert r.status_code == 200, scheme
+    assert httpx.get(f"{keyed.url}/v1/models", headers={"Authorization": "Basic sesame-open"},
+                     timeout=10).status_code == 401
+    # with a key set, any Host may ask (the key is the protection)
+    assert httpx.get(f"{keyed.url}/v1/models", headers={**keyed.headers, "Host": "box.lan"},
+                     timeout=10).status_code == 200
+
+
+def test_a_burst_is_admitted_up_to_the_bound_and_no_further(keyed):
+    bound = 2 + 2
+    n = 12
+    barrier = threading.Barrier(n)
+    codes: list[int] = []
+    streams: list = []
+    lock = threading.Lock()
+
+    def one():
+        c = httpx.Client(timeout=60)
+        barrier.wait()
+        req = c.build_request("POST", f"{keyed.url}/v1/completions", headers=keyed.headers,
+                              json={"model": MODEL, "prompt": "x", "stream": True, **LONG})
+        r = c.send(req, stream=True)
+        with lock:
+            codes.append(r.status_code)
+            streams.append((c, r))
+        if r.status_code == 503:
+            assert r.headers["retry-after"]
+
+    threads = [threading.Thread(target=one) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    try:
+        assert sorted(codes) == [200] * bound + [503] * (n - bound)
+    finally:
+        for c, r in streams:
+            r.close()
+            c.close()
+
+
+def test_files_under_home_are_private_and_the_key_is_not_stored(keyed):
+    httpx.post(f"{keyed.url}/v1/completions", headers=keyed.headers, json={"model": MODEL, "prompt": "x",
+                                                                          "max_tokens": 2}, timeout=30)
+    seen = 0
+    for root, dirs, files in os.walk(keyed.home):
+        for d in dirs:
+            assert stat.S_IMODE(os.stat(os.path.join(root, d)).st_mode) == 0o700, d
+        for f in files:
+            path = os.path.join(root, f)
+            st = os.stat(path)
+            mode = stat.S_IMODE(st.st_mode)
+            if stat.S_ISSOCK(st.st_mode):
+                assert mode & 0o077 == 0, path
+                continue
+            assert mode == 0o600, (path, oct(mode))
+            seen += 1
+            if st.st_size < 2**20:
+                assert b"sesame-open" not in open(path, "rb").read(), path
+    assert seen >= 4  # pid file, daemon.json, lock, logs
+    assert stat.S_IMODE(os.stat(keyed.home).st_mode) == 0o700
+
+
+def test_racing_starts_give_one_supervisor_and_stop_ends_every_stream(tmp_path):
+    home = tmp_path / "home"
+    a, b = Daemon(home, free_port()), Daemon(home, free_port())
+    procs = [subprocess.Popen([sys.executable, "-m", "hybrid.cli.main", "start", "--port", str(d.port),
+                               "--kv-cache-gb", "0.25"], env=d.env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for d in (a, b)]
+    results = [p.communicate(timeout=300) + (p.returncode,) for p in procs]
+    codes = sorted(r[2] for r in results)
+    assert codes == [0, 2], results
+    assert any("already running" in r[1] for r in results if r[2] == 2), results
+    winner = a if results[0][2] == 0 else b
+    supervisors = [p for p in psutil.process_iter(["cmdline"])
+                   if "hybrid.managers.supervisor" in " ".join(p.info["cmdline"] or []) and
+                   str(home) in " ".join(p.info["cmdline"] or [])]
+    assert len(supervisors) == 1
+    bodies: list[str] = []
+
+    def stream():
+        with httpx.stream("POST", f"{winner.url}/v1/completions", timeout=60,
+                          json={"model": MODEL, "prompt": "x", "stream": True, **LONG}) as r:
+            bodies.append(r.read().decode())
+
+    threads = [threading.Thread(target=stream) for _ in range(2)]
+    for t in threads:
+        t.start()
+    time.sleep(1.5)
+    pids = [winner.status()["engine_pid"], winner.status()["api_pid"]]
+    r = winner.stop()
+    assert r.returncode == 0
+    for t in threads:
+        t.join(60)
+    assert len(bodies) == 2
+    for body in bodies:
+        events = sse_events(body)
+        assert events[-1] == "[DONE]"
+        last = events[-2]
+        assert "error" in last and "stopping" in last["error"]["message"] or last["choices"][0]["finish_reason"]
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(psutil.pid_exists(p) for p in pids):
+        time.sleep(0.1)
+    assert not any(psutil.pid_exists(p) for p in pids)
+    assert not [p for p in psutil.process_iter(["cmdline"]) if str(home) in " ".join(p.info["cmdline"] or [])]
