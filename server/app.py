@@ -16,6 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from hybrid.experts.process.liveness import is_stopped
 from hybrid.managers.daemon_config import DaemonConfig
 from hybrid.managers.engine_client import EngineClient, EngineError
 from hybrid.managers.messages import TokenDelta, as_json
@@ -293,9 +294,17 @@ def build_app(config: DaemonConfig, client: EngineClient, tokenizer: Tokenizer |
         max_len = client.state.info.max_model_len if client.state.info else None
         return ModelCard(id=name, max_model_len=max_len).model_dump()
 
+    def expert_pid() -> int | None:
+        s = client.state
+        return (s.stats.expert_pid if s.stats else None) or (s.info.expert_pid if s.info else None)
+
     @app.get("/health")
     async def health():
         s = client.state
+        if s.status == "ready" and is_stopped(pid := expert_pid()):
+            body = {"status": "degraded", "reason": f"the expert process (pid {pid}) is stopped and cannot serve; "
+                    "the engine restarts it at its next call"}
+            return JSONResponse(body, status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
         if s.status == "ready":
             return {"status": "ok", "model": name}
         body = {"status": s.status, "reason": s.reason, "progress": as_json(s.progress) or {}}
@@ -306,7 +315,7 @@ def build_app(config: DaemonConfig, client: EngineClient, tokenizer: Tokenizer |
         s = client.state
         return {"model": name, "status": s.status, "reason": s.reason, "engine_pid": s.pid, "restarts": s.restarts,
                 "info": as_json(s.info) or {}, "stats": as_json(s.stats) or {}, "progress": as_json(s.progress) or {},
-                "pending": admitted.count,
+                "pending": admitted.count, "experts": "stopped" if is_stopped(expert_pid()) else "ok",
                 "max_pending": max_pending, "url": config.url, "api_pid": os.getpid()}
 
     @app.get("/metrics")

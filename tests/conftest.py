@@ -6,12 +6,14 @@ import os
 import sys
 from pathlib import Path
 
+import openai
 import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
+from daemon_harness import Daemon, free_port, openai_client  # noqa: E402
 from make_tiny_model import make_model  # noqa: E402
 
 from cpu_kernels import _C  # noqa: E402
@@ -40,6 +42,20 @@ def any_model(request, model_dirs) -> Path:
 @pytest.fixture(params=["tiny-qwen3-moe", "tiny-deepseek-v3"])
 def gqa_and_mla(request, model_dirs) -> Path:
     return model_dirs[request.param]
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    """A daemon on the embedded default model, one per test module that asks for it."""
+    d = Daemon(tmp_path_factory.mktemp("home"), free_port())
+    d.start()
+    yield d
+    d.stop()
+
+
+@pytest.fixture
+def client(daemon) -> openai.OpenAI:
+    return openai_client(daemon)
 
 
 def prompt_ids(n: int, seed: int, low: int = 5, high: int = 2000) -> list[int]:

@@ -11,6 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import openai
+
+MODEL = "default_model"  # the served name of the embedded default model
+LONG = {"max_tokens": 3000, "ignore_eos": True}  # a stream that outlives what a test does meanwhile
 
 
 def free_port() -> int:
@@ -70,3 +74,7 @@ class Daemon:
 
     def logs(self) -> str:
         return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted((self.home / "logs").glob("*.log")))
+
+
+def openai_client(d: Daemon) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{d.url}/v1", api_key=d.api_key or "unused", max_retries=0, timeout=60)

@@ -12,26 +12,10 @@ import httpx
 import openai
 import psutil
 import pytest
-from daemon_harness import Daemon, free_port
+from daemon_harness import LONG, MODEL, Daemon, free_port
 
 from cpu_kernels.moe import kernel_isa_name
 from hybrid import LLM, SamplingParams
-
-MODEL = "default_model"
-LONG = {"max_tokens": 3000, "ignore_eos": True}
-
-
-@pytest.fixture(scope="module")
-def daemon(tmp_path_factory):
-    d = Daemon(tmp_path_factory.mktemp("home"), free_port())
-    d.start()
-    yield d
-    d.stop()
-
-
-@pytest.fixture
-def client(daemon) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{daemon.url}/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 def metric(daemon: Daemon, name: str, labels: str = "") -> float:

@@ -16,23 +16,7 @@ import httpx
 import openai
 import psutil
 import pytest
-from daemon_harness import Daemon, free_port
-
-MODEL = "default_model"
-LONG = {"max_tokens": 3000, "ignore_eos": True}
-
-
-@pytest.fixture(scope="module")
-def daemon(tmp_path_factory):
-    d = Daemon(tmp_path_factory.mktemp("home"), free_port())
-    d.start()
-    yield d
-    d.stop()
-
-
-@pytest.fixture
-def client(daemon) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{daemon.url}/v1", api_key="unused", max_retries=0, timeout=60)
+from daemon_harness import LONG, MODEL, Daemon, free_port
 
 
 def sse_events(body: str) -> list:
@@ -180,6 +164,41 @@ def test_echo_with_prompt_logprobs_as_evaluation_harnesses_use_it(daemon, client
     assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == choice.text
     echo_only = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0, echo=True)
     assert echo_only.choices[0].text.startswith(prompt) and echo_only.choices[0].logprobs is None
+
+
+def test_a_stopped_expert_process_is_noticed_and_replaced_in_seconds(daemon, client):
+    old = daemon.status()["info"]["expert_pid"]
+    result: dict = {}
+
+    def stream():
+        t0 = time.monotonic()
+        with httpx.stream("POST", f"{daemon.url}/v1/completions", timeout=120,
+                          json={"model": MODEL, "prompt": "x", "stream": True, **LONG}) as r:
+            result["events"] = sse_events(r.read().decode())
+        result["s"] = time.monotonic() - t0
+
+    t = threading.Thread(target=stream)
+    t.start()
+    time.sleep(1.0)
+    os.kill(old, signal.SIGSTOP)
+    t0 = time.monotonic()
+    try:
+        new = old
+        while new == old and time.monotonic() - t0 < 30:
+            time.sleep(0.1)
+            new = daemon.status()["info"]["expert_pid"]
+        replaced_s = time.monotonic() - t0
+    finally:
+        if psutil.pid_exists(old):
+            os.kill(old, signal.SIGCONT)
+    t.join(60)
+    assert new != old and replaced_s < 10, replaced_s
+    assert not psutil.pid_exists(old) or psutil.Process(old).status() == psutil.STATUS_ZOMBIE
+    events = result["events"]
+    assert events[-1] == "[DONE]" and "stopped" in events[-2]["error"]["message"]
+    assert daemon.health().status_code == 200 and daemon.status()["experts"] == "ok"
+    assert client.completions.create(model=MODEL, prompt="x", max_tokens=3).usage.completion_tokens >= 1
+    assert daemon.status()["restarts"] == 0
 
 
 def test_expert_process_restart_updates_status(daemon, client):

@@ -132,10 +132,10 @@ def wait_until_stopped(pid: int, timeout_s: float = 5.0) -> None:
     raise AssertionError(f"process {pid} did not stop within {timeout_s}s")
 
 
-def test_a_stalled_expert_process_times_out(served):
+def test_a_stopped_expert_process_fails_a_call_at_once_not_at_the_timeout(served):
     model, pack, proc = served
     config = ModelConfig.from_dir(model)
-    client = ExpertClient(proc.control, max_tokens=4, max_topk=config.num_experts_per_tok, timeout_s=1.0,
+    client = ExpertClient(proc.control, max_tokens=4, max_topk=config.num_experts_per_tok, timeout_s=30.0,
                           process=proc)
     x = torch.randn(1, config.hidden_size)
     ids = torch.zeros(1, config.num_experts_per_tok, dtype=torch.long)
@@ -144,9 +144,9 @@ def test_a_stalled_expert_process_times_out(served):
     try:
         wait_until_stopped(proc.pid)
         start = time.monotonic()
-        with pytest.raises(ExpertServerError, match="did not finish a layer call within 1.0s"):
+        with pytest.raises(ExpertServerError, match=r"is stopped \(SIGSTOP\?\)"):
             client.submit(config.moe_layers[0], x, ids, w).wait()
-        assert time.monotonic() - start < 3
+        assert time.monotonic() - start < 2
     finally:
         os.kill(proc.pid, signal.SIGCONT)
     client.close()

@@ -22,6 +22,7 @@ import zmq
 from hybrid.engine.llm_engine import LLMEngine
 from hybrid.engine.outputs import RequestOutput
 from hybrid.experts.process.client import ExpertServerError
+from hybrid.experts.process.liveness import is_stopped
 from hybrid.experts.process.process_experts import ProcessExperts
 from hybrid.managers.daemon_config import DaemonConfig
 from hybrid.managers.messages import (
@@ -209,6 +210,14 @@ class EngineServer:
         for out in outputs:
             self.emit(out)
 
+    def check_experts(self) -> None:
+        """Restarts an expert process that is stopped (its liveness check), also when no call is waiting on it."""
+        experts = self.process_experts()
+        if experts is not None and experts.respawn is not None and is_stopped(experts.client.server_pid):
+            log.error("the expert process (pid %d) is stopped; restarting it", experts.client.server_pid)
+            self.fail_all(503, "the expert process stopped; hybridd is restarting it, retry the request")
+            self.restart_experts()
+
     def restart_experts(self) -> None:
         experts = self.process_experts()
         if experts is not None:
@@ -238,6 +247,7 @@ class EngineServer:
                 self.step()
             if time.monotonic() - self._last_stats >= STATS_PERIOD_S or not busy:
                 self._last_stats = time.monotonic()
+                self.check_experts()
                 self.send(self.stats())
         self.fail_all(503, "hybridd is stopping; the request was aborted")
 

@@ -21,10 +21,14 @@ import torch
 import zmq
 
 from cpu_kernels.thread_pool import unpin_child
+from hybrid.experts.process.liveness import is_stopped
 from hybrid.experts.process.server import RUN_DIR_PREFIX
 from hybrid.experts.process.slots import CLIENT_SPIN_US, DTYPE_CODES, STATUS, ExpertSlots, SlotLayout
 
 POLL_S = 0.05
+STOP_S = 2.0  # how long a terminated expert process may take to exit before it is killed
+UNREGISTER_S = 1.0
+
 
 
 def _as_cpu(t: torch.Tensor, dtypes: tuple[torch.dtype, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -76,9 +80,14 @@ class ExpertServerProcess:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def stop(self, timeout_s: float = 10.0) -> None:
+    def stop(self, timeout_s: float = STOP_S) -> None:
+        """Terminates the process, killing it if it does not exit within timeout_s (at once if it is stopped,
+        as a stopped process never handles SIGTERM), so a restart never waits longer than that."""
         if self.alive():
-            self.proc.terminate()
+            if is_stopped(self.proc.pid):
+                self.proc.kill()
+            else:
+                self.proc.terminate()
             try:
                 self.proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
@@ -193,6 +202,10 @@ class ExpertClient:
             if not self.alive():
                 self._in_flight.pop(handle.slot, None)
                 raise ExpertServerError(f"the expert process (pid {self.server_pid}) died during a layer call")
+            if is_stopped(self.server_pid):
+                self._in_flight.pop(handle.slot, None)
+                raise ExpertServerError(f"the expert process (pid {self.server_pid}) is stopped (SIGSTOP?) and "
+                                        "cannot finish a layer call")
             if time.monotonic() > deadline:
                 self._in_flight.pop(handle.slot, None)
                 raise ExpertServerError(f"the expert process (pid {self.server_pid}) did not finish a layer call "
@@ -203,7 +216,10 @@ class ExpertClient:
         return out
 
     def close(self) -> None:
-        if self.alive():
+        if self.alive() and not is_stopped(self.server_pid):
+            self.timeout_s = min(self.timeout_s, UNREGISTER_S)  # closing: a busy process is not waited for
+            if self._sock is not None:
+                self._sock.setsockopt(zmq.RCVTIMEO, int(self.timeout_s * 1000))
             try:
                 self.request({"op": "unregister", "client": self.client_id})
             except ExpertServerError:
