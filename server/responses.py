@@ -28,6 +28,7 @@ class ResponseShape:
     delta carries nothing to send (text held back by the stop-string check, and no logprobs)."""
 
     object_name = ""
+    chunk_object_name = ""
     id_prefix = ""
 
     def __init__(self, rid: str, model: str, created: int, token_text: TokenText, logprobs: bool):
@@ -37,7 +38,7 @@ class ResponseShape:
         self.finish_reason: str | None = None
 
     def body(self, choices: list[dict], chunk: bool, usage: dict | None = None) -> dict:
-        out = {"id": f"{self.id_prefix}-{self.rid}", "object": self.object_name + (".chunk" if chunk else ""),
+        out = {"id": f"{self.id_prefix}-{self.rid}", "object": self.chunk_object_name if chunk else self.object_name,
                "created": self.created, "model": self.model, "choices": choices}
         if usage is not None or not chunk:
             out["usage"] = usage
@@ -70,6 +71,7 @@ class ResponseShape:
 
 class ChatShape(ResponseShape):
     object_name = "chat.completion"
+    chunk_object_name = "chat.completion.chunk"
     id_prefix = "chatcmpl"
 
     def opening(self) -> dict:
@@ -101,7 +103,7 @@ class ChatShape(ResponseShape):
 class CompletionShape(ResponseShape):
     """`echo` puts the prompt's text (and, with logprobs, its tokens' logprobs) before the completion."""
 
-    object_name = "text_completion"
+    object_name = chunk_object_name = "text_completion"
     id_prefix = "cmpl"
 
     def __init__(self, rid: str, model: str, created: int, token_text: TokenText, logprobs: bool,
@@ -109,12 +111,6 @@ class CompletionShape(ResponseShape):
         super().__init__(rid, model, created, token_text, logprobs)
         self.echo_text, self.first_prompt_id = echo_text, prompt_ids[0]
         self.offset = 0
-
-    def body(self, choices: list[dict], chunk: bool, usage: dict | None = None) -> dict:
-        out = super().body(choices, False, usage)
-        if chunk and usage is None:
-            out.pop("usage")
-        return out
 
     def new_entries(self, msg: TokenDelta) -> list:
         """(token id, logprob, top) per token; the prompt's first token, which nothing predicts, has None."""

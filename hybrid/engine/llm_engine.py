@@ -10,8 +10,8 @@ import torch
 from hybrid.config import EngineConfig, ModelConfig
 from hybrid.engine.detokenizer import IncrementalDetokenizer
 from hybrid.engine.model_runner import ModelRunner
-from hybrid.engine.outputs import RequestOutput, TokenLogprob
-from hybrid.engine.sampler import Sample, Sampler, prompt_logprobs
+from hybrid.engine.outputs import RequestOutput
+from hybrid.engine.sampler import Sample, Sampler, token_logprobs
 from hybrid.engine.scheduler import ScheduledSeq, Scheduler
 from hybrid.engine.sequence import Sequence
 from hybrid.experts.base import Experts
@@ -132,11 +132,10 @@ class LLMEngine:
             seq, end = item.seq, start + item.num_tokens
             if self._wants_prompt_logprobs(seq):
                 first = seq.num_computed_tokens + 1  # the position row `start` predicts
-                todo = range(max(first, len(seq.prompt_logprobs)), min(first + item.num_tokens, seq.num_prompt_tokens))
-                for pos, tl in zip(todo, prompt_logprobs(rows[start + todo.start - first:start + todo.stop - first],
-                                                         seq.token_ids[todo.start:todo.stop],
-                                                         seq.params.prompt_logprobs)):
-                    seq.prompt_logprobs.append(tl)
+                lo = max(first, len(seq.prompt_logprobs))  # positions already recorded (before a preemption)
+                hi = min(first + item.num_tokens, seq.num_prompt_tokens)
+                seq.prompt_logprobs += token_logprobs(rows[start + lo - first:start + hi - first],
+                                                      seq.token_ids[lo:hi], seq.params.prompt_logprobs)
             if item.samples:
                 sample_rows.append(end - 1)
             start = end
@@ -158,11 +157,10 @@ class LLMEngine:
             self.scheduler.finish(seq)
             self.seqs.pop(seq.request_id, None)
             self.detok.pop(seq.request_id, None)
-        if sample.logprob is not None:
-            seq.logprobs.append(TokenLogprob(token, sample.logprob, sample.top))
         out = self._output(seq, [token], detok)
         if sample.logprob is not None:
-            out.logprobs, out.new_logprobs = seq.logprobs, seq.logprobs[-1:]
+            seq.logprobs.append(sample.logprob)
+            out.logprobs, out.new_logprobs = seq.logprobs, [sample.logprob]
         if seq.params.prompt_logprobs is not None:
             out.prompt_logprobs = seq.prompt_logprobs
         return out

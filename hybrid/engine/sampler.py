@@ -7,7 +7,7 @@ and the engine fails that request alone.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -17,12 +17,11 @@ from hybrid.engine.sequence import Sequence
 
 @dataclass
 class Sample:
-    """One row's draw: `token` is None when the row's logits were not numbers; `logprob` and `top` (the most
-    likely tokens with their log-probabilities, best first) are filled when the request asked for logprobs."""
+    """One row's draw: `token` is None when the row's logits were not numbers; `logprob` is filled when the
+    request asked for logprobs."""
 
     token: int | None
-    logprob: float | None = None
-    top: list[tuple[int, float]] = field(default_factory=list)
+    logprob: TokenLogprob | None = None
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -48,16 +47,9 @@ def broken_rows(logits: torch.Tensor) -> torch.Tensor:
     return torch.isnan(logits).any(-1) | torch.isposinf(logits).any(-1) | torch.isneginf(logits).all(-1)
 
 
-def top_logprobs(logits: torch.Tensor, token: int, k: int) -> tuple[float, list[tuple[int, float]]]:
-    """The model's log-probability of `token` and its k most likely tokens (before temperature and filters)."""
-    logp = torch.log_softmax(logits, dim=-1)
-    top = torch.topk(logp, k) if k else None
-    pairs = list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else []
-    return float(logp[token]), pairs
-
-
-def prompt_logprobs(rows: torch.Tensor, token_ids: list[int], k: int) -> list[TokenLogprob]:
-    """For each row of logits, the log-probability of the prompt token it predicts and the k most likely."""
+def token_logprobs(rows: torch.Tensor, token_ids: list[int], k: int) -> list[TokenLogprob]:
+    """For each row of logits, the model's log-probability of the token it predicts (a prompt token, or the one
+    drawn) and its k most likely tokens, before temperature and filters."""
     if not token_ids:
         return []
     logp = torch.log_softmax(rows.float(), dim=-1)
@@ -87,8 +79,6 @@ class Sampler:
                 filtered = filter_logits(logits[row] / p.temperature, p.top_k, p.top_p)
                 probs = torch.softmax(filtered, dim=-1)
                 token = int(torch.multinomial(probs, 1, generator=seq.generator).item())
-            sample = Sample(token)
-            if p.logprobs is not None:
-                sample.logprob, sample.top = top_logprobs(logits[row], token, p.logprobs)
-            out.append(sample)
+            lp = token_logprobs(logits[row:row + 1], [token], p.logprobs)[0] if p.logprobs is not None else None
+            out.append(Sample(token, lp))
         return out

@@ -77,10 +77,6 @@ class EngineClient:
     def ready(self) -> bool:
         return self.state.status == "ready"
 
-    @property
-    def num_pending(self) -> int:
-        return len(self._queues)
-
     async def _send(self, msg: messages.ToEngine) -> None:
         await self._out.send(messages.encode(msg))
 

@@ -203,9 +203,7 @@ class EngineServer:
         try:
             outputs = self.engine.step()
         except ExpertServerError as e:
-            log.error("expert process failed: %s; restarting it", e)
-            self.fail_all(503, f"the expert process failed ({e}); hybridd is restarting it, retry the request")
-            self.restart_experts()
+            self.restart_experts(f"the expert process failed ({e})")
             return
         for out in outputs:
             self.emit(out)
@@ -214,11 +212,12 @@ class EngineServer:
         """Restarts an expert process that is stopped (its liveness check), also when no call is waiting on it."""
         experts = self.process_experts()
         if experts is not None and experts.respawn is not None and is_stopped(experts.client.server_pid):
-            log.error("the expert process (pid %d) is stopped; restarting it", experts.client.server_pid)
-            self.fail_all(503, "the expert process stopped; hybridd is restarting it, retry the request")
-            self.restart_experts()
+            self.restart_experts(f"the expert process (pid {experts.client.server_pid}) is stopped")
 
-    def restart_experts(self) -> None:
+    def restart_experts(self, reason: str) -> None:
+        """Fails every in-flight request with `reason` and replaces the expert process."""
+        log.error("%s; restarting it", reason)
+        self.fail_all(503, f"{reason}; hybridd is restarting it, retry the request")
         experts = self.process_experts()
         if experts is not None:
             experts.restart()

@@ -29,7 +29,7 @@ POLL_S = 0.2
 RESTART_WINDOW_S = 60.0
 MAX_BACKOFF_S = 30.0
 API_STOP_S = 20.0
-ENGINE_STOP_S = 20.0  # the engine drains for ENGINE_DRAIN_S, then fails what is left, then stops its experts
+ENGINE_STOP_S = 20.0  # the engine drains for engine_server.DRAIN_S, then fails what is left, then stops its experts
 ALREADY_RUNNING_EXIT = 3
 ROLE_MODULES = {"api": "server.api_server", "engine": "hybrid.managers.engine_server"}
 

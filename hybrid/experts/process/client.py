@@ -131,13 +131,14 @@ class ExpertClient:
         self._ctrls = [self.slots.ctrl(s) for s in range(num_slots)]
         self._in_flight: dict[int, ExpertHandle] = {}
 
-    def request(self, msg: dict) -> dict:
-        """One control round trip, bounded by the client's timeout."""
+    def request(self, msg: dict, timeout_s: float | None = None) -> dict:
+        """One control round trip, bounded by timeout_s (default: the client's timeout)."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
         if self._sock is None:
             self._sock = self._ctx.socket(zmq.REQ)
             self._sock.setsockopt(zmq.LINGER, 0)
-            self._sock.setsockopt(zmq.RCVTIMEO, int(self.timeout_s * 1000))
             self._sock.connect(self.control)
+        self._sock.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
         try:
             self._sock.send(json.dumps(msg).encode())
             reply = json.loads(self._sock.recv())
@@ -145,7 +146,7 @@ class ExpertClient:
             self._sock.close()
             self._sock = None  # a REQ socket that missed its reply cannot be reused
             raise ExpertServerError(f"the expert process at {self.control} did not answer {msg['op']!r} "
-                                    f"within {self.timeout_s:.1f}s") from None
+                                    f"within {timeout_s:.1f}s") from None
         if "error" in reply:
             raise ExpertServerError(f"expert process: {reply['error']}")
         return reply
@@ -217,11 +218,8 @@ class ExpertClient:
 
     def close(self) -> None:
         if self.alive() and not is_stopped(self.server_pid):
-            self.timeout_s = min(self.timeout_s, UNREGISTER_S)  # closing: a busy process is not waited for
-            if self._sock is not None:
-                self._sock.setsockopt(zmq.RCVTIMEO, int(self.timeout_s * 1000))
-            try:
-                self.request({"op": "unregister", "client": self.client_id})
+            try:  # closing: a busy process is not waited for
+                self.request({"op": "unregister", "client": self.client_id}, min(self.timeout_s, UNREGISTER_S))
             except ExpertServerError:
                 pass
         self._ctrls = []
