@@ -14,7 +14,8 @@ SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed accepts
 class SamplingParams:
     """temperature 0 (or below GREEDY_BELOW) means greedy; top_k 0 and top_p 1 disable those filters; seed makes
     sampling repeatable. logprobs=k reports each generated token's log-probability and the k most likely
-    alternatives; prompt_logprobs=k does the same for the prompt's tokens (the first has none)."""
+    alternatives; prompt_logprobs=k does the same for the prompt's tokens (the first has none). grammar (Lark text, see
+    hybrid/structured_output) restricts the completion to what it derives; the request ends when it is complete."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -27,6 +28,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -43,6 +45,8 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty")
         if self.seed is not None and not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]:
             raise ValueError(f"seed must be in [-2**63, 2**64), got {self.seed}")
+        if self.grammar is not None and not self.grammar.strip():
+            raise ValueError("grammar must not be empty")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(self, name)
             if k is not None and not 0 <= k <= MAX_LOGPROBS:

@@ -48,9 +48,10 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return self.hf.encode(text, add_special_tokens=True)
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        """Renders the conversation; the template's own markers become special tokens, while a marker a user
-        typed (`<|im_end|>` in a message) stays text, so nobody can forge a turn boundary."""
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Renders the conversation (and the tools offered, in the template's own tool section); the template's
+        own markers become special tokens, while a marker a user typed (`<|im_end|>` in a message) stays text,
+        so nobody can forge a turn boundary."""
         if not getattr(self.hf, "chat_template", None):
             raise TokenizerError("this model's tokenizer has no chat_template")
         typed: dict[str, str] = {}
@@ -62,7 +63,7 @@ class Tokenizer:
                 typed[slot] = content
                 m = {**m, "content": slot}
             slotted.append(m)
-        text = self.hf.apply_chat_template(slotted, tokenize=False, add_generation_prompt=True)
+        text = self.hf.apply_chat_template(slotted, tools=tools, tokenize=False, add_generation_prompt=True)
         ids: list[int] = []
         for piece in _SLOT_RE.split(text):
             if piece in typed:
@@ -70,6 +71,11 @@ class Tokenizer:
             elif piece:
                 ids += self.hf.encode(piece, add_special_tokens=False)
         return ids
+
+    @property
+    def added_tokens(self) -> set[str]:
+        """Tokens added to the vocabulary whole (special markers, tool-call tags)."""
+        return set(self.hf.get_added_vocab())
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)

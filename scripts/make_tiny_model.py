@@ -22,28 +22,93 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from cpu_kernels.pack import quantize_fp8_blocks
 
 FP8_BLOCK = 128
 
 QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# Added but not special, as in Qwen3's tokenizer: tool-call markers must survive detokenization.
+QWEN_ADDED = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
+# The shape of Qwen3's template: tools listed in the system turn as JSON lines inside <tools>, calls as
+# <tool_call>{"name", "arguments"}</tool_call>, tool results grouped into one user turn of <tool_response>s.
 QWEN_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- elif messages[0].role == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'assistant' %}"
+    "{{- '<|im_start|>assistant\\n' + (message.content or '') }}"
+    "{%- for call in message.tool_calls or [] %}"
+    "{%- set fn = call.function if call.function is defined else call %}"
+    "{%- if loop.first and message.content %}{{- '\\n' }}{%- elif not loop.first %}{{- '\\n' }}{%- endif %}"
+    "{{- '<tool_call>\\n{\"name\": \"' + fn.name + '\", \"arguments\": ' }}"
+    "{%- if fn.arguments is string %}{{- fn.arguments }}{%- else %}{{- fn.arguments | tojson }}{%- endif %}"
+    "{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 DEEPSEEK_SPECIALS = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"]
+DEEPSEEK_ADDED = ["<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>",
+                  "<｜tool▁sep｜>", "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>", "<｜tool▁output▁begin｜>",
+                  "<｜tool▁output▁end｜>"]
+# The shape of DeepSeek-V3's template: calls as function<｜tool▁sep｜>NAME and ```json arguments``` between
+# tool-call markers, results between tool-output markers. V3's own template leaves the tool list to the system
+# prompt; this one lists the tools there, as V3.1's does.
 DEEPSEEK_TEMPLATE = (
     "{{ bos_token }}"
+    "{%- set ns = namespace(system='', is_tool=false, first_output=true) %}"
+    "{%- for message in messages %}{%- if message.role == 'system' %}{%- set ns.system = message.content %}"
+    "{%- endif %}{%- endfor %}"
+    "{{- ns.system }}"
+    "{%- if tools %}"
+    "{{- '\\n\\n## Tools\\nYou have access to the following tools:\\n' }}"
+    "{%- for tool in tools %}{{- '\\n### ' + tool.function.name + '\\nDescription: ' + "
+    "(tool.function.description or '') + '\\n\\nParameters: ' + (tool.function.parameters | tojson) + '\\n' }}"
+    "{%- endfor %}"
+    "{{- '\\nTo call tools, answer with <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME"
+    "\\n```json\\nARGUMENTS\\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>.\\n' }}"
+    "{%- endif %}"
     "{%- for message in messages %}"
-    "{%- if message['role'] == 'system' %}{{ message['content'] }}"
-    "{%- elif message['role'] == 'user' %}{{ '<｜User｜>' + message['content'] }}"
-    "{%- elif message['role'] == 'assistant' %}{{ '<｜Assistant｜>' + message['content'] + eos_token }}"
+    "{%- if message.role == 'user' %}{%- set ns.is_tool = false %}{{ '<｜User｜>' + message.content }}"
+    "{%- elif message.role == 'assistant' %}"
+    "{%- if ns.is_tool %}{{ '<｜tool▁outputs▁end｜>' }}{%- set ns.is_tool = false %}{%- endif %}"
+    "{{ '<｜Assistant｜>' + (message.content or '') }}"
+    "{%- if message.tool_calls %}{{ '<｜tool▁calls▁begin｜>' }}"
+    "{%- for call in message.tool_calls %}"
+    "{%- set fn = call.function if call.function is defined else call %}"
+    "{%- if not loop.first %}{{ '\\n' }}{%- endif %}"
+    "{{ '<｜tool▁call▁begin｜>function<｜tool▁sep｜>' + fn.name + '\\n```json\\n' }}"
+    "{%- if fn.arguments is string %}{{ fn.arguments }}{%- else %}{{ fn.arguments | tojson }}{%- endif %}"
+    "{{ '\\n```<｜tool▁call▁end｜>' }}"
+    "{%- endfor %}{{ '<｜tool▁calls▁end｜>' }}{%- endif %}"
+    "{{ eos_token }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if not ns.is_tool %}{{ '<｜tool▁outputs▁begin｜>' }}{%- set ns.is_tool = true %}"
+    "{%- else %}{{ '\\n' }}{%- endif %}"
+    "{{ '<｜tool▁output▁begin｜>' + message.content + '<｜tool▁output▁end｜>' }}"
     "{%- endif %}"
     "{%- endfor %}"
+    "{%- if ns.is_tool %}{{ '<｜tool▁outputs▁end｜>' }}{%- endif %}"
     "{%- if add_generation_prompt %}{{ '<｜Assistant｜>' }}{%- endif %}"
 )
 
@@ -124,8 +189,10 @@ def _trained_bpe(vocab_size: int, specials: tuple[str, ...]) -> str:
     return tok.to_str()
 
 
-def train_tokenizer(vocab_size: int, specials: list[str], bos: str | None) -> Tokenizer:
-    tok = Tokenizer.from_str(_trained_bpe(vocab_size, tuple(specials)))
+def train_tokenizer(vocab_size: int, specials: list[str], bos: str | None, added: list[str]) -> Tokenizer:
+    """A BPE of vocab_size ids in all: the trained ones, then `added` (plain-text tokens, not special)."""
+    tok = Tokenizer.from_str(_trained_bpe(vocab_size - len(added), tuple(specials)))
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
     tok.decoder = decoders.ByteLevel()
     if bos is None:
         tok.post_processor = processors.ByteLevel(trim_offsets=False)
@@ -139,10 +206,10 @@ def train_tokenizer(vocab_size: int, specials: list[str], bos: str | None) -> To
 
 def write_tokenizer(out: Path, arch: str, vocab_size: int) -> dict:
     if arch == "qwen3_moe":
-        tok = train_tokenizer(vocab_size, QWEN_SPECIALS, None)
+        tok = train_tokenizer(vocab_size, QWEN_SPECIALS, None, QWEN_ADDED)
         bos, eos, pad, template = None, "<|im_end|>", "<|endoftext|>", QWEN_TEMPLATE
     else:
-        tok = train_tokenizer(vocab_size, DEEPSEEK_SPECIALS, DEEPSEEK_SPECIALS[0])
+        tok = train_tokenizer(vocab_size, DEEPSEEK_SPECIALS, DEEPSEEK_SPECIALS[0], DEEPSEEK_ADDED)
         bos, eos, pad, template = DEEPSEEK_SPECIALS[0], DEEPSEEK_SPECIALS[1], DEEPSEEK_SPECIALS[1], DEEPSEEK_TEMPLATE
     tok.save(str(out / "tokenizer.json"))
     cfg = {

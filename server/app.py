@@ -22,6 +22,9 @@ from hybrid.managers.engine_client import EngineClient, EngineError
 from hybrid.managers.messages import TokenDelta, as_json
 from hybrid.request_checks import InvalidRequest, RequestLimits, check_prompt, resolve_max_tokens
 from hybrid.sampling_params import SamplingParams
+from hybrid.structured_output.backend import GrammarError
+from hybrid.structured_output.grammar_checker import GrammarChecker
+from hybrid.structured_output.tool_formats import format_for
 from hybrid.tokenizer import Tokenizer, TokenizerError
 from server.guard import RequestGuard
 from server.metrics import Metrics
@@ -134,6 +137,15 @@ def build_app(config: DaemonConfig, client: EngineClient, tokenizer: Tokenizer |
     max_pending = config.engine_config().max_num_seqs + config.max_queue
     admitted = Admissions(max_pending)
     token_text = TokenText(tokenizer)
+    tool_format = format_for(tokenizer.hf.chat_template, tokenizer.added_tokens) if tokenizer else None
+
+    def grammar_backend():
+        from hybrid.structured_output.llguidance_backend import LLGuidanceBackend
+
+        eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        return LLGuidanceBackend(tokenizer, client.state.info.vocab_size, eos)
+
+    grammars = GrammarChecker(grammar_backend)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -167,15 +179,32 @@ def build_app(config: DaemonConfig, client: EngineClient, tokenizer: Tokenizer |
             raise ApiError(404, f"the model {req.model!r} does not exist; this daemon serves {name!r}",
                            param="model", code="model_not_found")
 
-    def admit(req: SamplingFields, prompt_ids: list[int], prompt_field: str) -> tuple[SamplingParams, RequestStats]:
+    def check_ready() -> None:
         if not client.ready:
             raise ApiError(503, client.state.describe(), headers={"Retry-After": str(RETRY_AFTER_S)})
+
+    async def check_grammar(grammar: str | None, param: str) -> None:
+        """A grammar the model's tokenizer cannot compile is the request's fault (its schema, say)."""
+        if grammar is None:
+            return
+        if tokenizer is None:
+            raise ApiError(400, f"{param}: structured output needs the model's tokenizer, and it has none",
+                           param=param)
+        check_ready()
+        try:
+            await asyncio.to_thread(grammars.check, grammar)
+        except GrammarError as e:
+            raise ApiError(400, f"{param}: the schema cannot be enforced: {e}", param=param) from None
+
+    def admit(req: SamplingFields, prompt_ids: list[int], prompt_field: str,
+              grammar: str | None = None) -> tuple[SamplingParams, RequestStats]:
+        check_ready()
         info = client.state.info
         limits = RequestLimits(info.vocab_size, info.max_model_len)
         try:
             check_prompt(prompt_ids, limits, prompt_field)
             max_tokens = resolve_max_tokens(req.requested_max_tokens, len(prompt_ids), limits)
-            params = req.sampling_params(max_tokens)
+            params = req.sampling_params(max_tokens, grammar)
         except InvalidRequest as e:
             raise ApiError(400, str(e), param=e.param, code=e.code) from None
         except ValueError as e:
@@ -249,16 +278,24 @@ def build_app(config: DaemonConfig, client: EngineClient, tokenizer: Tokenizer |
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         check_model(req)
         tok = need_tokenizer()
+        if req.calls_tools and tool_format is None:
+            raise ApiError(400, "tools: this model's chat template has no tool-call format hybridd reads "
+                           "(Hermes/Qwen3 <tool_call> or DeepSeek-V3)", param="tools")
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.calls_tools else None
+        grammar, param = (req.response_format.grammar(), "response_format") if req.response_format else (None, "")
+        if (forced := req.forced_functions) is not None:
+            grammar, param = tool_format.grammar(forced, req.parallel_tool_calls), "tools"
+        await check_grammar(grammar, param)
         try:
-            messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                        for m in req.messages]
-            prompt_ids = await asyncio.to_thread(tok.apply_chat_template, messages)
+            messages = [m.rendered() for m in req.messages]
+            prompt_ids = await asyncio.to_thread(tok.apply_chat_template, messages, tools)
         except (ValueError, TokenizerError) as e:
             raise ApiError(400, f"messages: {e}", param="messages") from None
         except Exception as e:  # a chat template raising on an odd conversation is the caller's error
             raise ApiError(400, f"messages: the chat template rejected them: {e}", param="messages") from None
-        params, stats = admit(req, prompt_ids, "messages")
-        shape = ChatShape(uuid.uuid4().hex, name, now(), token_text, params.logprobs is not None)
+        params, stats = admit(req, prompt_ids, "messages", grammar)
+        shape = ChatShape(uuid.uuid4().hex, name, now(), token_text, params.logprobs is not None,
+                          tool_format if req.calls_tools else None)
         return await run(request, req.stream, prompt_ids, params, stats, shape, req.include_usage)
 
     @app.post("/v1/completions")
@@ -271,7 +308,9 @@ def build_app(config: DaemonConfig, client: EngineClient, tokenizer: Tokenizer |
                 raise ApiError(400, str(e), param="prompt") from None
         else:
             prompt_ids = list(req.prompt)
-        params, stats = admit(req, prompt_ids, "prompt")
+        grammar = req.response_format.grammar() if req.response_format else None
+        await check_grammar(grammar, "response_format")
+        params, stats = admit(req, prompt_ids, "prompt", grammar)
         echo = None
         if req.echo:
             echo = req.prompt if isinstance(req.prompt, str) else ""

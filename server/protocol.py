@@ -9,12 +9,15 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic_core import PydanticCustomError
 
 from hybrid.sampling_params import MAX_LOGPROBS, SEED_RANGE, SamplingParams
+from hybrid.structured_output.backend import GrammarError
+from hybrid.structured_output.grammars import check_schema, json_object_grammar, json_schema_grammar
+from hybrid.structured_output.tool_formats import Function
 
 MAX_STOP_SEQUENCES = 16
 # OpenAI fields hybridd does not implement, with the values that ask for nothing (and so are accepted).
 UNSUPPORTED = {
-    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}), "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0),
+    "functions": (None, []), "function_call": (None, "none"), "logit_bias": (None, {}),
+    "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0), "best_of": (None, 1),
     "suffix": (None, ""), "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
     "web_search_options": (None,), "min_p": (None, 0, 0.0), "min_tokens": (None, 0),
@@ -23,6 +26,87 @@ UNSUPPORTED = {
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+
+    name: str = Field(default="response", max_length=64)
+    description: str | None = None
+    json_schema: dict = Field(alias="schema")
+    strict: bool | None = None
+
+    @field_validator("json_schema")
+    @classmethod
+    def _valid(cls, v: dict) -> dict:
+        try:
+            return check_schema(v, "schema")
+        except GrammarError as e:
+            raise ValueError(str(e)) from None
+
+
+class ResponseFormat(BaseModel):
+    """`json_object`: any JSON object; `json_schema`: a JSON value valid against the given schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type json_schema needs a json_schema object with a schema")
+        return self
+
+    def grammar(self) -> str | None:
+        if self.type == "json_object":
+            return json_object_grammar()
+        if self.type == "json_schema":
+            return json_schema_grammar(self.json_schema.json_schema)
+        return None
+
+
+class FunctionDefinition(BaseModel):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _valid(cls, v: dict | None) -> dict | None:
+        try:
+            return None if v is None else check_schema(v, "parameters")
+        except GrammarError as e:
+            raise ValueError(str(e)) from None
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class ToolCallFunction(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallIn(BaseModel):
+    """A tool call of an earlier assistant turn, as the client sends it back."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
 
 
 class SamplingFields(BaseModel):
@@ -43,6 +127,7 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     user: str | None = None
+    response_format: ResponseFormat | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -64,10 +149,11 @@ class SamplingFields(BaseModel):
             raise ValueError("stop sequences must be non-empty")
         return stops
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, grammar: str | None = None) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0),
                               max_tokens=max_tokens, seed=self.seed, stop=self.stop, ignore_eos=self.ignore_eos,
-                              logprobs=self.logprob_count, prompt_logprobs=self.prompt_logprob_count)
+                              logprobs=self.logprob_count, prompt_logprobs=self.prompt_logprob_count,
+                              grammar=grammar)
 
     @property
     def logprob_count(self) -> int | None:
@@ -92,6 +178,20 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict] | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+    def rendered(self) -> dict:
+        """The message as a chat template reads it (developer is system; tool calls and ids kept)."""
+        out = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -106,6 +206,9 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self):
@@ -113,6 +216,40 @@ class ChatCompletionRequest(SamplingFields):
             raise PydanticCustomError("logprobs", "top_logprobs needs logprobs: true",
                                       {"param": "top_logprobs"})
         return self
+
+    @model_validator(mode="after")
+    def _tool_choice_fits(self):
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise PydanticCustomError("tools", "tools: function names must be unique", {"param": "tools"})
+        choice = self.tool_choice
+        if choice not in (None, "none", "auto") and not names:
+            raise PydanticCustomError("tool_choice", "tool_choice {choice} needs tools",
+                                      {"param": "tool_choice", "choice": repr(choice if isinstance(choice, str)
+                                                                             else choice.function.name)})
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise PydanticCustomError("tool_choice", "tool_choice names {name}, which is not among the tools",
+                                      {"param": "tool_choice", "name": repr(choice.function.name)})
+        if self.calls_tools and self.response_format is not None and self.response_format.type != "text":
+            raise PydanticCustomError("response_format", "response_format {kind} cannot be combined with tools "
+                                      "unless tool_choice is none", {"param": "response_format",
+                                                                     "kind": self.response_format.type})
+        return self
+
+    @property
+    def calls_tools(self) -> bool:
+        """True when the model is offered tools and its reply is read for tool calls."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def forced_functions(self) -> list[Function] | None:
+        """The functions a grammar forces the reply to call (tool_choice required or named), else None."""
+        if not self.calls_tools or self.tool_choice in (None, "auto"):
+            return None
+        chosen = [t.function for t in self.tools]
+        if isinstance(self.tool_choice, NamedToolChoice):
+            chosen = [f for f in chosen if f.name == self.tool_choice.function.name]
+        return [Function(f.name, f.parameters) for f in chosen]
 
     @property
     def logprob_count(self) -> int | None:

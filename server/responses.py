@@ -8,6 +8,7 @@ import msgspec
 
 from hybrid.engine.outputs import TokenLogprob
 from hybrid.managers.messages import TokenDelta
+from hybrid.structured_output.tool_formats import ToolCall, ToolCallFormat, ToolCallStream
 from hybrid.tokenizer import Tokenizer
 
 
@@ -69,10 +70,28 @@ class ResponseShape:
         raise NotImplementedError
 
 
+def tool_call_json(call: ToolCall, index: int | None = None) -> dict:
+    out = {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+    return out if index is None else {"index": index, **out}
+
+
 class ChatShape(ResponseShape):
+    """With a tool-call format, the reply is split into content and `tool_calls` (streamed as each call
+    completes), and a reply that called tools finishes with "tool_calls"."""
+
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
     id_prefix = "chatcmpl"
+
+    def __init__(self, rid: str, model: str, created: int, token_text: TokenText, logprobs: bool,
+                 tool_format: ToolCallFormat | None = None):
+        super().__init__(rid, model, created, token_text, logprobs)
+        self.tools = ToolCallStream(tool_format) if tool_format is not None else None
+
+    def reason(self, finish_reason: str | None) -> str | None:
+        if finish_reason == "stop" and self.tools is not None and self.tools.calls:
+            return "tool_calls"
+        return finish_reason
 
     def opening(self) -> dict:
         return self.body([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -88,16 +107,29 @@ class ChatShape(ResponseShape):
 
     def chunk(self, msg: TokenDelta) -> dict | None:
         text, entries = self.add(msg)
-        if not (text or msg.finished or entries):
+        delta: dict = {"content": text}
+        if self.tools is not None:
+            first = len(self.tools.calls)
+            content, calls = self.tools.feed(text, msg.finished)
+            delta = {"content": content} if content or not calls else {}
+            if calls:
+                delta["tool_calls"] = [tool_call_json(c, first + i) for i, c in enumerate(calls)]
+        if not (delta.get("content") or delta.get("tool_calls") or msg.finished or entries):
             return None
         logprobs = {"content": entries, "refusal": None} if self.logprobs else None
-        return self.body([{"index": 0, "delta": {"content": text}, "logprobs": logprobs,
-                           "finish_reason": msg.finish_reason}], True)
+        return self.body([{"index": 0, "delta": delta, "logprobs": logprobs,
+                           "finish_reason": self.reason(msg.finish_reason)}], True)
 
     def final(self, usage: dict) -> dict:
         logprobs = {"content": self.entries, "refusal": None} if self.logprobs else None
-        return self.body([{"index": 0, "message": {"role": "assistant", "content": "".join(self.parts)},
-                           "logprobs": logprobs, "finish_reason": self.finish_reason}], False, usage)
+        message: dict = {"role": "assistant", "content": "".join(self.parts)}
+        if self.tools is not None:
+            content, calls = self.tools.feed(message["content"], True)
+            message["content"] = content
+            if calls:
+                message.update(content=content or None, tool_calls=[tool_call_json(c) for c in calls])
+        return self.body([{"index": 0, "message": message, "logprobs": logprobs,
+                           "finish_reason": self.reason(self.finish_reason)}], False, usage)
 
 
 class CompletionShape(ResponseShape):

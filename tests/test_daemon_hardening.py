@@ -53,9 +53,11 @@ def test_every_field_is_checked_at_the_api_with_its_name(daemon):
     cases = [
         ("chat/completions", {"seed": 2**64, "stream": True}, "seed"),
         ("completions", {"seed": -(2**63) - 1}, "seed"),
-        ("chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ("chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+        ("chat/completions", {"tools": [{"type": "function", "function": {"name": "f g"}}]},
+         "tools.0.function.name"),
+        ("chat/completions", {"response_format": {"type": "yaml"}}, "response_format.type"),
         ("chat/completions", {"tool_choice": "required"}, "tool_choice"),
+        ("chat/completions", {"functions": [{"name": "f"}]}, "functions"),
         ("completions", {"logit_bias": {"5": 10}}, "logit_bias"),
         ("completions", {"best_of": 3}, "best_of"),
         ("chat/completions", {"frequency_penalty": 0.5}, "frequency_penalty"),

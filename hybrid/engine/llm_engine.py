@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import torch
 
@@ -20,9 +21,12 @@ from hybrid.mem_cache.block_hash_cache import BlockHashCache
 from hybrid.mem_cache.block_manager import BlockManager
 from hybrid.request_checks import InvalidRequest, RequestLimits, check_prompt
 from hybrid.sampling_params import SamplingParams
+from hybrid.structured_output.backend import GrammarError, GrammarMatcher
 from hybrid.tokenizer import MissingTokenizer, Tokenizer, TokenizerError
 
 log = logging.getLogger(__name__)
+# How long an idle step waits for a grammar being compiled before returning to the caller's loop.
+COMPILE_WAIT_S = 0.005
 
 
 class LLMEngine:
@@ -50,6 +54,9 @@ class LLMEngine:
         self.seqs: dict[str, Sequence] = {}
         self.detok: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
+        # Requests whose grammar is being compiled, off the step loop; they are scheduled once it is ready.
+        self.compiling: dict[str, tuple[Sequence, Future[GrammarMatcher]]] = {}
+        self._compiler = ThreadPoolExecutor(1, thread_name_prefix="grammar")
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -65,6 +72,8 @@ class LLMEngine:
         params = params or SamplingParams()
         ids = self.encode(prompt)
         check_prompt(ids, self.limits)
+        if params.grammar is not None and self.tokenizer is None:
+            raise InvalidRequest("a grammar needs the model's tokenizer, and this model has none")
         if request_id is None:
             request_id = next(rid for rid in map(str, self._ids) if rid not in self.seqs)
         if request_id in self.seqs:
@@ -74,14 +83,44 @@ class LLMEngine:
         if self.tokenizer is not None:
             self.detok[seq.request_id] = IncrementalDetokenizer(self.tokenizer.backend, params.stop,
                                                             params.skip_special_tokens)
-        self.scheduler.add(seq)
+        if params.grammar is None:
+            self.scheduler.add(seq)
+        else:
+            self.compiling[request_id] = (seq, self._compiler.submit(self._matcher, params.grammar))
         return seq.request_id
+
+    def _matcher(self, grammar: str) -> GrammarMatcher:
+        """Runs on the compiler thread, the only one that creates the backend."""
+        if self.sampler.grammars is None:
+            from hybrid.structured_output.llguidance_backend import LLGuidanceBackend
+
+            self.sampler.grammars = LLGuidanceBackend(self.tokenizer, self.model_config.vocab_size,
+                                                      sorted(self.eos_ids))
+        return self.sampler.grammars.matcher(grammar)
+
+    def _schedule_compiled(self) -> list[RequestOutput]:
+        """Hands requests whose grammar is ready to the scheduler; fails those whose grammar did not compile."""
+        failed = []
+        if self.compiling and not self.scheduler.has_unfinished():
+            wait([f for _, f in self.compiling.values()], COMPILE_WAIT_S, FIRST_COMPLETED)
+        for rid, (seq, future) in list(self.compiling.items()):
+            if not future.done():
+                continue
+            del self.compiling[rid]
+            try:
+                seq.matcher = future.result()
+            except GrammarError as e:
+                failed.append(self._fail(seq, f"the grammar does not compile: {e}", status=400))
+                continue
+            self.scheduler.add(seq)
+        return failed
 
     @property
     def limits(self) -> RequestLimits:
         return RequestLimits(self.model_config.vocab_size, self.max_model_len)
 
     def abort(self, request_id: str) -> None:
+        self.compiling.pop(request_id, None)
         seq = self.seqs.pop(request_id, None)
         if seq is not None:
             self.scheduler.finish(seq)
@@ -90,18 +129,20 @@ class LLMEngine:
 
     def close(self) -> None:
         """Disconnects from (and stops, if this engine started it) the expert process."""
+        self._compiler.shutdown(wait=False, cancel_futures=True)
         self.runner.experts.close()
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self.compiling)
 
     def step(self) -> list[RequestOutput]:
         """Runs one batch; returns an output for each request that got a new token or finished. An exception
         while running the batch fails that batch's requests (each gets an output with finish_reason "error")
         and leaves the engine serving; only a failed expert process propagates, for its owner to restart."""
+        failed = self._schedule_compiled()
         batch = self.scheduler.schedule()
         if not batch:
-            return []
+            return failed
         try:
             if any(self._wants_prompt_logprobs(item.seq) for item in batch):
                 logits = self._record_prompt_logprobs(batch, self.runner.execute(batch, all_logits=True))
@@ -113,12 +154,11 @@ class LLMEngine:
             raise
         except Exception as e:
             log.exception("a step of %d requests failed; failing them and serving on", len(batch))
-            return [self._fail(item.seq, f"the engine failed while running this request: {type(e).__name__}: "
-                               f"{e}") for item in batch]
+            return failed + [self._fail(item.seq, f"the engine failed while running this request: "
+                                        f"{type(e).__name__}: {e}") for item in batch]
         self.scheduler.advance(batch)
-        return [self._advance(seq, s) if s.token is not None else
-                self._fail(seq, "the model produced logits that are not numbers (NaN or infinite) for this request")
-                for seq, s in zip(sampling, samples)]
+        return failed + [self._advance(seq, s) if s.token is not None else self._fail(seq, s.error)
+                         for seq, s in zip(sampling, samples)]
 
     @staticmethod
     def _wants_prompt_logprobs(seq: Sequence) -> bool:
@@ -143,6 +183,8 @@ class LLMEngine:
 
     def _advance(self, seq: Sequence, sample: Sample) -> RequestOutput:
         token = sample.token
+        if seq.matcher is not None and not seq.matcher.accept(token):
+            return self._fail(seq, f"token {token} does not follow the request's grammar")
         seq.append(token)
         p = seq.params
         detok = self.detok.get(seq.request_id)
@@ -150,6 +192,8 @@ class LLMEngine:
         if stopped_on_text is not None:
             seq.finish("stop")
         elif (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            seq.finish("stop")
+        elif seq.matcher is not None and seq.matcher.is_finished:
             seq.finish("stop")
         elif seq.num_completion_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             seq.finish("length")
@@ -165,12 +209,12 @@ class LLMEngine:
             out.prompt_logprobs = seq.prompt_logprobs
         return out
 
-    def _fail(self, seq: Sequence, message: str) -> RequestOutput:
+    def _fail(self, seq: Sequence, message: str, status: int = 500) -> RequestOutput:
         log.error("request %s failed: %s", seq.request_id, message)
         self.abort(seq.request_id)
         seq.finish_reason = "error"
         out = self._output(seq, [], None)
-        out.error = message
+        out.error, out.error_status = message, status
         return out
 
     def _output(self, seq: Sequence, new_ids: list[int], detok: IncrementalDetokenizer | None) -> RequestOutput:

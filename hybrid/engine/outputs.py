@@ -31,6 +31,7 @@ class RequestOutput:
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     error: str | None = None  # why a request with finish_reason "error" failed
+    error_status: int = 500  # 400 when the request itself was at fault (a grammar that does not compile)
     logprobs: list[TokenLogprob] | None = None  # one per completion token, when the request asked for logprobs
     new_logprobs: list[TokenLogprob] | None = None  # those of new_token_ids
     prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token (the first's is None)

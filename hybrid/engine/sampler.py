@@ -2,7 +2,8 @@
 
 Sampling is total: any accepted SamplingParams gives a token for finite logits (a tiny temperature acts as
 greedy, a top-p that keeps nothing keeps the top token); a row of logits that are not numbers gives no token,
-and the engine fails that request alone.
+and the engine fails that request alone. A sequence with a grammar matcher draws only among the tokens its
+grammar allows next; logprobs stay the model's own, before the mask.
 """
 
 from __future__ import annotations
@@ -13,15 +14,26 @@ import torch
 
 from hybrid.engine.outputs import TokenLogprob
 from hybrid.engine.sequence import Sequence
+from hybrid.structured_output.backend import GrammarBackend
+
+NOT_NUMBERS = "the model produced logits that are not numbers (NaN or infinite) for this request"
+NOTHING_ALLOWED = "the request's grammar allows no next token"
+
+# A constrained request checks whether it must start closing its grammar (structured_output/backend.py) over
+# its last CLOSING_HORIZON tokens, and starts CLOSING_MARGIN tokens early: the model's pick among the closing
+# tokens may take a few more than the distance counted.
+CLOSING_HORIZON = 96
+CLOSING_MARGIN = 4
 
 
 @dataclass
 class Sample:
-    """One row's draw: `token` is None when the row's logits were not numbers; `logprob` is filled when the
-    request asked for logprobs."""
+    """One row's draw: `token` is None when no token could be drawn, and `error` says why; `logprob` is filled
+    when the request asked for logprobs."""
 
     token: int | None
     logprob: TokenLogprob | None = None
+    error: str | None = None
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -63,15 +75,21 @@ def token_logprobs(rows: torch.Tensor, token_ids: list[int], k: int) -> list[Tok
 
 
 class Sampler:
+    """`grammars` is set by the engine once a request has brought a grammar."""
+
+    def __init__(self) -> None:
+        self.grammars: GrammarBackend | None = None
+
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[Sample]:
-        logits = logits.float()
-        broken = broken_rows(logits).tolist()
+        raw = logits.float()
+        broken = broken_rows(raw).tolist()
+        logits, unsatisfiable = self.apply_grammars(raw, seqs)
         greedy = logits.argmax(dim=-1).tolist()
         out = []
         for row, seq in enumerate(seqs):
             p = seq.params
-            if broken[row]:
-                out.append(Sample(None))
+            if broken[row] or row in unsatisfiable:
+                out.append(Sample(None, error=NOT_NUMBERS if broken[row] else NOTHING_ALLOWED))
                 continue
             if p.greedy:
                 token = greedy[row]
@@ -79,6 +97,27 @@ class Sampler:
                 filtered = filter_logits(logits[row] / p.temperature, p.top_k, p.top_p)
                 probs = torch.softmax(filtered, dim=-1)
                 token = int(torch.multinomial(probs, 1, generator=seq.generator).item())
-            lp = token_logprobs(logits[row:row + 1], [token], p.logprobs)[0] if p.logprobs is not None else None
+            lp = token_logprobs(raw[row:row + 1], [token], p.logprobs)[0] if p.logprobs is not None else None
             out.append(Sample(token, lp))
         return out
+
+    def apply_grammars(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, set[int]]:
+        """Logits with the tokens each constrained row's grammar forbids set to -inf, and the rows whose grammar
+        allows nothing."""
+        rows = [row for row, seq in enumerate(seqs) if seq.matcher is not None]
+        if not rows:
+            return logits, set()
+        allowed = self.grammars.allowed([seqs[row].matcher for row in rows])
+        closing = [i for i, row in enumerate(rows) if self.must_close(seqs[row])]
+        if closing:
+            allowed[closing] = self.grammars.closing(allowed[closing])
+        logits = logits.clone()
+        logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+        return logits, {row for row, ok in zip(rows, allowed.any(-1).tolist()) if not ok}
+
+    def must_close(self, seq: Sequence) -> bool:
+        """True once the tokens seq has left are only just enough to finish its grammar; it stays so."""
+        left = seq.params.max_tokens - seq.num_completion_tokens
+        if not seq.closing and left <= CLOSING_HORIZON:
+            seq.closing = left <= self.grammars.closing_distance(seq.matcher, left) + CLOSING_MARGIN
+        return seq.closing

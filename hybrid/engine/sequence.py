@@ -9,6 +9,7 @@ import torch
 
 from hybrid.engine.outputs import TokenLogprob
 from hybrid.sampling_params import SamplingParams
+from hybrid.structured_output.backend import GrammarMatcher
 
 
 class SequenceStatus(Enum):
@@ -39,6 +40,8 @@ class Sequence:
         self.generator: torch.Generator | None = None
         self.prompt_logprobs: list[TokenLogprob | None] = [None]  # by position, when params.prompt_logprobs is set
         self.logprobs: list[TokenLogprob] = []  # of the completion's tokens, when params.logprobs is set
+        self.matcher: GrammarMatcher | None = None  # follows params.grammar over the completion
+        self.closing = False  # drawing only tokens that finish the grammar, as max_tokens is near (sampler.py)
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
 

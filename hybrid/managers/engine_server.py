@@ -189,7 +189,7 @@ class EngineServer:
             return
         if out.error is not None:
             self.in_flight.discard(out.request_id)
-            self.send(RequestFailed(out.request_id, 500, out.error))
+            self.send(RequestFailed(out.request_id, out.error_status, out.error))
             return
         self._generated.append((time.monotonic(), len(out.new_token_ids)))
         first = len(out.token_ids) == len(out.new_token_ids)

@@ -1,0 +1,308 @@
+"""Structured output and tools: grammars enforced in the sampler (engine), tool-call formats parsed whole and
+streamed, and the OpenAI surface (response_format, tools, tool_choice) through a daemon with the openai client."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import pytest
+import torch
+from daemon_harness import MODEL
+
+from hybrid.llm import LLM
+from hybrid.sampling_params import SamplingParams
+from hybrid.structured_output.backend import closing_ranks
+from hybrid.structured_output.grammars import json_object_grammar, json_schema_grammar
+from hybrid.structured_output.tool_formats import (
+    DeepSeekV3Format,
+    Function,
+    HermesFormat,
+    ToolCallStream,
+    format_for,
+)
+
+SCHEMAS = {
+    "bounded": {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+        "required": ["name", "age"], "additionalProperties": False},
+    "enum-array": {"type": "object", "properties": {
+        "color": {"enum": ["red", "green", "blue"]},
+        "sizes": {"type": "array", "items": {"type": "integer", "minimum": -5, "maximum": 5}, "minItems": 1,
+                  "maxItems": 3}}, "required": ["color", "sizes"]},
+    "nested": {"type": "object", "properties": {
+        "user": {"type": "object", "properties": {"id": {"type": "integer"}, "ok": {"type": "boolean"},
+                                                  "tags": {"type": "array", "items": {"type": "string"}}},
+                 "required": ["id", "ok", "tags"]},
+        "score": {"type": "number"}}, "required": ["user", "score"]},
+    "free-string": {"type": "object", "properties": {"s": {"type": "string"}}, "required": ["s"]},
+    "top-level-array": {"type": "array", "items": {"enum": [1, 2, 3]}, "minItems": 2},
+}
+WEATHER = Function("get_weather", {"type": "object", "properties": {
+    "city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["city", "unit"]})
+ADD = Function("add", {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                                                        "b": {"type": "integer", "minimum": 0, "maximum": 99}},
+                       "required": ["a", "b"], "additionalProperties": False})
+NOW = Function("now", None)
+FUNCTIONS = {f.name: f for f in (WEATHER, ADD, NOW)}
+
+
+@pytest.fixture(scope="module", params=["tiny-qwen3-moe", "tiny-deepseek-v3"])
+def llm(request, model_dirs):
+    engine = LLM(model_dirs[request.param], dtype="float32", max_num_seqs=8)
+    yield engine
+    engine.close()
+
+
+def tool_format(llm):
+    return format_for(llm.tokenizer.hf.chat_template, llm.tokenizer.added_tokens)
+
+
+def check_call(call) -> None:
+    fn = FUNCTIONS[call.name]
+    args = json.loads(call.arguments)
+    jsonschema.validate(args, fn.parameters or {"type": "object", "maxProperties": 0})
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_json_schema_outputs_validate_from_random_weights(llm, temperature):
+    prompts = ["Answer in JSON:", "{", "Tell me a story."]
+    for name, schema in SCHEMAS.items():
+        for prompt in prompts:
+            out = llm.generate(prompt, SamplingParams(max_tokens=96, temperature=temperature, seed=3,
+                                                      grammar=json_schema_grammar(schema)))[0]
+            assert out.finish_reason == "stop", (name, out.text)
+            jsonschema.validate(json.loads(out.text), schema)
+
+
+def test_json_object_closes_within_a_small_budget(llm):
+    for max_tokens in (8, 24, 64):
+        out = llm.generate("JSON please", SamplingParams(max_tokens=max_tokens, temperature=0,
+                                                         grammar=json_object_grammar()))[0]
+        assert out.finish_reason == "stop" and len(out.token_ids) <= max_tokens
+        assert isinstance(json.loads(out.text), dict)
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_forced_tool_calls_parse_and_validate(llm, parallel):
+    fmt = tool_format(llm)
+    assert isinstance(fmt, HermesFormat if "<tool_call>" in llm.tokenizer.hf.chat_template else DeepSeekV3Format)
+    for chosen in ([WEATHER], [ADD], [NOW], [WEATHER, ADD, NOW]):
+        for temperature in (0.0, 1.0):
+            out = llm.generate("Use a tool.", SamplingParams(max_tokens=160, temperature=temperature, seed=5,
+                                                             grammar=fmt.grammar(chosen, parallel)))[0]
+            content, calls = fmt.split(out.text)
+            assert out.finish_reason == "stop" and content == "" and calls, out.text
+            assert parallel or len(calls) == 1
+            for call in calls:
+                assert call.name in {f.name for f in chosen}
+                check_call(call)
+
+
+def test_constrained_and_free_requests_share_a_batch(llm):
+    free = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    alone = llm.generate("Once upon a time", free)[0]
+    constrained = SamplingParams(max_tokens=48, temperature=0, grammar=json_schema_grammar(SCHEMAS["bounded"]))
+    outs = llm.generate(["Once upon a time", "JSON:", "Once upon a time"], [free, constrained, free])
+    assert outs[0].token_ids == alone.token_ids == outs[2].token_ids
+    jsonschema.validate(json.loads(outs[1].text), SCHEMAS["bounded"])
+
+
+def test_grammar_that_does_not_compile_fails_only_its_request(llm):
+    engine = llm.engine
+    bad = engine.add_request("x", SamplingParams(max_tokens=4, grammar='start: %json {"type": "integr"}'))
+    good = engine.add_request("x", SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert done[bad].finish_reason == "error" and done[bad].error_status == 400 and "integr" in done[bad].error
+    assert done[good].finish_reason == "length" and len(done[good].token_ids) == 4
+
+
+def test_tool_results_flow_back_into_the_template(llm):
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER.parameters}}]
+    messages = [{"role": "user", "content": "Weather in Oslo?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "c1", "type": "function",
+                     "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "unit": "celsius"}'}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "rain, 4 degrees"}]
+    text = llm.tokenizer.decode(llm.tokenizer.apply_chat_template(messages, tools), skip_special_tokens=False)
+    assert "get_weather" in text.split("Weather in Oslo?")[0]  # the tool section precedes the conversation
+    assert '"city": "Oslo"' in text and "rain, 4 degrees" in text
+    fmt = tool_format(llm)
+    assert [c.name for c in fmt.split(text[text.rindex(fmt.start):])[1]] == ["get_weather"]
+
+
+def test_mask_bits_match_the_library(llm):
+    from hybrid.structured_output.llguidance_backend import LLGuidanceBackend
+
+    tok = llm.tokenizer
+    backend = LLGuidanceBackend(tok, llm.engine.model_config.vocab_size, [tok.eos_token_id])
+    m = backend.matcher(json_schema_grammar(SCHEMAS["enum-array"]))
+    allowed = backend.allowed([m])[0]
+    texts = tok.hf.batch_decode([[i] for i in range(len(tok.hf))])
+    assert allowed.any() and all(texts[i].startswith("{") for i in allowed.nonzero().flatten().tolist())
+    assert m.accept(tok.encode("{")[-1])
+    assert not backend.allowed([m])[0][tok.eos_token_id]
+
+
+def test_closing_ranks():
+    ranks = closing_ranks(['"', "ab", ",", "}]", "</tool_call>", "<tool_call>", "x", '"}', "].", " ]"],
+                          {"</tool_call>", "<tool_call>"}, [6], 10)
+    assert ranks.tolist() == [3, 0, 1, 2, 2, 0, 4, 3, 0, 2]
+    from hybrid.structured_output.backend import GrammarBackend
+
+    class Ranked(GrammarBackend):
+        closing_rank = ranks
+        check = matcher = None
+
+    allowed = torch.tensor([[False, True, True, False, False, True, False, False, True, False],
+                            [True, True, False, False, False, False, True, True, False, False]])
+    assert Ranked().closing(allowed).tolist() == [[False, False, True] + [False] * 7,
+                                                  [False] * 6 + [True] + [False] * 3]
+
+
+@pytest.mark.parametrize("fmt_cls,text", [
+    (HermesFormat, 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": '
+                   '"celsius"}}\n</tool_call>\n<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>'),
+    (DeepSeekV3Format, "Let me check.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n"
+                       '```json\n{"city": "Oslo", "unit": "celsius"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>'
+                       "function<｜tool▁sep｜>now\n```json\n{}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>"),
+])
+def test_tool_call_stream_agrees_with_whole_text(fmt_cls, text):
+    fmt = fmt_cls(set())
+    content, calls = fmt.split(text)
+    assert content.rstrip() == "Let me check." and [c.name for c in calls] == ["get_weather", "now"]
+    assert json.loads(calls[0].arguments) == {"city": "Oslo", "unit": "celsius"}
+    for step in (1, 2, 3, 7, len(text)):
+        stream, got_content, got_calls = ToolCallStream(fmt), "", []
+        pieces = [text[i:i + step] for i in range(0, len(text), step)]
+        for i, piece in enumerate(pieces):
+            c, new = stream.feed(piece, i == len(pieces) - 1)
+            got_content += c
+            got_calls += new
+            assert fmt.start[:2] not in c  # nothing of the marker leaks into content
+        assert got_content == content and [(c.name, c.arguments) for c in got_calls] == \
+            [(c.name, c.arguments) for c in calls]
+
+
+def test_malformed_tool_section_is_content():
+    fmt = HermesFormat(set())
+    text = "ok <tool_call>\n{not json}\n</tool_call>"
+    assert fmt.split(text) == (text, [])
+    stream = ToolCallStream(fmt)
+    assert stream.feed(text[:8], False) == ("ok ", []) and stream.feed(text[8:], True) == (text[3:], [])
+    assert ToolCallStream(fmt).feed("a <tool", True) == ("a <tool", [])
+
+
+# ---------------------------------------------------------------- through the daemon, with the openai client
+
+def chat(client, **kw):
+    return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hello"}], **kw)
+
+
+def streamed(client, **kw) -> tuple[str, list[dict], str | None]:
+    content, calls, reason = "", {}, None
+    for chunk in chat(client, stream=True, **kw):
+        if not chunk.choices:
+            continue
+        choice = chunk.choices[0]
+        content += choice.delta.content or ""
+        for tc in choice.delta.tool_calls or []:
+            entry = calls.setdefault(tc.index, {"name": "", "arguments": ""})
+            entry["name"] += tc.function.name or ""
+            entry["arguments"] += tc.function.arguments or ""
+        reason = choice.finish_reason or reason
+    return content, [calls[i] for i in sorted(calls)], reason
+
+
+@pytest.mark.parametrize("name", list(SCHEMAS))
+def test_api_json_schema_validates_and_streams_alike(client, name):
+    fmt = {"type": "json_schema", "json_schema": {"name": name, "schema": SCHEMAS[name], "strict": True}}
+    whole = chat(client, response_format=fmt, max_tokens=96, temperature=0)
+    jsonschema.validate(json.loads(whole.choices[0].message.content), SCHEMAS[name])
+    assert whole.choices[0].finish_reason == "stop"
+    content, calls, reason = streamed(client, response_format=fmt, max_tokens=96, temperature=0)
+    assert (content, calls, reason) == (whole.choices[0].message.content, [], "stop")
+
+
+def test_api_json_object_on_chat_and_completions(client):
+    out = chat(client, response_format={"type": "json_object"}, max_tokens=64, temperature=0.8, seed=1)
+    assert isinstance(json.loads(out.choices[0].message.content), dict)
+    comp = client.completions.create(model=MODEL, prompt="data:", max_tokens=64, temperature=0,
+                                     extra_body={"response_format": {"type": "json_object"}})
+    assert isinstance(json.loads(comp.choices[0].text), dict)
+
+
+API_TOOLS = [{"type": "function", "function": {"name": f.name, "description": f"the {f.name} tool",
+                                               **({"parameters": f.parameters} if f.parameters else {})}}
+             for f in (WEATHER, ADD, NOW)]
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "add"}}])
+def test_api_forced_tool_calls(client, choice):
+    kw = dict(tools=API_TOOLS, tool_choice=choice, max_tokens=160, temperature=0)
+    out = chat(client, **kw)
+    msg = out.choices[0].message
+    assert out.choices[0].finish_reason == "tool_calls" and msg.tool_calls and msg.content is None
+    for call in msg.tool_calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        check_call(call.function)
+    if isinstance(choice, dict):
+        assert [c.function.name for c in msg.tool_calls] == ["add"]
+    content, calls, reason = streamed(client, **kw)
+    assert reason == "tool_calls" and content == ""
+    assert calls == [{"name": c.function.name, "arguments": c.function.arguments} for c in msg.tool_calls]
+
+
+def test_api_tool_conversation_round_trip(client):
+    first = chat(client, tools=API_TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                 max_tokens=120, temperature=0)
+    call = first.choices[0].message.tool_calls[0]
+    messages = [{"role": "user", "content": "Hello"}, first.choices[0].message.model_dump(exclude_none=True),
+                {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+    second = client.chat.completions.create(model=MODEL, messages=messages, tools=API_TOOLS, max_tokens=8,
+                                            temperature=0)
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens
+    assert second.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_api_constrained_and_free_in_one_batch(daemon, client):
+    import concurrent.futures as cf
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMAS["nested"]}}
+    with cf.ThreadPoolExecutor(4) as pool:
+        jobs = [pool.submit(chat, client, max_tokens=40, temperature=0, extra_body={"ignore_eos": True}) if i % 2 else
+                pool.submit(chat, client, response_format=fmt, max_tokens=96, temperature=0) for i in range(4)]
+        outs = [j.result() for j in jobs]
+    for i, out in enumerate(outs):
+        if i % 2:
+            assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 40
+        else:
+            jsonschema.validate(json.loads(out.choices[0].message.content), SCHEMAS["nested"])
+
+
+@pytest.mark.parametrize("body,needle", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integr"}}}},
+     "integr"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "string", "pattern": "(("}}}}, "pattern"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}}}}, "missing"),
+    ({"response_format": {"type": "json_schema"}}, "json_schema"),
+    ({"response_format": {"type": "yaml"}}, "response_format"),
+    ({"tools": API_TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "'nope'"),
+    ({"tool_choice": "required"}, "needs tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": 3}}}],
+      "tool_choice": "required"}, "properties"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "name"),
+    ({"tools": API_TOOLS, "tool_choice": "auto", "response_format": {"type": "json_object"}}, "tool_choice"),
+])
+def test_api_bad_schemas_and_tool_choices_are_400(daemon, body, needle):
+    r = httpx.post(f"{daemon.url}/v1/chat/completions", timeout=30,
+                   json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], **body})
+    assert r.status_code == 400, r.text
+    assert needle in r.json()["error"]["message"]
