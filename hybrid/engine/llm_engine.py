@@ -143,12 +143,12 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return failed
+        sampling = [item.seq for item in batch if item.samples]
         try:
             if any(self._wants_prompt_logprobs(item.seq) for item in batch):
                 logits = self._record_prompt_logprobs(batch, self.runner.execute(batch, all_logits=True))
             else:
                 logits = self.runner.execute(batch)
-            sampling = [item.seq for item in batch if item.samples]
             samples = self.sampler(logits, sampling)
         except ExpertServerError:
             raise

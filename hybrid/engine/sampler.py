@@ -107,13 +107,17 @@ class Sampler:
         rows = [row for row, seq in enumerate(seqs) if seq.matcher is not None]
         if not rows:
             return logits, set()
-        allowed = self.grammars.allowed([seqs[row].matcher for row in rows])
+        bias, nothing = self.grammars.bias([seqs[row].matcher for row in rows])
         closing = [i for i, row in enumerate(rows) if self.must_close(seqs[row])]
         if closing:
-            allowed[closing] = self.grammars.closing(allowed[closing])
-        logits = logits.clone()
-        logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
-        return logits, {row for row, ok in zip(rows, allowed.any(-1).tolist()) if not ok}
+            keep = self.grammars.closing(bias[closing] == 0)
+            bias[closing] = torch.zeros_like(bias[closing]).masked_fill(~keep, float("-inf"))
+        if len(rows) == len(seqs):
+            logits = logits + bias
+        else:
+            logits = logits.clone()
+            logits[rows] += bias
+        return logits, {rows[i] for i in nothing}
 
     def must_close(self, seq: Sequence) -> bool:
         """True once the tokens seq has left are only just enough to finish its grammar; it stays so."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
+import numpy as np
 import torch
 
 
@@ -26,8 +27,8 @@ class GrammarMatcher(ABC):
     """One request's position in its grammar."""
 
     @abstractmethod
-    def fill_bitmask(self, row: torch.Tensor) -> None:
-        """Writes the allowed next tokens into `row`, an int32 bitmask (bit t of word t // 32 is token t)."""
+    def fill_bitmask(self, bits: np.ndarray, row: int) -> None:
+        """Writes the allowed next tokens into bits[row], an int32 bitmask (bit t of word t // 32 is token t)."""
 
     @abstractmethod
     def accept(self, token_id: int) -> bool:
@@ -44,6 +45,9 @@ class GrammarMatcher(ABC):
 
 
 EOS_RANK = 4
+# Byte value -> the 8 biases of its bits, least significant first.
+_BYTE_BIAS = np.where(np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little") == 1,
+                      np.float32(0), np.float32(-np.inf))
 
 
 def is_end_marker(token: str) -> bool:
@@ -88,12 +92,20 @@ class GrammarBackend(ABC):
 
     def allowed(self, matchers: list[GrammarMatcher]) -> torch.Tensor:
         """A [len(matchers), vocab_size] bool tensor of the tokens each matcher allows next."""
-        words = (self.vocab_size + 31) // 32
-        bits = torch.zeros((len(matchers), words), dtype=torch.int32)
+        return self.bias(matchers)[0] == 0
+
+    def bias(self, matchers: list[GrammarMatcher]) -> tuple[torch.Tensor, list[int]]:
+        """A [len(matchers), vocab_size] float32 tensor, 0 where a matcher allows the token and -inf elsewhere
+        (adding it to logits is cheaper than masking them), and the rows that allow nothing."""
+        bits = np.zeros((len(matchers), (self.vocab_size + 31) // 32), dtype=np.int32)
+        self.fill_bitmasks(matchers, bits)
+        rows = _BYTE_BIAS[bits.view(np.uint8)].reshape(len(matchers), -1)  # little-endian: byte order = token order
+        return torch.from_numpy(rows[:, :self.vocab_size]), np.flatnonzero(~bits.any(axis=1)).tolist()
+
+    def fill_bitmasks(self, matchers: list[GrammarMatcher], bits: np.ndarray) -> None:
+        """Row i of bits gets matchers[i]'s bitmask."""
         for row, m in enumerate(matchers):
-            m.fill_bitmask(bits[row])
-        shifts = torch.arange(32, dtype=torch.int32)
-        return ((bits.unsqueeze(-1) >> shifts) & 1).bool().reshape(len(matchers), -1)[:, :self.vocab_size]
+            m.fill_bitmask(bits, row)
 
     def closing(self, allowed: torch.Tensor) -> torch.Tensor:
         """Of each row's allowed tokens, those of the highest closing rank present."""

@@ -1,7 +1,8 @@
 """The llguidance implementation of the grammar backend.
 
 llguidance builds a grammar's lexer and parser lazily, so making a matcher costs about a millisecond; a pristine
-matcher per grammar is kept (LRU) and each request gets a copy of it.
+matcher per grammar is kept (LRU) and each request gets a copy of it. A batch's masks are computed in one call,
+spread over llguidance's own threads, without the GIL.
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ from collections import OrderedDict
 
 import llguidance
 import llguidance.hf
-import torch
-from llguidance import LLMatcher
+import numpy as np
+from llguidance import LLExecutor, LLMatcher
 
 from hybrid.structured_output.backend import GrammarBackend, GrammarError, GrammarMatcher, closing_ranks
 from hybrid.tokenizer import Tokenizer
@@ -24,8 +25,8 @@ class LLGuidanceMatcher(GrammarMatcher):
     def __init__(self, matcher: LLMatcher):
         self.m = matcher
 
-    def fill_bitmask(self, row: torch.Tensor) -> None:
-        self.m.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
+    def fill_bitmask(self, bits: np.ndarray, row: int) -> None:
+        self.m.unsafe_compute_mask_ptr(bits.ctypes.data + row * bits.strides[0], bits.strides[0])
 
     def accept(self, token_id: int) -> bool:
         return self.m.consume_token(token_id)
@@ -45,8 +46,16 @@ class LLGuidanceBackend(GrammarBackend):
                                                       eos_token=list(eos_token_ids) or None)
         texts = tokenizer.hf.batch_decode([[i] for i in range(min(len(tokenizer.hf), vocab_size))])
         self.closing_rank = closing_ranks(texts, tokenizer.added_tokens, eos_token_ids, vocab_size)
+        self._executor = LLExecutor()
         self._pristine: OrderedDict[str, LLMatcher] = OrderedDict()
         self._lock = threading.Lock()
+
+    def fill_bitmasks(self, matchers: list[GrammarMatcher], bits: np.ndarray) -> None:
+        if len(matchers) == 1:
+            matchers[0].fill_bitmask(bits, 0)
+        else:
+            self._executor.unsafe_compute_mask_ptr([(m.m, i) for i, m in enumerate(matchers)], bits.ctypes.data,
+                                                   bits.strides[0], len(matchers))
 
     def check(self, grammar: str) -> None:
         message = LLMatcher.validate_grammar(LLMatcher.grammar_from_lark(grammar), self.tokenizer)
