@@ -14,6 +14,7 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hybrid.experts.process.liveness import is_stopped
@@ -41,6 +42,9 @@ from server.protocol import (
 from server.responses import ChatShape, CompletionShape, ResponseShape, TokenText
 
 STATIC_DIR = Path(__file__).parent / "static"
+# The page runs only its own scripts: even HTML that got past the sanitizer cannot run inline script.
+PAGE_CSP = ("default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; object-src 'none'; "
+            "base-uri 'none'; frame-ancestors 'none'")
 RETRY_AFTER_S = 2
 DISCONNECT_POLL_S = 0.25
 
@@ -364,7 +368,10 @@ def build_app(config: DaemonConfig, client: EngineClient, tokenizer: Tokenizer |
 
     @app.get("/")
     async def index():
-        return FileResponse(STATIC_DIR / "index.html", media_type="text/html")
+        return FileResponse(STATIC_DIR / "index.html", media_type="text/html",
+                            headers={"Content-Security-Policy": PAGE_CSP, "Cache-Control": "no-cache"})
+
+    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
 
     return app
 

@@ -16,6 +16,7 @@ import psutil
 from hybrid.managers.daemon_config import key_digest
 
 OPEN_PATHS = ("/health",)
+OPEN_PREFIXES = ("/static/",)  # the chat page's scripts and styles: public, and fetched without the key
 LOCAL_NAMES = {"localhost", "127.0.0.1", "::1"}
 
 Scope = dict
@@ -58,7 +59,7 @@ class RequestGuard:
             return await reply(send, 403, f"Host {headers.get('host', '')!r} is not this server: without an API key "
                                "hybridd answers only requests addressed to localhost or its own address",
                                "forbidden_host")
-        if self.key_sha256 is not None and scope["path"] not in OPEN_PATHS and not self.authorized(scope, headers):
+        if self.key_sha256 is not None and not self.is_open(scope["path"]) and not self.authorized(scope, headers):
             return await reply(send, 401, "missing or wrong API key (Authorization: Bearer KEY)", "invalid_api_key",
                                {"www-authenticate": "Bearer"})
         declared = headers.get("content-length")
@@ -91,6 +92,10 @@ class RequestGuard:
     def too_large(self) -> str:
         return (f"the request body is larger than {self.max_body_bytes} bytes (hybridd start --max-body-mb raises "
                 "the limit)")
+
+    @staticmethod
+    def is_open(path: str) -> bool:
+        return path in OPEN_PATHS or path.startswith(OPEN_PREFIXES)
 
     def authorized(self, scope: Scope, headers: dict[str, str]) -> bool:
         scheme, _, given = headers.get("authorization", "").strip().partition(" ")
