@@ -189,6 +189,14 @@ def test_tool_call_stream_agrees_with_whole_text(fmt_cls, text):
             [(c.name, c.arguments) for c in calls]
 
 
+def test_arguments_keep_the_models_text():
+    text = '<tool_call>\n{"name": "f", "arguments": {"big": 1e999, "n": 12345678901234567890123}}\n</tool_call>'
+    assert HermesFormat(set()).split(text)[1][0].arguments == '{"big": 1e999, "n": 12345678901234567890123}'
+    text = ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{\"x\": 1.50}\n```"
+            "<｜tool▁call▁end｜>")
+    assert DeepSeekV3Format(set()).split(text)[1][0].arguments == '{"x": 1.50}'
+
+
 def test_malformed_tool_section_is_content():
     fmt = HermesFormat(set())
     text = "ok <tool_call>\n{not json}\n</tool_call>"

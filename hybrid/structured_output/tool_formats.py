@@ -67,13 +67,17 @@ class ToolCallFormat(ABC):
         return (text[:at], calls) if calls else (text, [])
 
 
-def _arguments(value: object) -> str | None:
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError:
-            return None
-    return json.dumps(value, ensure_ascii=False) if isinstance(value, dict) else None
+def _object_text(text: str) -> str | None:
+    """text, stripped, when it is one JSON object; kept as the model wrote it (re-encoding would turn 1e999
+    into Infinity and round long numbers)."""
+    try:
+        value, end = json.JSONDecoder().raw_decode(text := text.strip())
+    except json.JSONDecodeError:
+        return None
+    return text if isinstance(value, dict) and end == len(text) else None
+
+
+_ARGUMENTS = re.compile(r'"arguments"\s*:\s*')
 
 
 class HermesFormat(ToolCallFormat):
@@ -88,15 +92,30 @@ class HermesFormat(ToolCallFormat):
     def complete_calls(self, text: str) -> list[ToolCall]:
         calls = []
         for m in self._call.finditer(text):
+            raw = m.group(1).strip()
             try:
-                body = json.loads(m.group(1))
+                body = json.loads(raw)
             except json.JSONDecodeError:
                 break
-            args = _arguments(body.get("arguments", {})) if isinstance(body, dict) else None
-            if args is None or not isinstance(body.get("name"), str):
+            if not isinstance(body, dict) or not isinstance(body.get("name"), str):
+                break
+            args = self._raw_arguments(raw, body)
+            if args is None:
                 break
             calls.append(ToolCall(body["name"], args))
         return calls
+
+    @staticmethod
+    def _raw_arguments(raw: str, body: dict) -> str | None:
+        """The arguments object's own text in the call's JSON (a string holding JSON is accepted too)."""
+        value = body.get("arguments", {})
+        if isinstance(value, str):
+            return _object_text(value)
+        at = _ARGUMENTS.search(raw)
+        if not isinstance(value, dict) or at is None:
+            return None
+        _, end = json.JSONDecoder().raw_decode(raw, at.end())
+        return raw[at.end():end]
 
     def grammar(self, functions: list[Function], parallel: bool) -> str:
         bodies = [{"type": "object",
@@ -125,7 +144,7 @@ class DeepSeekV3Format(ToolCallFormat):
     def complete_calls(self, text: str) -> list[ToolCall]:
         calls = []
         for m in self._call.finditer(text):
-            args = _arguments(m.group(3))
+            args = _object_text(m.group(3))
             if args is None:
                 break
             calls.append(ToolCall(m.group(2).strip(), args))
