@@ -1,25 +1,32 @@
 """Constrained decoding: what the grammar mask costs per decode step, at batch 1 and 16, in the same run.
 
-Runs the same prompts as free requests and as requests constrained by a JSON schema (an array of strings, so
-the grammar stays open while steps are timed), alternating free and constrained runs. The grammar's cost per
-step is timed directly (masking in the sampler plus advancing the matchers) and set against the free decode
-step; the constrained-minus-free step time is shown too (noisier: bandwidth drifts between runs). Steps are
-split into the steady phase and the last CLOSING_HORIZON tokens of each request, where the sampler also counts
-the tokens needed to close the grammar. Target (issue 34): the steady mask cost under 5 % of a decode step on
-the default model.
+Runs the same prompts as free requests and as requests constrained by a JSON schema (an array of at least 1000
+short strings, so the grammar stays open while steps are timed), alternating free and constrained runs. The
+grammar's cost per step is timed directly (masking in the sampler plus advancing the matchers) and set against
+the free decode step; the constrained-minus-free step time is shown too (noisier: bandwidth drifts between runs).
+Steps are split into the steady phase and the last CLOSING_HORIZON tokens of each request, where the sampler also
+counts the tokens needed to close the grammar. Target (issue 34): the steady mask cost under 5 % of a decode step
+on the default model.
+
+`--compare-libraries` instead times llguidance against xgrammar (pip install xgrammar) on the model's tokenizer:
+tokenizer setup, grammar compile, and the mask of each token along a random walk through three schemas.
 
     python scripts/bench_grammar.py
     python scripts/bench_grammar.py --model bench_models/qwen3-30b-a3b-L4 --batch 1 16
+    python scripts/bench_grammar.py --compare-libraries --model bench_models/qwen3-30b-a3b-L4
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import random
 import statistics
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
 from rich.console import Console
 from rich.table import Table
 
@@ -32,7 +39,8 @@ from hybrid.structured_output.grammars import json_schema_grammar  # noqa: E402
 from hybrid.structured_output.llguidance_backend import LLGuidanceMatcher  # noqa: E402
 
 TARGET = 0.05
-SCHEMA = {"type": "array", "items": {"type": "string"}}
+# Short strings keep the structure busy (quotes, commas); minItems keeps every request open for the whole run.
+SCHEMA = {"type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 1000}
 
 
 class GrammarClock:
@@ -73,6 +81,68 @@ def step_times(llm: LLM, batch: int, tokens: int, grammar: str | None) -> tuple[
     return steady, closing
 
 
+WALK_SCHEMAS = {
+    "flat": {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer", "minimum": 0,
+                                                                                  "maximum": 150}},
+             "required": ["name", "age"]},
+    "nested": {"type": "object", "properties": {
+        "user": {"type": "object", "properties": {"id": {"type": "integer"}, "tags": {
+            "type": "array", "items": {"enum": ["a", "b", "c"]}, "minItems": 1, "maxItems": 4}},
+                 "required": ["id", "tags"]}, "score": {"type": "number"}}, "required": ["user", "score"]},
+    "any-object": {"type": "object"},
+}
+
+
+def random_walk(mask, accept, finished, vocab: int, steps: int = 60) -> list[float]:
+    """Mask times along a walk that takes a random allowed token each step (seeded)."""
+    rng, times = random.Random(0), []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        bits = mask()
+        times.append(time.perf_counter() - t0)
+        allowed = np.flatnonzero(np.unpackbits(bits.view(np.uint8), bitorder="little")[:vocab])
+        if not len(allowed) or not accept(int(rng.choice(allowed))) or finished():
+            break
+    return times
+
+
+def compare_libraries(model_dir: Path, console: Console) -> None:
+    import llguidance
+    import llguidance.hf
+    import xgrammar
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(model_dir))
+    vocab = len(hf)
+    table = Table("library", "schema", "tokenizer setup ms", "compile ms", "mask mean us", "mask p99 us", "tokens")
+    t0 = time.perf_counter()
+    lltok = llguidance.hf.from_tokenizer(hf, n_vocab=vocab)
+    ll_setup = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    compiler = xgrammar.GrammarCompiler(xgrammar.TokenizerInfo.from_huggingface(hf, vocab_size=vocab), max_threads=1)
+    xg_setup = time.perf_counter() - t0
+    for name, schema in WALK_SCHEMAS.items():
+        t0 = time.perf_counter()
+        m = llguidance.LLMatcher(lltok, llguidance.LLMatcher.grammar_from_json_schema(schema))
+        compile_s = time.perf_counter() - t0
+        bits = np.zeros((vocab + 31) // 32, dtype=np.int32)
+        times = random_walk(lambda: (m.unsafe_compute_mask_ptr(bits.ctypes.data, bits.nbytes), bits)[1],
+                            m.consume_token, m.is_stopped, vocab)
+        table.add_row("llguidance", name, f"{ll_setup * 1e3:.0f}", f"{compile_s * 1e3:.2f}",
+                      f"{statistics.mean(times) * 1e6:.0f}", f"{np.percentile(times, 99) * 1e6:.0f}", str(len(times)))
+        t0 = time.perf_counter()
+        compiled = compiler.compile_json_schema(json.dumps(schema))
+        compile_s = time.perf_counter() - t0
+        xm = xgrammar.GrammarMatcher(compiled)
+        xbits = xgrammar.allocate_token_bitmask(1, vocab)
+        times = random_walk(lambda: (xm.fill_next_token_bitmask(xbits, 0), xbits[0].numpy())[1],
+                            xm.accept_token, xm.is_terminated, vocab)
+        table.add_row("xgrammar", name, f"{xg_setup * 1e3:.0f}", f"{compile_s * 1e3:.2f}",
+                      f"{statistics.mean(times) * 1e6:.0f}", f"{np.percentile(times, 99) * 1e6:.0f}", str(len(times)))
+    console.print(f"tokenizer of {model_dir.name}: {vocab} tokens")
+    console.print(table)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="checkpoint directory (default: the embedded default model)")
@@ -80,7 +150,13 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=256, help="max_tokens per request")
     ap.add_argument("--rounds", type=int, default=3, help="alternating free/constrained runs per batch size")
     ap.add_argument("--threads", type=int)
+    ap.add_argument("--compare-libraries", action="store_true")
     a = ap.parse_args()
+    if a.compare_libraries:
+        from hybrid.llm import DEFAULT_MODEL_DIR
+
+        compare_libraries(Path(a.model) if a.model else DEFAULT_MODEL_DIR, Console())
+        return
     llm = LLM(a.model, num_threads=a.threads, max_num_seqs=max(a.batch), enable_prefix_caching=False)
     grammar = json_schema_grammar(SCHEMA)
     step_times(llm, 1, 8, grammar)  # builds the grammar backend and warms the caches

@@ -100,6 +100,17 @@ def test_forced_tool_calls_parse_and_validate(llm, parallel):
                 check_call(call)
 
 
+def test_greedy_fast_path_equals_the_full_mask(llm, monkeypatch):
+    """A greedy row whose top token the grammar allows skips the mask: the tokens must be the masked ones."""
+    from hybrid.structured_output.llguidance_backend import LLGuidanceMatcher
+
+    params = SamplingParams(max_tokens=80, temperature=0, grammar=json_schema_grammar(SCHEMAS["nested"]))
+    prompts = ["JSON:", "Once upon a time", "{"]
+    fast = [o.token_ids for o in llm.generate(prompts, params)]
+    monkeypatch.setattr(LLGuidanceMatcher, "allows", lambda self, token: False)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == fast
+
+
 def test_constrained_and_free_requests_share_a_batch(llm):
     free = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     alone = llm.generate("Once upon a time", free)[0]

@@ -3,7 +3,8 @@
 Sampling is total: any accepted SamplingParams gives a token for finite logits (a tiny temperature acts as
 greedy, a top-p that keeps nothing keeps the top token); a row of logits that are not numbers gives no token,
 and the engine fails that request alone. A sequence with a grammar matcher draws only among the tokens its
-grammar allows next; logprobs stay the model's own, before the mask.
+grammar allows next; logprobs stay the model's own, before the mask. A greedy row whose top token the grammar
+allows needs no mask (the masked argmax is that token), so its mask is computed only when it does not.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 
 from hybrid.engine.outputs import TokenLogprob
 from hybrid.engine.sequence import Sequence
-from hybrid.structured_output.backend import GrammarBackend
+from hybrid.structured_output.backend import FORBIDDEN, GrammarBackend
 
 NOT_NUMBERS = "the model produced logits that are not numbers (NaN or infinite) for this request"
 NOTHING_ALLOWED = "the request's grammar allows no next token"
@@ -102,16 +103,24 @@ class Sampler:
         return out
 
     def apply_grammars(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, set[int]]:
-        """Logits with the tokens each constrained row's grammar forbids set to -inf, and the rows whose grammar
-        allows nothing."""
+        """Logits with the tokens each constrained row's grammar forbids pushed to FORBIDDEN, and the rows whose
+        grammar allows nothing."""
         rows = [row for row, seq in enumerate(seqs) if seq.matcher is not None]
         if not rows:
             return logits, set()
+        greedy_rows = [row for row in rows if seqs[row].params.greedy]
+        if greedy_rows:
+            top = logits[greedy_rows].argmax(dim=-1).tolist()
+            settled = {row for row, t in zip(greedy_rows, top)
+                       if not self.must_close(seqs[row]) and seqs[row].matcher.allows(t)}
+            rows = [row for row in rows if row not in settled]
+            if not rows:
+                return logits, set()
         bias, nothing = self.grammars.bias([seqs[row].matcher for row in rows])
         closing = [i for i, row in enumerate(rows) if self.must_close(seqs[row])]
         if closing:
             keep = self.grammars.closing(bias[closing] == 0)
-            bias[closing] = torch.zeros_like(bias[closing]).masked_fill(~keep, float("-inf"))
+            bias[closing] = torch.zeros_like(bias[closing]).masked_fill(~keep, FORBIDDEN)
         if len(rows) == len(seqs):
             logits = logits + bias
         else:

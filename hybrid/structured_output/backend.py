@@ -34,6 +34,10 @@ class GrammarMatcher(ABC):
     def accept(self, token_id: int) -> bool:
         """Advances by one sampled token; False when the grammar does not allow it."""
 
+    @abstractmethod
+    def allows(self, token_id: int) -> bool:
+        """Whether the grammar allows token_id next (the state is unchanged); much cheaper than a mask."""
+
     @property
     @abstractmethod
     def is_finished(self) -> bool:
@@ -45,9 +49,9 @@ class GrammarMatcher(ABC):
 
 
 EOS_RANK = 4
-# Byte value -> the 8 biases of its bits, least significant first.
-_BYTE_BIAS = np.where(np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little") == 1,
-                      np.float32(0), np.float32(-np.inf))
+# Added to the logit of a token the grammar forbids: finite, so one multiply builds the bias, yet it leaves the
+# token no probability at any temperature (and -inf after dividing by one below 1).
+FORBIDDEN = -3e38
 
 
 def is_end_marker(token: str) -> bool:
@@ -95,12 +99,16 @@ class GrammarBackend(ABC):
         return self.bias(matchers)[0] == 0
 
     def bias(self, matchers: list[GrammarMatcher]) -> tuple[torch.Tensor, list[int]]:
-        """A [len(matchers), vocab_size] float32 tensor, 0 where a matcher allows the token and -inf elsewhere
-        (adding it to logits is cheaper than masking them), and the rows that allow nothing."""
+        """A [len(matchers), vocab_size] float32 tensor, 0 where a matcher allows the token and FORBIDDEN
+        elsewhere (adding it to logits is several times cheaper than masking them), and the rows that allow
+        nothing."""
         bits = np.zeros((len(matchers), (self.vocab_size + 31) // 32), dtype=np.int32)
         self.fill_bitmasks(matchers, bits)
-        rows = _BYTE_BIAS[bits.view(np.uint8)].reshape(len(matchers), -1)  # little-endian: byte order = token order
-        return torch.from_numpy(rows[:, :self.vocab_size]), np.flatnonzero(~bits.any(axis=1)).tolist()
+        flags = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")  # little-endian: byte = token order
+        bias = flags[:, :self.vocab_size].astype(np.float32)
+        bias -= 1
+        bias *= -FORBIDDEN
+        return torch.from_numpy(bias), np.flatnonzero(~bits.any(axis=1)).tolist()
 
     def fill_bitmasks(self, matchers: list[GrammarMatcher], bits: np.ndarray) -> None:
         """Row i of bits gets matchers[i]'s bitmask."""

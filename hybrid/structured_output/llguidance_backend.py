@@ -1,8 +1,7 @@
 """The llguidance implementation of the grammar backend.
 
 llguidance builds a grammar's lexer and parser lazily, so making a matcher costs about a millisecond; a pristine
-matcher per grammar is kept (LRU) and each request gets a copy of it. A batch's masks are computed in one call,
-spread over llguidance's own threads, without the GIL.
+matcher per grammar is kept (LRU) and each request gets a copy of it.
 """
 
 from __future__ import annotations
@@ -13,7 +12,7 @@ from collections import OrderedDict
 import llguidance
 import llguidance.hf
 import numpy as np
-from llguidance import LLExecutor, LLMatcher
+from llguidance import LLMatcher
 
 from hybrid.structured_output.backend import GrammarBackend, GrammarError, GrammarMatcher, closing_ranks
 from hybrid.tokenizer import Tokenizer
@@ -31,6 +30,9 @@ class LLGuidanceMatcher(GrammarMatcher):
     def accept(self, token_id: int) -> bool:
         return self.m.consume_token(token_id)
 
+    def allows(self, token_id: int) -> bool:
+        return self.m.validate_tokens([token_id]) == 1
+
     @property
     def is_finished(self) -> bool:
         return self.m.is_stopped()
@@ -46,16 +48,8 @@ class LLGuidanceBackend(GrammarBackend):
                                                       eos_token=list(eos_token_ids) or None)
         texts = tokenizer.hf.batch_decode([[i] for i in range(min(len(tokenizer.hf), vocab_size))])
         self.closing_rank = closing_ranks(texts, tokenizer.added_tokens, eos_token_ids, vocab_size)
-        self._executor = LLExecutor()
         self._pristine: OrderedDict[str, LLMatcher] = OrderedDict()
         self._lock = threading.Lock()
-
-    def fill_bitmasks(self, matchers: list[GrammarMatcher], bits: np.ndarray) -> None:
-        if len(matchers) == 1:
-            matchers[0].fill_bitmask(bits, 0)
-        else:
-            self._executor.unsafe_compute_mask_ptr([(m.m, i) for i, m in enumerate(matchers)], bits.ctypes.data,
-                                                   bits.strides[0], len(matchers))
 
     def check(self, grammar: str) -> None:
         message = LLMatcher.validate_grammar(LLMatcher.grammar_from_lark(grammar), self.tokenizer)
