@@ -325,3 +325,41 @@ def test_api_bad_schemas_and_tool_choices_are_400(daemon, body, needle):
                    json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], **body})
     assert r.status_code == 400, r.text
     assert needle in r.json()["error"]["message"]
+
+
+def test_chat_shape_turns_auto_tool_calls_into_openai_chunks():
+    """tool_choice auto: the model wrote a call unprompted; stream chunks and the whole body carry it alike."""
+    from hybrid.managers.messages import TokenDelta
+    from server.responses import ChatShape, TokenText
+
+    text = 'Checking.\n<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>'
+    pieces = [text[i:i + 5] for i in range(0, len(text), 5)]
+    deltas = [TokenDelta("r", [i], p, i == len(pieces) - 1, "stop" if i == len(pieces) - 1 else None, 3, i + 1)
+              for i, p in enumerate(pieces)]
+    stream = ChatShape("r", MODEL, 0, TokenText(None), False, HermesFormat(set()))
+    chunks = [c for d in deltas if (c := stream.chunk(d)) is not None]
+    content = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+    calls = [tc for c in chunks for tc in c["choices"][0]["delta"].get("tool_calls", [])]
+    assert content == "Checking.\n" and [(c["index"], c["function"]["name"]) for c in calls] == [(0, "now")]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    whole = ChatShape("r", MODEL, 0, TokenText(None), False, HermesFormat(set()))
+    for d in deltas:
+        whole.add(d)
+    body = whole.final({})
+    message = body["choices"][0]["message"]
+    assert message["content"] == "Checking.\n" and message["tool_calls"][0]["function"] == calls[0]["function"]
+    assert body["choices"][0]["finish_reason"] == "tool_calls"
+    plain = ChatShape("r", MODEL, 0, TokenText(None), False, HermesFormat(set()))
+    plain.add(TokenDelta("r", [1], "no tools here", True, "stop", 3, 1))
+    body = plain.final({})
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": "no tools here"}
+    assert body["choices"][0]["finish_reason"] == "stop"
+
+
+def test_api_tool_choice_none_hides_tools(client):
+    with_tools = chat(client, tools=API_TOOLS, tool_choice="none", max_tokens=4, temperature=0)
+    without = chat(client, max_tokens=4, temperature=0)
+    assert with_tools.usage.prompt_tokens == without.usage.prompt_tokens
+    assert with_tools.choices[0].message.tool_calls is None
+    auto = chat(client, tools=API_TOOLS, max_tokens=4, temperature=0)
+    assert auto.usage.prompt_tokens > without.usage.prompt_tokens  # the template's tool section

@@ -36,8 +36,8 @@ class ToolCallFormat(ABC):
 
     start: str
 
-    def __init__(self, special_tokens: set[str]):
-        self.special_tokens = special_tokens
+    def __init__(self, added_tokens: set[str]):
+        self.added_tokens = added_tokens
 
     @staticmethod
     @abstractmethod
@@ -56,7 +56,7 @@ class ToolCallFormat(ABC):
     def literal(self, marker: str) -> str:
         """A marker in the grammar: the token itself (Lark `<...>` names a token) when the tokenizer has it as one
         token, else its text."""
-        return marker if marker in self.special_tokens else json.dumps(marker, ensure_ascii=False)
+        return marker if marker in self.added_tokens else json.dumps(marker, ensure_ascii=False)
 
     def split(self, text: str) -> tuple[str, list[ToolCall]]:
         """A finished reply's content and calls; a reply whose calls do not parse is all content."""
@@ -163,11 +163,11 @@ class DeepSeekV3Format(ToolCallFormat):
 FORMATS: tuple[type[ToolCallFormat], ...] = (HermesFormat, DeepSeekV3Format)
 
 
-def format_for(chat_template: str | None, special_tokens: set[str]) -> ToolCallFormat | None:
+def format_for(chat_template: str | None, added_tokens: set[str]) -> ToolCallFormat | None:
     """The tool-call format the chat template renders, or None when it has no tool calls hybridd can read."""
     for fmt in FORMATS:
         if chat_template and fmt.matches(chat_template):
-            return fmt(special_tokens)
+            return fmt(added_tokens)
     return None
 
 
