@@ -1,7 +1,8 @@
 """Constrained decoding: what the grammar mask costs per decode step, at batch 1 and 16, in the same run.
 
 Runs the same prompts as free requests and as requests constrained by a JSON schema (an array of at least 1000
-short strings, so the grammar stays open while steps are timed), alternating free and constrained runs. The
+short strings, so the grammar stays open while steps are timed), alternating free and constrained runs, greedy
+and sampled (a greedy row whose likely tokens the grammar allows needs no mask; a sampled row always does). The
 grammar's cost per step is timed directly (masking in the sampler plus advancing the matchers) and set against
 the free decode step; the constrained-minus-free step time is shown too (noisier: bandwidth drifts between runs).
 Steps are split into the steady phase and the last CLOSING_HORIZON tokens of each request, where the sampler also
@@ -19,6 +20,7 @@ tokenizer setup, grammar compile, and the mask of each token along a random walk
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
 import statistics
@@ -44,11 +46,12 @@ SCHEMA = {"type": "array", "items": {"type": "string", "maxLength": 12}, "minIte
 
 
 class GrammarClock:
-    """Sums the time spent in the sampler's grammar masking and in advancing matchers."""
+    """Sums the time spent in the sampler's grammar work (greedy picks, masks) and in advancing matchers."""
 
     def __init__(self) -> None:
         self.total = 0.0
-        for cls, name in ((Sampler, "apply_grammars"), (LLGuidanceMatcher, "accept")):
+        for cls, name in ((Sampler, "must_close"), (Sampler, "pick_greedy"), (Sampler, "apply_grammars"),
+                          (LLGuidanceMatcher, "accept")):
             setattr(cls, name, self.timed(getattr(cls, name)))
 
     def timed(self, fn):
@@ -64,10 +67,11 @@ class GrammarClock:
 CLOCK = GrammarClock()
 
 
-def step_times(llm: LLM, batch: int, tokens: int, grammar: str | None) -> tuple[list, list]:
+def step_times(llm: LLM, batch: int, tokens: int, grammar: str | None, temperature: float) -> tuple[list, list]:
     """(step time, grammar time) of each decode step with the whole batch running: steady and closing phases."""
     engine = llm.engine
-    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=grammar is None, grammar=grammar)
+    params = SamplingParams(max_tokens=tokens, temperature=temperature, seed=0, ignore_eos=grammar is None,
+                            grammar=grammar)
     ids = [engine.add_request(f"Item {i}: list some names.", params) for i in range(batch)]
     steady, closing = [], []
     while engine.has_unfinished():
@@ -159,24 +163,24 @@ def main() -> None:
         return
     llm = LLM(a.model, num_threads=a.threads, max_num_seqs=max(a.batch), enable_prefix_caching=False)
     grammar = json_schema_grammar(SCHEMA)
-    step_times(llm, 1, 8, grammar)  # builds the grammar backend and warms the caches
+    step_times(llm, 1, 8, grammar, 0.0)  # builds the grammar backend and warms the caches
     console = Console()
     console.print(f"model {llm.engine.model_config.model_dir.name}, vocab {llm.engine.model_config.vocab_size}, "
                   f"kernel path {kernel_isa_name()}, grammar backend llguidance")
-    table = Table("batch", "free step ms", "grammar ms/step", "mask cost", "vs target", "constrained step ms",
-                  "closing grammar ms/step", "closing cost")
-    for batch in a.batch:
+    table = Table("sampling", "batch", "free step ms", "grammar ms/step", "mask cost", "vs target",
+                  "constrained step ms", "closing grammar ms/step", "closing cost")
+    for (mode, temperature), batch in itertools.product((("greedy", 0.0), ("T=1", 1.0)), a.batch):
         free, steady, closing = [], [], []
         for _ in range(a.rounds):
-            f, _ = step_times(llm, batch, a.tokens, None)
-            s, c = step_times(llm, batch, a.tokens, grammar)
+            f, _ = step_times(llm, batch, a.tokens, None, temperature)
+            s, c = step_times(llm, batch, a.tokens, grammar, temperature)
             free += f
             steady += s
             closing += c
         f = statistics.median(t for t, _ in free)
         s, g = statistics.median(t for t, _ in steady), statistics.median(g for _, g in steady)
         c = statistics.median(g for _, g in closing) if closing else float("nan")
-        table.add_row(str(batch), f"{f * 1e3:.3f}", f"{g * 1e3:.3f}", f"{g / f:.1%}", f"{g / f / TARGET:.2f}x",
+        table.add_row(mode, str(batch), f"{f * 1e3:.3f}", f"{g * 1e3:.3f}", f"{g / f:.1%}", f"{g / f / TARGET:.2f}x",
                       f"{s * 1e3:.3f} ({(s - f) / f:+.0%})", f"{c * 1e3:.3f}", f"{c / f:.1%}")
     console.print(table)
     console.print(f"mask cost = grammar time per step / free decode step, medians over {a.rounds} alternating "

@@ -3,8 +3,9 @@
 Sampling is total: any accepted SamplingParams gives a token for finite logits (a tiny temperature acts as
 greedy, a top-p that keeps nothing keeps the top token); a row of logits that are not numbers gives no token,
 and the engine fails that request alone. A sequence with a grammar matcher draws only among the tokens its
-grammar allows next; logprobs stay the model's own, before the mask. A greedy row whose top token the grammar
-allows needs no mask (the masked argmax is that token), so its mask is computed only when it does not.
+grammar allows next; logprobs stay the model's own, before the mask. A greedy row needs no mask when one of
+its GREEDY_CANDIDATES most likely tokens is allowed: the first allowed of them, best first, is the masked
+argmax; only when none is does the row get a mask.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ NOTHING_ALLOWED = "the request's grammar allows no next token"
 # tokens may take a few more than the distance counted.
 CLOSING_HORIZON = 96
 CLOSING_MARGIN = 4
+GREEDY_CANDIDATES = 8
 
 
 @dataclass
@@ -84,8 +86,10 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[Sample]:
         raw = logits.float()
         broken = broken_rows(raw).tolist()
-        logits, unsatisfiable = self.apply_grammars(raw, seqs)
-        greedy = logits.argmax(dim=-1).tolist()
+        closing = {row for row, seq in enumerate(seqs) if seq.matcher is not None and self.must_close(seq)}
+        picked = self.pick_greedy(raw, seqs, closing)
+        logits, unsatisfiable = self.apply_grammars(raw, seqs, picked, closing)
+        greedy = [picked.get(row, t) for row, t in enumerate(logits.argmax(dim=-1).tolist())]
         out = []
         for row, seq in enumerate(seqs):
             p = seq.params
@@ -102,25 +106,37 @@ class Sampler:
             out.append(Sample(token, lp))
         return out
 
-    def apply_grammars(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, set[int]]:
-        """Logits with the tokens each constrained row's grammar forbids pushed to FORBIDDEN, and the rows whose
-        grammar allows nothing."""
-        rows = [row for row, seq in enumerate(seqs) if seq.matcher is not None]
+    def pick_greedy(self, logits: torch.Tensor, seqs: list[Sequence], closing: set[int]) -> dict[int, int]:
+        """Greedy constrained rows (not closing) whose grammar allows one of their best candidates: row -> that
+        token. A candidate tied with the last one is not taken, as a token outside the candidates may tie it."""
+        rows = [row for row, seq in enumerate(seqs)
+                if seq.matcher is not None and seq.params.greedy and row not in closing]
+        if not rows:
+            return {}
+        top = torch.topk(logits[rows], min(GREEDY_CANDIDATES, logits.shape[-1]))
+        picked = {}
+        for row, values, ids in zip(rows, top.values.tolist(), top.indices.tolist()):
+            for value, token in sorted(zip(values, ids), key=lambda c: (-c[0], c[1])):
+                if value <= values[-1]:
+                    break
+                if seqs[row].matcher.allows(token):
+                    picked[row] = token
+                    break
+        return picked
+
+    def apply_grammars(self, logits: torch.Tensor, seqs: list[Sequence], picked: dict[int, int],
+                       closing: set[int]) -> tuple[torch.Tensor, set[int]]:
+        """Logits with the tokens each constrained row's grammar forbids pushed to FORBIDDEN (rows in `picked`
+        are left alone; rows in `closing` keep only their closing tokens), and the rows whose grammar allows
+        nothing."""
+        rows = [row for row, seq in enumerate(seqs) if seq.matcher is not None and row not in picked]
         if not rows:
             return logits, set()
-        greedy_rows = [row for row in rows if seqs[row].params.greedy]
-        if greedy_rows:
-            top = logits[greedy_rows].argmax(dim=-1).tolist()
-            settled = {row for row, t in zip(greedy_rows, top)
-                       if not self.must_close(seqs[row]) and seqs[row].matcher.allows(t)}
-            rows = [row for row in rows if row not in settled]
-            if not rows:
-                return logits, set()
         bias, nothing = self.grammars.bias([seqs[row].matcher for row in rows])
-        closing = [i for i, row in enumerate(rows) if self.must_close(seqs[row])]
-        if closing:
-            keep = self.grammars.closing(bias[closing] == 0)
-            bias[closing] = torch.zeros_like(bias[closing]).masked_fill(~keep, FORBIDDEN)
+        closes = [i for i, row in enumerate(rows) if row in closing]
+        if closes:
+            keep = self.grammars.closing(bias[closes] == 0)
+            bias[closes] = torch.zeros_like(bias[closes]).masked_fill(~keep, FORBIDDEN)
         if len(rows) == len(seqs):
             logits = logits + bias
         else:
