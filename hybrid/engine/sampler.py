@@ -113,10 +113,13 @@ class Sampler:
                 if seq.matcher is not None and seq.params.greedy and row not in closing]
         if not rows:
             return {}
-        top = torch.topk(logits[rows], min(GREEDY_CANDIDATES, logits.shape[-1]))
+        top = torch.topk(logits if len(rows) == len(seqs) else logits[rows], min(GREEDY_CANDIDATES, logits.shape[-1]))
         picked = {}
         for row, values, ids in zip(rows, top.values.tolist(), top.indices.tolist()):
-            for value, token in sorted(zip(values, ids), key=lambda c: (-c[0], c[1])):
+            candidates = zip(values, ids)
+            if len(set(values)) < len(values):  # ties: the lowest id first, as argmax takes it
+                candidates = sorted(candidates, key=lambda c: (-c[0], c[1]))
+            for value, token in candidates:
                 if value <= values[-1]:
                     break
                 if seqs[row].matcher.allows(token):
