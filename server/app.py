@@ -286,7 +286,7 @@ def build_app(config: DaemonConfig, client: EngineClient, tokenizer: Tokenizer |
             raise ApiError(400, "tools: this model's chat template has no tool-call format hybridd reads "
                            "(Hermes/Qwen3 <tool_call> or DeepSeek-V3)", param="tools")
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.calls_tools else None
-        grammar, param = (req.response_format.grammar(), "response_format") if req.response_format else (None, "")
+        grammar, param = req.grammar, "response_format"
         if (forced := req.forced_functions) is not None:
             grammar, param = tool_format.grammar(forced, req.parallel_tool_calls), "tools"
         await check_grammar(grammar, param)
@@ -312,9 +312,8 @@ def build_app(config: DaemonConfig, client: EngineClient, tokenizer: Tokenizer |
                 raise ApiError(400, str(e), param="prompt") from None
         else:
             prompt_ids = list(req.prompt)
-        grammar = req.response_format.grammar() if req.response_format else None
-        await check_grammar(grammar, "response_format")
-        params, stats = admit(req, prompt_ids, "prompt", grammar)
+        await check_grammar(req.grammar, "response_format")
+        params, stats = admit(req, prompt_ids, "prompt", req.grammar)
         echo = None
         if req.echo:
             echo = req.prompt if isinstance(req.prompt, str) else ""

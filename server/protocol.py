@@ -165,6 +165,11 @@ class SamplingFields(BaseModel):
         return None
 
     @property
+    def grammar(self) -> str | None:
+        """The grammar `response_format` asks for (None: free text)."""
+        return self.response_format.grammar() if self.response_format else None
+
+    @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 

@@ -94,8 +94,9 @@ class LLMEngine:
         if self.sampler.grammars is None:
             from hybrid.structured_output.llguidance_backend import LLGuidanceBackend
 
-            self.sampler.grammars = LLGuidanceBackend(self.tokenizer, self.model_config.vocab_size,
-                                                      sorted(self.eos_ids))
+            backend = LLGuidanceBackend(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_ids))
+            backend.closing_rank  # ranked here, off the step loop, rather than in a request's first closing step
+            self.sampler.grammars = backend
         return self.sampler.grammars.matcher(grammar)
 
     def _schedule_compiled(self) -> list[RequestOutput]:

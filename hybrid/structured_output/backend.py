@@ -94,21 +94,26 @@ class GrammarBackend(ABC):
     def matcher(self, grammar: str) -> GrammarMatcher:
         """A fresh matcher at the grammar's start; raises GrammarError."""
 
+    def flags(self, matchers: list[GrammarMatcher]) -> np.ndarray:
+        """A [len(matchers), vocab_size] uint8 array, 1 where a matcher allows the token next."""
+        bits = np.zeros((len(matchers), (self.vocab_size + 31) // 32), dtype=np.int32)
+        self.fill_bitmasks(matchers, bits)
+        flags = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")  # little-endian: byte = token order
+        return flags[:, :self.vocab_size]
+
     def allowed(self, matchers: list[GrammarMatcher]) -> torch.Tensor:
-        """A [len(matchers), vocab_size] bool tensor of the tokens each matcher allows next."""
-        return self.bias(matchers)[0] == 0
+        """flags() as a bool tensor."""
+        return torch.from_numpy(self.flags(matchers)).bool()
 
     def bias(self, matchers: list[GrammarMatcher]) -> tuple[torch.Tensor, list[int]]:
         """A [len(matchers), vocab_size] float32 tensor, 0 where a matcher allows the token and FORBIDDEN
         elsewhere (adding it to logits is several times cheaper than masking them), and the rows that allow
         nothing."""
-        bits = np.zeros((len(matchers), (self.vocab_size + 31) // 32), dtype=np.int32)
-        self.fill_bitmasks(matchers, bits)
-        flags = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")  # little-endian: byte = token order
-        bias = flags[:, :self.vocab_size].astype(np.float32)
+        flags = self.flags(matchers)
+        bias = flags.astype(np.float32)
         bias -= 1
         bias *= -FORBIDDEN
-        return torch.from_numpy(bias), np.flatnonzero(~bits.any(axis=1)).tolist()
+        return torch.from_numpy(bias), np.flatnonzero(~flags.any(axis=1)).tolist()
 
     def fill_bitmasks(self, matchers: list[GrammarMatcher], bits: np.ndarray) -> None:
         """Row i of bits gets matchers[i]'s bitmask."""

@@ -3,8 +3,8 @@ thread (never the event loop), and its verdict cached, so a bad schema is a 400 
 
 from __future__ import annotations
 
+import functools
 import threading
-from collections import OrderedDict
 from collections.abc import Callable
 
 from hybrid.structured_output.backend import GrammarBackend, GrammarError
@@ -16,24 +16,21 @@ class GrammarChecker:
     def __init__(self, make_backend: Callable[[], GrammarBackend]):
         self._make_backend = make_backend
         self._backend: GrammarBackend | None = None
-        self._verdicts: OrderedDict[str, str | None] = OrderedDict()
         self._lock = threading.Lock()
+        self._verdict = functools.lru_cache(CACHED_VERDICTS)(self._compile)
 
-    def check(self, grammar: str) -> None:
-        """Raises GrammarError when the grammar does not compile. Blocking: call it from a worker thread."""
+    def _compile(self, grammar: str) -> str | None:
+        """What is wrong with the grammar, or None."""
         with self._lock:
             if self._backend is None:
                 self._backend = self._make_backend()
-            known = grammar in self._verdicts
-            verdict = self._verdicts.pop(grammar, None)
-        if not known:
-            try:
-                self._backend.check(grammar)
-            except GrammarError as e:
-                verdict = str(e)
-        with self._lock:
-            self._verdicts[grammar] = verdict
-            while len(self._verdicts) > CACHED_VERDICTS:
-                self._verdicts.popitem(last=False)
-        if verdict is not None:
+        try:
+            self._backend.check(grammar)
+        except GrammarError as e:
+            return str(e)
+        return None
+
+    def check(self, grammar: str) -> None:
+        """Raises GrammarError when the grammar does not compile. Blocking: call it from a worker thread."""
+        if (verdict := self._verdict(grammar)) is not None:
             raise GrammarError(verdict)

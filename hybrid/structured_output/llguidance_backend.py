@@ -1,17 +1,18 @@
 """The llguidance implementation of the grammar backend.
 
 llguidance builds a grammar's lexer and parser lazily, so making a matcher costs about a millisecond; a pristine
-matcher per grammar is kept (LRU) and each request gets a copy of it.
+matcher per grammar is kept (LRU) and each request gets a copy of it. The closing ranks need every token decoded,
+so they are made on first use: the api, which only checks grammars, never pays for them.
 """
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
+import functools
 
 import llguidance
 import llguidance.hf
 import numpy as np
+import torch
 from llguidance import LLMatcher
 
 from hybrid.structured_output.backend import GrammarBackend, GrammarError, GrammarMatcher, closing_ranks
@@ -44,28 +45,27 @@ class LLGuidanceMatcher(GrammarMatcher):
 class LLGuidanceBackend(GrammarBackend):
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: list[int]):
         self.vocab_size = vocab_size
+        self.hf_tokenizer, self.added_tokens, self.eos_token_ids = tokenizer.hf, tokenizer.added_tokens, eos_token_ids
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer.hf, n_vocab=vocab_size,
                                                       eos_token=list(eos_token_ids) or None)
-        texts = tokenizer.hf.batch_decode([[i] for i in range(min(len(tokenizer.hf), vocab_size))])
-        self.closing_rank = closing_ranks(texts, tokenizer.added_tokens, eos_token_ids, vocab_size)
-        self._pristine: OrderedDict[str, LLMatcher] = OrderedDict()
-        self._lock = threading.Lock()
+        self._pristine = functools.lru_cache(CACHED_GRAMMARS)(self._compile)
+
+    @functools.cached_property
+    def closing_rank(self) -> torch.Tensor:
+        texts = self.hf_tokenizer.batch_decode([[i] for i in range(min(len(self.hf_tokenizer), self.vocab_size))])
+        return closing_ranks(texts, self.added_tokens, self.eos_token_ids, self.vocab_size)
 
     def check(self, grammar: str) -> None:
         message = LLMatcher.validate_grammar(LLMatcher.grammar_from_lark(grammar), self.tokenizer)
         if message:
             raise GrammarError(message.strip())
 
+    def _compile(self, grammar: str) -> LLMatcher:
+        """A matcher at the grammar's start (constructing it compiles the grammar; errors are not cached)."""
+        matcher = LLMatcher(self.tokenizer, LLMatcher.grammar_from_lark(grammar))
+        if matcher.is_error():
+            raise GrammarError(matcher.get_error().strip())
+        return matcher
+
     def matcher(self, grammar: str) -> GrammarMatcher:
-        with self._lock:
-            pristine = self._pristine.pop(grammar, None)
-        if pristine is None:
-            self.check(grammar)
-            pristine = LLMatcher(self.tokenizer, LLMatcher.grammar_from_lark(grammar))
-            if pristine.is_error():
-                raise GrammarError(pristine.get_error())
-        with self._lock:
-            self._pristine[grammar] = pristine
-            while len(self._pristine) > CACHED_GRAMMARS:
-                self._pristine.popitem(last=False)
-        return LLGuidanceMatcher(pristine.deep_copy())
+        return LLGuidanceMatcher(self._pristine(grammar).deep_copy())
