@@ -10,6 +10,10 @@ import torch
 
 from hybrid.config.model_config import DTYPES, ConfigError, ModelConfig
 
+# An engine does both phases of a request, or, disaggregated, only prefills (then hands each sequence off after
+# its first token) or takes over prefilled sequences and decodes them.
+ROLES = ("both", "prefill", "decode")
+
 
 @dataclass
 class EngineConfig:
@@ -41,8 +45,11 @@ class EngineConfig:
     gpu_experts: int = 0
     expert_profile: str | None = None
     enable_prefix_caching: bool = True
+    role: str = "both"
 
     def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ConfigError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
         if self.gpus is not None:
             self._hybrid()
         if self.attention not in ("auto", "torch", "cpu", "triton"):

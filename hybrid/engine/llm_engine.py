@@ -1,4 +1,8 @@
-"""The engine loop: admits requests, schedules a batch, runs the model, samples, detokenizes, finishes."""
+"""The engine loop: admits requests, schedules a batch, runs the model, samples, detokenizes, finishes.
+
+Disaggregated (EngineConfig.role), a prefill engine parks each sequence once its first token is sampled, holding
+its KV, until `export` and `release` hand it over; a decode engine takes such sequences in with `take_over`.
+"""
 
 from __future__ import annotations
 
@@ -9,12 +13,14 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 import torch
 
 from hybrid.config import EngineConfig, ModelConfig
+from hybrid.disaggregation.handoff import SequenceHandoff, restore, snapshot
+from hybrid.disaggregation.kv_transport import KVTransport
 from hybrid.engine.detokenizer import IncrementalDetokenizer
 from hybrid.engine.model_runner import ModelRunner
 from hybrid.engine.outputs import RequestOutput
 from hybrid.engine.sampler import Sample, Sampler, token_logprobs
 from hybrid.engine.scheduler import ScheduledSeq, Scheduler
-from hybrid.engine.sequence import Sequence
+from hybrid.engine.sequence import Sequence, SequenceStatus
 from hybrid.experts.base import Experts
 from hybrid.experts.process.client import ExpertServerError
 from hybrid.mem_cache.block_hash_cache import BlockHashCache
@@ -57,6 +63,8 @@ class LLMEngine:
         # Requests whose grammar is being compiled, off the step loop; they are scheduled once it is ready.
         self.compiling: dict[str, tuple[Sequence, Future[GrammarMatcher]]] = {}
         self._compiler = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        # Prefill role: sequences with their first token, holding their KV until handed off.
+        self.prefilled: dict[str, Sequence] = {}
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -122,6 +130,7 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> None:
         self.compiling.pop(request_id, None)
+        self.prefilled.pop(request_id, None)
         seq = self.seqs.pop(request_id, None)
         if seq is not None:
             self.scheduler.finish(seq)
@@ -158,8 +167,55 @@ class LLMEngine:
             return failed + [self._fail(item.seq, f"the engine failed while running this request: "
                                         f"{type(e).__name__}: {e}") for item in batch]
         self.scheduler.advance(batch)
-        return failed + [self._advance(seq, s) if s.token is not None else self._fail(seq, s.error)
-                         for seq, s in zip(sampling, samples)]
+        outputs = failed + [self._advance(seq, s) if s.token is not None else self._fail(seq, s.error)
+                            for seq, s in zip(sampling, samples)]
+        if self.config.role == "prefill":
+            for seq in sampling:
+                if seq.status == SequenceStatus.RUNNING:
+                    self.scheduler.park(seq)
+                    self.prefilled[seq.request_id] = seq
+        return outputs
+
+    def export(self, request_id: str, transport: KVTransport) -> SequenceHandoff:
+        """A prefilled sequence and its KV for another engine; it stays parked here until `release`."""
+        seq = self.prefilled[request_id]
+        blocks = seq.block_table[:-(-seq.num_computed_tokens // self.config.block_size)]
+        return snapshot(seq, transport.put(self.runner.kv_pool, blocks))
+
+    def release(self, request_id: str) -> None:
+        """Forgets a sequence another engine has taken over, freeing its blocks (the prefix cache keeps them)."""
+        seq = self.prefilled.pop(request_id)
+        self.seqs.pop(request_id, None)
+        self.detok.pop(request_id, None)
+        self.scheduler.finish(seq)
+
+    def take_over(self, handoff: SequenceHandoff, transport: KVTransport) -> bool:
+        """Continues a sequence another engine prefilled: False (nothing changed) when no slot or blocks are free
+        now; raises KVTransferError (nothing kept) when its KV cannot be read."""
+        seq = restore(handoff)
+        if handoff.request_id in self.seqs:
+            raise InvalidRequest(f"request id {handoff.request_id!r} is already running")
+        if not self.scheduler.can_take_running(seq):
+            return False
+        self.scheduler.blocks.grow(seq, seq.num_computed_tokens)
+        try:
+            transport.get(handoff.kv, self.runner.kv_pool, seq.block_table)
+            if seq.params.grammar is not None:
+                seq.matcher = self._compiler.submit(self._matcher, seq.params.grammar).result()
+                for token in seq.completion_ids:
+                    seq.matcher.accept(token)
+        except Exception:
+            self.scheduler.blocks.release(seq)
+            raise
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(self.tokenizer.backend, seq.params.stop, seq.params.skip_special_tokens)
+            for token in seq.completion_ids:
+                detok.step(token)
+                detok.take_delta(False)
+            self.detok[seq.request_id] = detok
+        self.seqs[seq.request_id] = seq
+        self.scheduler.take_running(seq)
+        return True
 
     @staticmethod
     def _wants_prompt_logprobs(seq: Sequence) -> bool:

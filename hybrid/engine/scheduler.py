@@ -52,6 +52,20 @@ class Scheduler:
             self.waiting.remove(seq)
         self.blocks.release(seq)
 
+    def park(self, seq: Sequence) -> None:
+        """Takes a running sequence out of scheduling, keeping its blocks (a prefilled one awaiting hand-off)."""
+        self.running.remove(seq)
+
+    def can_take_running(self, seq: Sequence) -> bool:
+        """Whether a slot and the blocks for seq's computed tokens are free now."""
+        return len(self.running) < self.max_num_seqs and self.blocks.can_grow(seq, seq.num_computed_tokens)
+
+    def take_running(self, seq: Sequence) -> None:
+        """Adds a sequence whose computed tokens' blocks it already holds (handed over) to the running ones."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        self.blocks.cache_computed(seq)
+
     def advance(self, batch: list[ScheduledSeq]) -> None:
         """Records a step's computed tokens; the full blocks they complete become reusable prefixes."""
         for item in batch:

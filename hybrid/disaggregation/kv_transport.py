@@ -1,0 +1,103 @@
+"""How a sequence's KV blocks travel from the prefill engine's pool to the decode engine's: one interface and
+its transports.
+
+The sender `put`s the KV of some blocks of its pool and gets a KVTicket, a small typed value that travels in the
+hand-off message; the receiver `get`s the ticket's KV into blocks of its own pool (any ids); the sender `drop`s
+the ticket once the receiver has it (or gave up), which frees what the transport held. Both pools must have the
+same layout (model, dtype, block size): the ticket carries it and `get` refuses a mismatch.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import msgspec
+import torch
+
+from hybrid.mem_cache.kv_pool import KVPool
+
+
+class KVTransferError(RuntimeError):
+    """A ticket whose KV cannot be read (gone, or of another layout)."""
+
+
+class KVTicket(msgspec.Struct):
+    """Where one hand-off's KV is: `name` is the transport's handle, `layout` the pool layout it was put from."""
+
+    transport: str
+    name: str
+    num_blocks: int
+    layout: str
+
+
+def pool_layout(pool: KVPool) -> str:
+    """The layout two pools must share to exchange blocks: per layer, each cache tensor's block shape and dtype."""
+    return ";".join(",".join(f"{list(t.shape[1:])}{t.dtype}" for t in layer) for layer in pool.caches)
+
+
+class KVTransport(ABC):
+    name: str
+
+    @abstractmethod
+    def put(self, pool: KVPool, block_ids: list[int]) -> KVTicket:
+        """Copies (or shares) the KV of block_ids, in their order, out of pool."""
+
+    @abstractmethod
+    def get(self, ticket: KVTicket, pool: KVPool, block_ids: list[int]) -> None:
+        """Writes the ticket's blocks, in order, into block_ids of pool; raises KVTransferError."""
+
+    @abstractmethod
+    def drop(self, ticket: KVTicket) -> None:
+        """Frees what the ticket holds; dropping twice is harmless."""
+
+    def close(self) -> None:
+        """Frees every ticket this transport put and has not dropped."""
+
+    def check(self, ticket: KVTicket, pool: KVPool, block_ids: list[int]) -> None:
+        if ticket.transport != self.name:
+            raise KVTransferError(f"a {ticket.transport} ticket given to the {self.name} transport")
+        if ticket.layout != pool_layout(pool):
+            raise KVTransferError("the KV was made by an engine with another cache layout (model, dtype or block "
+                                  f"size): {ticket.layout} vs {pool_layout(pool)}")
+        if len(block_ids) != ticket.num_blocks:
+            raise KVTransferError(f"the ticket holds {ticket.num_blocks} blocks, {len(block_ids)} were given")
+
+
+def gather(pool: KVPool, block_ids: list[int]) -> list[torch.Tensor]:
+    index = torch.tensor(block_ids, dtype=torch.long, device=pool.caches[0][0].device)
+    return [cache.index_select(0, index) for layer in pool.caches for cache in layer]
+
+
+def scatter(pool: KVPool, block_ids: list[int], tensors: list[torch.Tensor]) -> None:
+    index = torch.tensor(block_ids, dtype=torch.long, device=pool.caches[0][0].device)
+    caches = [cache for layer in pool.caches for cache in layer]
+    for cache, src in zip(caches, tensors, strict=True):
+        cache.index_copy_(0, index, src.to(cache.device, non_blocking=True))
+
+
+class LocalKVTransport(KVTransport):
+    """Both engines in one process (tests): the ticket names copies kept in a dict."""
+
+    name = "local"
+
+    def __init__(self) -> None:
+        self.held: dict[str, list[torch.Tensor]] = {}
+        self._next = 0
+
+    def put(self, pool: KVPool, block_ids: list[int]) -> KVTicket:
+        self._next += 1
+        name = str(self._next)
+        self.held[name] = gather(pool, block_ids)
+        return KVTicket(self.name, name, len(block_ids), pool_layout(pool))
+
+    def get(self, ticket: KVTicket, pool: KVPool, block_ids: list[int]) -> None:
+        self.check(ticket, pool, block_ids)
+        if ticket.name not in self.held:
+            raise KVTransferError(f"KV {ticket.name} is gone")
+        scatter(pool, block_ids, self.held[ticket.name])
+
+    def drop(self, ticket: KVTicket) -> None:
+        self.held.pop(ticket.name, None)
+
+    def close(self) -> None:
+        self.held.clear()

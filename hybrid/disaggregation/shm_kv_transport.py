@@ -1,0 +1,96 @@
+"""The KV transport between engine processes on one machine's CPU: one shared-memory file per hand-off.
+
+The sender writes the blocks' KV into a file under /dev/shm (private to the user, created exclusively) and
+unlinks it when dropped; the receiver maps the file (no read copy) and copies the blocks into its pool. Files of a
+sender that died are removed by the next transport made on the machine (their pid is in the name).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import tempfile
+from pathlib import Path
+
+import psutil
+import torch
+
+from hybrid.disaggregation.kv_transport import KVTicket, KVTransferError, KVTransport, gather, pool_layout, scatter
+from hybrid.mem_cache.kv_pool import KVPool
+
+SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+PREFIX = f"hybridd-kv-{os.getuid()}-"
+
+
+def remove_orphans(directory: Path = SHM_DIR) -> int:
+    """Removes hand-off files of this user whose sender is gone; returns how many."""
+    removed = 0
+    for path in directory.glob(f"{PREFIX}*"):
+        m = re.fullmatch(re.escape(PREFIX) + r"(\d+)-\d+", path.name)
+        if m and not psutil.pid_exists(int(m.group(1))):
+            path.unlink(missing_ok=True)
+            removed += 1
+    return removed
+
+
+class SharedMemoryKVTransport(KVTransport):
+    name = "shm"
+
+    def __init__(self, directory: Path = SHM_DIR):
+        self.directory = directory
+        self.held: set[str] = set()
+        self._next = 0
+        remove_orphans(directory)
+
+    def _path(self, name: str) -> Path:
+        if not name.startswith(PREFIX) or "/" in name:
+            raise KVTransferError(f"{name!r} is not a hand-off file name")
+        return self.directory / name
+
+    def put(self, pool: KVPool, block_ids: list[int]) -> KVTicket:
+        tensors = gather(pool, block_ids)
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        self._next += 1
+        name = f"{PREFIX}{os.getpid()}-{self._next}"
+        path = self._path(name)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, max(nbytes, 1))
+        finally:
+            os.close(fd)
+        self.held.add(name)
+        mapped = torch.from_file(str(path), shared=True, size=max(nbytes, 1), dtype=torch.uint8)
+        offset = 0
+        for t in tensors:
+            n = t.numel() * t.element_size()
+            mapped[offset:offset + n].view(t.dtype).view(t.shape).copy_(t)
+            offset += n
+        return KVTicket(self.name, name, len(block_ids), pool_layout(pool))
+
+    def get(self, ticket: KVTicket, pool: KVPool, block_ids: list[int]) -> None:
+        self.check(ticket, pool, block_ids)
+        path = self._path(ticket.name)
+        caches = [cache for layer in pool.caches for cache in layer]
+        sizes = [ticket.num_blocks * math.prod(c.shape[1:]) * c.element_size() for c in caches]
+        try:
+            if path.stat().st_size < sum(sizes):
+                raise KVTransferError(f"the KV file {path} is shorter than its ticket says")
+            mapped = torch.from_file(str(path), shared=True, size=max(sum(sizes), 1), dtype=torch.uint8)
+        except FileNotFoundError:
+            raise KVTransferError(f"the KV file {path} is gone") from None
+        tensors, offset = [], 0
+        for cache, n in zip(caches, sizes):
+            tensors.append(mapped[offset:offset + n].view(cache.dtype).view(ticket.num_blocks, *cache.shape[1:]))
+            offset += n
+        scatter(pool, block_ids, tensors)
+
+    def drop(self, ticket: KVTicket) -> None:
+        if ticket.name in self.held:
+            self.held.discard(ticket.name)
+            self._path(ticket.name).unlink(missing_ok=True)
+
+    def close(self) -> None:
+        for name in list(self.held):
+            self._path(name).unlink(missing_ok=True)
+        self.held.clear()

@@ -1,0 +1,176 @@
+"""Prefill-decode disaggregation inside one process: a prefill engine hands each sequence, with its KV, to a
+decode engine, which continues it token for token as one engine would (and as transformers does)."""
+
+from __future__ import annotations
+
+from collections import deque
+
+import pytest
+import torch
+from conftest import prompt_ids
+from test_models_vs_transformers import reference
+
+from hybrid import LLM, SamplingParams
+from hybrid.disaggregation.handoff import SequenceHandoff
+from hybrid.disaggregation.kv_transport import KVTransferError, LocalKVTransport
+from hybrid.disaggregation.shm_kv_transport import PREFIX, SharedMemoryKVTransport, remove_orphans
+from hybrid.engine.outputs import RequestOutput
+
+
+class Pair:
+    """A prefill and a decode engine stepped in turn; hand-offs wait, in order, for a decode slot."""
+
+    def __init__(self, model, transport, decode_seqs: int = 8, **kw):
+        self.prefill = LLM(model, role="prefill", **kw).engine
+        self.decode = LLM(model, role="decode", max_num_seqs=decode_seqs, **kw).engine
+        self.transport = transport
+        self.waiting: deque[SequenceHandoff] = deque()
+        self.tokens: dict[str, list[int]] = {}
+        self.finished: dict[str, RequestOutput] = {}
+        self.max_waiting = 0
+
+    def step(self) -> None:
+        for engine in (self.prefill, self.decode):
+            for out in engine.step():
+                self.tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+                if out.finished:
+                    self.finished[out.request_id] = out
+            if engine is self.prefill:
+                offered = {h.request_id for h in self.waiting}
+                self.waiting += [self.prefill.export(rid, self.transport) for rid in self.prefill.prefilled
+                                 if rid not in offered]
+                self.max_waiting = max(self.max_waiting, len(self.waiting))
+                while self.waiting and self.decode.take_over(self.waiting[0], self.transport):
+                    h = self.waiting.popleft()
+                    self.transport.drop(h.kv)
+                    self.prefill.release(h.request_id)
+
+    def busy(self) -> bool:
+        return bool(self.prefill.has_unfinished() or self.prefill.prefilled or self.decode.has_unfinished())
+
+    def run(self, arrivals: list[tuple[int, list[int], SamplingParams]]) -> list[RequestOutput]:
+        """arrivals: (step at which it arrives, prompt, params); outputs in arrival order."""
+        ids, step = [], 0
+        pending = sorted(arrivals, key=lambda a: a[0])
+        while pending or self.busy():
+            while pending and pending[0][0] <= step:
+                _, prompt, params = pending.pop(0)
+                ids.append(self.prefill.add_request(prompt, params))
+            self.step()
+            step += 1
+        return [self.finished[i] for i in ids]
+
+    def close(self) -> None:
+        self.prefill.close()
+        self.decode.close()
+        self.transport.close()
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.mark.parametrize("transport", [LocalKVTransport, SharedMemoryKVTransport])
+def test_handed_off_sequences_decode_as_in_one_engine_and_as_transformers(any_model, transport):
+    """Staggered arrivals, prompts longer than one prefill chunk, and a decode engine with two slots so that
+    later hand-offs wait for one (their KV held by the prefill engine, not recomputed)."""
+    kw = dict(dtype="float32", max_num_batched_tokens=32, block_size=8)
+    prompts = [prompt_ids(n, seed=n) for n in (45, 9, 70, 17, 30)]
+    arrivals = [(i * 3, p, GREEDY) for i, p in enumerate(prompts)]
+    one = LLM(any_model, **kw)
+    colocated = one.generate(prompts, GREEDY)
+    one.close()
+    pair = Pair(any_model, transport(), decode_seqs=2, **kw)
+    outs = pair.run(arrivals)
+    assert pair.max_waiting >= 1 and not pair.transport.held
+    assert [o.token_ids for o in outs] == [o.token_ids for o in colocated]
+    assert all(pair.tokens[o.request_id] == o.token_ids for o in outs)  # streamed once each, in order
+    assert [o.text for o in outs] == [o.text for o in colocated]
+    assert pair.prefill.scheduler.blocks.num_free == pair.prefill.scheduler.blocks.num_blocks
+    ref = reference(any_model)
+    with torch.no_grad():
+        expected = ref.generate(torch.tensor([prompts[2]]), max_new_tokens=24, min_new_tokens=24,
+                                do_sample=False)[0, len(prompts[2]):].tolist()
+    assert outs[2].token_ids == expected
+    pair.close()
+
+
+def test_seeded_sampling_stop_strings_and_logprobs_carry_over(model_dirs):
+    model = model_dirs["tiny-qwen3-moe"]
+    params = [SamplingParams(temperature=0.9, top_p=0.8, seed=11, max_tokens=20, logprobs=2, prompt_logprobs=1),
+              SamplingParams(temperature=1.0, seed=3, max_tokens=30, stop=["e"]),
+              SamplingParams(temperature=0, max_tokens=1)]  # finishes in the prefill engine
+    prompts = ["Once upon a time", "The quick brown fox", "Hello"]
+    one = LLM(model, dtype="float32")
+    colocated = one.generate(prompts, params)
+    one.close()
+    pair = Pair(model, LocalKVTransport(), dtype="float32")
+    outs = pair.run([(0, p, sp) for p, sp in zip(prompts, params)])
+    for ours, theirs in zip(outs, colocated):
+        assert (ours.token_ids, ours.text, ours.finish_reason) == (theirs.token_ids, theirs.text,
+                                                                    theirs.finish_reason)
+    assert [lp.token_id for lp in outs[0].logprobs] == outs[0].token_ids
+    assert [(lp.logprob, lp.top) for lp in outs[0].logprobs] == pytest.approx(
+        [(lp.logprob, lp.top) for lp in colocated[0].logprobs])
+    assert len(outs[0].prompt_logprobs) == len(outs[0].prompt_token_ids)
+    pair.close()
+
+
+def test_grammar_requests_continue_under_their_grammar(model_dirs):
+    import json
+
+    import jsonschema
+
+    from hybrid.structured_output.grammars import json_schema_grammar
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "s": {"type": "string", "maxLength": 8}},
+              "required": ["n", "s"]}
+    params = SamplingParams(temperature=0, max_tokens=48, grammar=json_schema_grammar(schema))
+    model = model_dirs["tiny-deepseek-v3"]
+    one = LLM(model, dtype="float32")
+    colocated = one.generate("JSON:", params)[0]
+    one.close()
+    pair = Pair(model, LocalKVTransport(), dtype="float32")
+    out = pair.run([(0, "JSON:", params)])[0]
+    assert out.token_ids == colocated.token_ids and out.finish_reason == "stop"
+    jsonschema.validate(json.loads(out.text), schema)
+    pair.close()
+
+
+def test_kv_that_cannot_be_read_fails_cleanly(model_dirs, tmp_path):
+    model = model_dirs["tiny-qwen3-moe"]
+    transport = SharedMemoryKVTransport(tmp_path)
+    prefill = LLM(model, role="prefill").engine
+    decode = LLM(model, role="decode").engine
+    prefill.add_request(prompt_ids(20, seed=1), GREEDY, "a")
+    while not prefill.prefilled:
+        prefill.step()
+    h = prefill.export("a", transport)
+    assert oct((tmp_path / h.kv.name).stat().st_mode & 0o777) == "0o600"
+    free = decode.scheduler.blocks.num_free
+    transport.drop(h.kv)
+    with pytest.raises(KVTransferError, match="gone"):
+        decode.take_over(h, transport)
+    assert decode.scheduler.blocks.num_free == free and not decode.seqs
+    other = LLM(model_dirs["tiny-deepseek-v3"], role="decode").engine
+    h = prefill.export("a", transport)
+    with pytest.raises(KVTransferError, match="layout"):
+        other.take_over(h, transport)
+    prefill.abort("a")
+    assert prefill.scheduler.blocks.num_free == prefill.scheduler.blocks.num_blocks and not prefill.prefilled
+    transport.close()
+    assert not list(tmp_path.iterdir())
+    for e in (prefill, decode, other):
+        e.close()
+
+
+def test_files_of_a_dead_sender_are_removed(tmp_path):
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    orphan = tmp_path / f"{PREFIX}{int(dead.stdout)}-1"
+    mine = tmp_path / f"{PREFIX}{__import__('os').getpid()}-1"
+    orphan.write_bytes(b"x")
+    mine.write_bytes(b"x")
+    assert remove_orphans(tmp_path) == 1
+    assert not orphan.exists() and mine.exists()
