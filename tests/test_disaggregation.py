@@ -11,7 +11,7 @@ from conftest import prompt_ids
 from test_models_vs_transformers import reference
 
 from hybrid import LLM, SamplingParams
-from hybrid.disaggregation.handoff import SequenceHandoff
+from hybrid.disaggregation.handoff import SequenceHandoff, export, take_over
 from hybrid.disaggregation.kv_transport import KVTransferError, LocalKVTransport
 from hybrid.disaggregation.shm_kv_transport import PREFIX, SharedMemoryKVTransport, remove_orphans
 from hybrid.engine.outputs import RequestOutput
@@ -37,10 +37,10 @@ class Pair:
                     self.finished[out.request_id] = out
             if engine is self.prefill:
                 offered = {h.request_id for h in self.waiting}
-                self.waiting += [self.prefill.export(rid, self.transport) for rid in self.prefill.prefilled
+                self.waiting += [export(self.prefill, rid, self.transport) for rid in self.prefill.prefilled
                                  if rid not in offered]
                 self.max_waiting = max(self.max_waiting, len(self.waiting))
-                while self.waiting and self.decode.take_over(self.waiting[0], self.transport):
+                while self.waiting and take_over(self.decode, self.waiting[0], self.transport):
                     h = self.waiting.popleft()
                     self.transport.drop(h.kv)
                     self.prefill.release(h.request_id)
@@ -144,17 +144,17 @@ def test_kv_that_cannot_be_read_fails_cleanly(model_dirs, tmp_path):
     prefill.add_request(prompt_ids(20, seed=1), GREEDY, "a")
     while not prefill.prefilled:
         prefill.step()
-    h = prefill.export("a", transport)
+    h = export(prefill, "a", transport)
     assert oct((tmp_path / h.kv.name).stat().st_mode & 0o777) == "0o600"
     free = decode.scheduler.blocks.num_free
     transport.drop(h.kv)
     with pytest.raises(KVTransferError, match="gone"):
-        decode.take_over(h, transport)
+        take_over(decode, h, transport)
     assert decode.scheduler.blocks.num_free == free and not decode.seqs
     other = LLM(model_dirs["tiny-deepseek-v3"], role="decode").engine
-    h = prefill.export("a", transport)
+    h = export(prefill, "a", transport)
     with pytest.raises(KVTransferError, match="layout"):
-        other.take_over(h, transport)
+        take_over(other, h, transport)
     prefill.abort("a")
     assert prefill.scheduler.blocks.num_free == prefill.scheduler.blocks.num_blocks and not prefill.prefilled
     transport.close()

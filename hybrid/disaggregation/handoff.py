@@ -11,7 +11,8 @@ from __future__ import annotations
 import msgspec
 import torch
 
-from hybrid.disaggregation.kv_transport import KVTicket
+from hybrid.disaggregation.kv_transport import KVTicket, KVTransport
+from hybrid.engine.llm_engine import LLMEngine
 from hybrid.engine.outputs import TokenLogprob
 from hybrid.engine.sequence import Sequence
 from hybrid.sampling_params import SamplingParams
@@ -56,3 +57,17 @@ def restore(h: SequenceHandoff) -> Sequence:
     seq.arrival_time, seq.first_token_time, seq.closing = h.arrival_time, h.first_token_time, h.closing
     seq.logprobs, seq.prompt_logprobs = list(h.logprobs), list(h.prompt_logprobs)
     return seq
+
+
+def export(engine: LLMEngine, request_id: str, transport: KVTransport) -> SequenceHandoff:
+    """A sequence the prefill engine has parked, with its KV put into the transport; it stays parked (holding
+    its blocks) until engine.release."""
+    seq = engine.prefilled[request_id]
+    blocks = seq.block_table[:-(-seq.num_computed_tokens // engine.config.block_size)]
+    return snapshot(seq, transport.put(engine.runner.kv_pool, blocks))
+
+
+def take_over(engine: LLMEngine, handoff: SequenceHandoff, transport: KVTransport) -> bool:
+    """The decode engine continues a handed-off sequence: False when it has no slot or blocks free now; raises
+    KVTransferError (keeping nothing) when the KV cannot be read."""
+    return engine.adopt(restore(handoff), lambda blocks: transport.get(handoff.kv, engine.runner.kv_pool, blocks))

@@ -1,20 +1,19 @@
 """The engine loop: admits requests, schedules a batch, runs the model, samples, detokenizes, finishes.
 
 Disaggregated (EngineConfig.role), a prefill engine parks each sequence once its first token is sampled, holding
-its KV, until `export` and `release` hand it over; a decode engine takes such sequences in with `take_over`.
+its KV, until `release` forgets it; a decode engine `adopt`s such sequences (hybrid/disaggregation/handoff.py).
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import torch
 
 from hybrid.config import EngineConfig, ModelConfig
-from hybrid.disaggregation.handoff import SequenceHandoff, restore, snapshot
-from hybrid.disaggregation.kv_transport import KVTransport
 from hybrid.engine.detokenizer import IncrementalDetokenizer
 from hybrid.engine.model_runner import ModelRunner
 from hybrid.engine.outputs import RequestOutput
@@ -176,30 +175,25 @@ class LLMEngine:
                     self.prefilled[seq.request_id] = seq
         return outputs
 
-    def export(self, request_id: str, transport: KVTransport) -> SequenceHandoff:
-        """A prefilled sequence and its KV for another engine; it stays parked here until `release`."""
-        seq = self.prefilled[request_id]
-        blocks = seq.block_table[:-(-seq.num_computed_tokens // self.config.block_size)]
-        return snapshot(seq, transport.put(self.runner.kv_pool, blocks))
-
     def release(self, request_id: str) -> None:
-        """Forgets a sequence another engine has taken over, freeing its blocks (the prefix cache keeps them)."""
+        """Forgets a parked sequence another engine has taken over, freeing its blocks (the prefix cache keeps
+        them)."""
         seq = self.prefilled.pop(request_id)
         self.seqs.pop(request_id, None)
         self.detok.pop(request_id, None)
         self.scheduler.finish(seq)
 
-    def take_over(self, handoff: SequenceHandoff, transport: KVTransport) -> bool:
-        """Continues a sequence another engine prefilled: False (nothing changed) when no slot or blocks are free
-        now; raises KVTransferError (nothing kept) when its KV cannot be read."""
-        seq = restore(handoff)
-        if handoff.request_id in self.seqs:
-            raise InvalidRequest(f"request id {handoff.request_id!r} is already running")
+    def adopt(self, seq: Sequence, fill_kv: Callable[[list[int]], None]) -> bool:
+        """Continues a sequence another engine computed its first num_computed_tokens of: gives it blocks, has
+        fill_kv write their KV, and replays its completion into a fresh detokenizer and grammar matcher. False
+        (nothing changed) when no slot or blocks are free now; an exception from fill_kv leaves nothing kept."""
+        if seq.request_id in self.seqs:
+            raise InvalidRequest(f"request id {seq.request_id!r} is already running")
         if not self.scheduler.can_take_running(seq):
             return False
         self.scheduler.blocks.grow(seq, seq.num_computed_tokens)
         try:
-            transport.get(handoff.kv, self.runner.kv_pool, seq.block_table)
+            fill_kv(seq.block_table)
             if seq.params.grammar is not None:
                 seq.matcher = self._compiler.submit(self._matcher, seq.params.grammar).result()
                 for token in seq.completion_ids:
