@@ -27,7 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     except MissingTokenizer as e:
         logging.getLogger("hybridd.api").warning("%s; only token-id completions are served", e)
         tokenizer = None
-    client = EngineClient(config.paths.engine_in, config.paths.engine_out, config.engine_timeout_s)
+    client = EngineClient({role: config.paths.inbox(role) for role in config.engine_roles}, config.paths.engine_out,
+                          config.engine_timeout_s)
     app = build_app(config, client, tokenizer)
     uvicorn.run(app, host=config.host, port=config.port, log_level="warning", access_log=False,
                 timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)

@@ -358,11 +358,13 @@ def build_app(config: DaemonConfig, client: EngineClient, tokenizer: Tokenizer |
         return {"model": name, "status": s.status, "reason": s.reason, "engine_pid": s.pid, "restarts": s.restarts,
                 "info": as_json(s.info) or {}, "stats": as_json(s.stats) or {}, "progress": as_json(s.progress) or {},
                 "pending": admitted.count, "experts": "stopped" if is_stopped(expert_pid()) else "ok",
-                "max_pending": max_pending, "url": config.url, "api_pid": os.getpid()}
+                "max_pending": max_pending, "url": config.url, "api_pid": os.getpid(),
+                "engines": {role: {"pid": e.pid, "status": e.status, "reason": e.reason, "restarts": e.restarts,
+                                   "stats": as_json(e.stats) or {}} for role, e in client.engines.items()}}
 
     @app.get("/metrics")
     async def prometheus():
-        body = metrics.render(client.state.stats, admitted.count, client.ready)
+        body = metrics.render({role: e.stats for role, e in client.engines.items()}, admitted.count, client.ready)
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/")

@@ -33,23 +33,29 @@ class Metrics:
         self.model = model
         self.queue_depth = Gauge("hybridd_queue_depth", "Requests admitted by the api and not finished",
                                  labels, registry=self.registry).labels(model)
-        self.running = Gauge("hybridd_num_requests_running", "Requests in the engine's running batch", labels,
-                             registry=self.registry).labels(model)
-        self.waiting = Gauge("hybridd_num_requests_waiting", "Requests waiting in the engine", labels,
-                             registry=self.registry).labels(model)
-        self.kv_usage = Gauge("hybridd_kv_cache_usage_ratio", "Share of KV-cache blocks in use", labels,
-                              registry=self.registry).labels(model)
+        by_role = ["model", "role"]  # role: engine, or prefill / decode when disaggregated
+        self.running = Gauge("hybridd_num_requests_running", "Requests in the engine's running batch", by_role,
+                             registry=self.registry)
+        self.waiting = Gauge("hybridd_num_requests_waiting", "Requests waiting in the engine", by_role,
+                             registry=self.registry)
+        self.handoffs = Gauge("hybridd_num_requests_handing_off", "Prefilled requests between the prefill and "
+                              "the decode engine (counted by each side)", by_role, registry=self.registry)
+        self.kv_usage = Gauge("hybridd_kv_cache_usage_ratio", "Share of KV-cache blocks in use", by_role,
+                              registry=self.registry)
         self.engine_up = Gauge("hybridd_engine_up", "1 while the engine is ready", labels,
                                registry=self.registry).labels(model)
 
     def finished(self, outcome: str) -> None:
         self._finished.labels(self.model, outcome).inc()
 
-    def render(self, engine_stats: EngineStats | None, pending: int, engine_ready: bool) -> bytes:
+    def render(self, engine_stats: dict[str, EngineStats | None], pending: int, engine_ready: bool) -> bytes:
+        """engine_stats: the latest stats of each engine role."""
         self.queue_depth.set(pending)
         self.engine_up.set(1 if engine_ready else 0)
-        if engine_stats is not None:
-            self.running.set(engine_stats.running)
-            self.waiting.set(engine_stats.waiting)
-            self.kv_usage.set(engine_stats.kv_blocks_used / max(engine_stats.kv_blocks_total, 1))
+        for role, stats in engine_stats.items():
+            if stats is not None:
+                self.running.labels(self.model, role).set(stats.running)
+                self.waiting.labels(self.model, role).set(stats.waiting)
+                self.handoffs.labels(self.model, role).set(stats.handoffs)
+                self.kv_usage.labels(self.model, role).set(stats.kv_blocks_used / max(stats.kv_blocks_total, 1))
         return generate_latest(self.registry)

@@ -21,6 +21,10 @@ def register(sub) -> None:
     dev.add_argument("--gpus", type=parse_gpus, help="CUDA devices: the first runs attention, KV cache and "
                      "dense layers; routed experts stay on the CPU (e.g. 0 or 0,1)")
     dev.add_argument("--cpu-only", action="store_true", help="run everything on the CPU (the default without CUDA)")
+    st.add_argument("--disagg", action=argparse.BooleanOptionalAction, default=False,
+                    help="run prefill and decode in two engine processes on separate cores, so that long prompts "
+                    "never stall running chats (default: off)")
+    st.add_argument("--prefill-cores", type=int, help="with --disagg: cores of the prefill engine (default: half)")
     st.add_argument("--host", default="127.0.0.1")
     st.add_argument("--port", type=int, default=8000)
     st.add_argument("--api-key", default=os.environ.get("HYBRIDD_API_KEY"),
@@ -120,7 +124,8 @@ def cmd_start(a: argparse.Namespace) -> int:
         pass
     config = DaemonConfig(model=model, host=a.host, port=a.port, api_key=a.api_key,
                           served_model_name=a.served_model_name, max_queue=a.max_queue, max_body_mb=a.max_body_mb,
-                          engine={k: v for k, v in engine_kwargs(a).items() if v is not None})
+                          engine={k: v for k, v in engine_kwargs(a).items() if v is not None},
+                          disagg=a.disagg, prefill_cores=a.prefill_cores)
     explain_gpus(a.gpus)
     running = running_daemon(config.paths)
     if running is not None:
@@ -189,8 +194,12 @@ def cmd_status(a: argparse.Namespace) -> int:
         ("requests", f"{stats.get('running', 0)} running, {stats.get('waiting', 0)} waiting, "
                      f"{s['pending']}/{s['max_pending']} admitted"),
         ("recent tokens/s", f"{stats.get('tokens_per_s', 0.0):.1f}"),
-        ("engine", f"pid {s['engine_pid']}, {s['restarts']} restart(s)"),
     ]
+    for role, e in s.get("engines", {}).items():
+        es = e.get("stats", {})
+        load = (f", {es.get('running', 0)} running, {es.get('waiting', 0)} waiting, {es.get('handoffs', 0)} "
+                f"handing off, KV {es.get('kv_blocks_used', 0)}/{es.get('kv_blocks_total', 0)} blocks") if es else ""
+        rows.append((role, f"{e['status']}, pid {e['pid']}, {e['restarts']} restart(s){load}"))
     for k, v in rows:
         t.add_row(k, str(v))
     Console().print(t)

@@ -47,6 +47,14 @@ class DaemonPaths:
         return f"ipc://{self.run_dir}/engine-in"
 
     @property
+    def decode_in(self) -> str:
+        return f"ipc://{self.run_dir}/decode-in"
+
+    def inbox(self, role: str) -> str:
+        """Where an engine of `role` takes messages: new requests go to the engine or prefill engine."""
+        return self.decode_in if role == "decode" else self.engine_in
+
+    @property
     def engine_out(self) -> str:
         return f"ipc://{self.run_dir}/engine-out"
 
@@ -71,6 +79,8 @@ class DaemonConfig:
     engine_timeout_s: float = 120.0
     home: str = field(default_factory=lambda: str(hybridd_home()))
     engine: dict = field(default_factory=dict)
+    disagg: bool = False
+    prefill_cores: int | None = None
 
     def __post_init__(self, api_key: str | None) -> None:
         if not 0 < self.port < 65536:
@@ -85,10 +95,16 @@ class DaemonConfig:
             self.api_key_sha256 = key_digest(api_key)
         if not 0 < self.max_body_mb <= 1024:
             raise ConfigError(f"max_body_mb must be in (0, 1024], got {self.max_body_mb}")
+        if self.prefill_cores is not None and (not self.disagg or self.prefill_cores < 1):
+            raise ConfigError("prefill_cores (>= 1) is the prefill engine's share of the cores: use it with --disagg")
         self.engine_config()
 
-    def engine_config(self) -> EngineConfig:
-        return EngineConfig(model=self.model, **self.engine)
+    @property
+    def engine_roles(self) -> list[str]:
+        return ["prefill", "decode"] if self.disagg else ["engine"]
+
+    def engine_config(self, role: str = "engine") -> EngineConfig:
+        return EngineConfig(model=self.model, **self.engine, role="both" if role == "engine" else role)
 
     @property
     def paths(self) -> DaemonPaths:

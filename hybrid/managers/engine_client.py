@@ -1,7 +1,12 @@
-"""The api process's side of the engine: submit requests, stream their outputs, watch the engine's health.
+"""The api process's side of the engines: submit requests, stream their outputs, watch the engines' health.
 
 `EngineClient.generate` yields the engine's TokenDelta messages for one request and raises `EngineError`
 when the engine refuses it, fails it, dies or falls silent; no caller ever waits on a dead engine.
+
+There is one engine, or a disaggregated pair: new requests go to the prefill engine, and a request the decode
+engine has taken over (TakenOver) lives there. Both stream into one socket, so each request's deltas are put
+back in token order (a delta says where its tokens start), and an engine's death fails only the requests that
+live in it.
 """
 
 from __future__ import annotations
@@ -49,20 +54,31 @@ class EngineState:
         return f"the engine is {self.status}" + (f": {self.reason}" if self.reason else "")
 
 
+STATUS_ORDER = ("down", "starting", "loading", "ready")  # the pair is as far as its least advanced engine
+
+
 class EngineClient:
-    def __init__(self, engine_in: str, engine_out: str, hang_timeout_s: float = 120.0):
-        self.engine_in, self.engine_out, self.hang_timeout_s = engine_in, engine_out, hang_timeout_s
-        self.state = EngineState()
+    def __init__(self, inboxes: dict[str, str], engine_out: str, hang_timeout_s: float = 120.0):
+        """inboxes: each engine role's address, the one taking new requests first."""
+        self.inboxes, self.engine_out, self.hang_timeout_s = inboxes, engine_out, hang_timeout_s
+        self.roles = list(inboxes)
+        self.engines = {role: EngineState() for role in self.roles}
         self._queues: dict[str, asyncio.Queue] = {}
+        self._location: dict[str, str] = {}  # request id -> the role it lives in
+        self._next: dict[str, int] = {}  # request id -> index of the next completion token to deliver
+        self._held: dict[str, dict[int, messages.TokenDelta]] = {}  # deltas that arrived ahead of their turn
         self._tasks: list[asyncio.Task] = []
 
     async def start(self) -> None:
         self._ctx = zmq.asyncio.Context()
         self._in = self._ctx.socket(zmq.PULL)
         self._in.bind(self.engine_out)
-        self._out = self._ctx.socket(zmq.PUSH)
-        self._out.setsockopt(zmq.LINGER, 0)
-        self._out.connect(self.engine_in)
+        self._out = {}
+        for role, address in self.inboxes.items():
+            sock = self._ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(address)
+            self._out[role] = sock
         self._tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._watch())]
 
     async def close(self) -> None:
@@ -70,15 +86,35 @@ class EngineClient:
             t.cancel()
         self._fail_all(EngineError("hybridd is stopping", 503))
         self._in.close(linger=0)
-        self._out.close(linger=0)
+        for sock in self._out.values():
+            sock.close(linger=0)
         self._ctx.term()
 
     @property
-    def ready(self) -> bool:
-        return self.state.status == "ready"
+    def state(self) -> EngineState:
+        """The one engine's state, or the pair's: ready when both are, else the least advanced one's."""
+        if len(self.roles) == 1:
+            return self.engines[self.roles[0]]
+        worst = min(self.engines.values(), key=lambda s: STATUS_ORDER.index(s.status))
+        first = self.engines[self.roles[0]]
+        return EngineState(status=worst.status, reason=worst.reason, pid=first.pid, info=first.info,
+                           stats=first.stats, progress=worst.progress, last_seen=worst.last_seen,
+                           restarts=sum(s.restarts for s in self.engines.values()))
 
-    async def _send(self, msg: messages.ToEngine) -> None:
-        await self._out.send(messages.encode(msg))
+    @property
+    def ready(self) -> bool:
+        return all(s.status == "ready" for s in self.engines.values())
+
+    async def _send(self, msg: messages.ToEngine, role: str | None = None) -> None:
+        await self._out[role or self.roles[0]].send(messages.encode(msg))
+
+    async def _abort(self, request_id: str) -> None:
+        """Tells every engine to drop the request (the one holding it does); never waits on a dead one."""
+        for sock in self._out.values():
+            try:
+                await sock.send(messages.encode(messages.AbortRequest(request_id)), zmq.NOBLOCK)
+            except zmq.Again:
+                pass
 
     async def generate(self, request_id: str, prompt_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[messages.TokenDelta]:
@@ -89,6 +125,7 @@ class EngineClient:
             raise EngineError(f"request id {request_id!r} is already in flight", 400)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
+        self._location[request_id], self._next[request_id], self._held[request_id] = self.roles[0], 0, {}
         finished = False
         try:
             await self._send(messages.AddRequest(request_id, prompt_ids, params))
@@ -100,9 +137,23 @@ class EngineClient:
                 finished = msg.finished
                 yield msg
         finally:
-            self._queues.pop(request_id, None)
-            if not finished and self.ready:
-                await self._send(messages.AbortRequest(request_id))
+            for d in (self._queues, self._location, self._next, self._held):
+                d.pop(request_id, None)
+            if not finished:
+                await self._abort(request_id)
+
+    def _deliver(self, msg: messages.TokenDelta) -> None:
+        """Queues a request's delta in token order, holding one that arrived before its predecessor."""
+        queue, held = self._queues.get(msg.request_id), self._held.get(msg.request_id)
+        if queue is None or held is None:
+            return
+        start = msg.completion_tokens - len(msg.token_ids)
+        if start < self._next[msg.request_id]:
+            return  # already delivered
+        held[start] = msg
+        while (delta := held.pop(self._next[msg.request_id], None)) is not None:
+            queue.put_nowait(delta)
+            self._next[msg.request_id] += len(delta.token_ids)
 
     async def _receive(self) -> None:
         while True:
@@ -112,41 +163,65 @@ class EngineClient:
             except messages.DecodeError as e:
                 log.error("ignoring a malformed message from the engine: %s", e)
                 continue
-            self.state.last_seen = time.monotonic()
-            if isinstance(msg, (messages.TokenDelta, messages.RequestFailed)):
+            if isinstance(msg, messages.TokenDelta):
+                self._deliver(msg)
+            elif isinstance(msg, messages.RequestFailed):
                 queue = self._queues.get(msg.request_id)
                 if queue is not None:
-                    failed = isinstance(msg, messages.RequestFailed)
-                    queue.put_nowait(EngineError(msg.message, msg.status) if failed else msg)
-            elif isinstance(msg, messages.EngineStats):
-                self.state.stats = msg
-                if msg.pid != self.state.pid:
-                    await self._send(messages.Hello())  # an engine that was ready before this api started
-                elif self.state.status == "down" and self._alive(msg.pid):
-                    self.state.status, self.state.reason = "ready", ""
-            elif isinstance(msg, messages.Ready):
-                if self.state.pid is not None and self.state.pid != msg.pid:
-                    self.state.restarts += 1
-                self.state.pid, self.state.info, self.state.progress = msg.pid, msg.info, None
-                self.state.status, self.state.reason = "ready", ""
-                log.info("engine ready (pid %d)", msg.pid)
-            elif isinstance(msg, messages.Progress):
-                self.state.progress = msg
-                if self.state.status != "ready":
-                    self.state.status = "loading"
-            elif isinstance(msg, messages.Fatal):
-                self._down(f"the engine failed: {msg.message}")
+                    queue.put_nowait(EngineError(msg.message, msg.status))
+            elif isinstance(msg, messages.TakenOver):
+                if msg.request_id in self._location:
+                    self._location[msg.request_id] = "decode"
+                else:
+                    await self._abort(msg.request_id)  # failed here meanwhile (its prefill engine died)
+            elif msg.role not in self.engines:
+                log.error("ignoring a message from a %s engine, which this daemon does not run", msg.role)
+                continue
+            else:
+                await self._engine_message(msg, self.engines[msg.role])
+            role = getattr(msg, "role", None)
+            if role in self.engines:
+                self.engines[role].last_seen = time.monotonic()
+            elif isinstance(msg, (messages.TokenDelta, messages.RequestFailed, messages.TakenOver)):
+                for state in self.engines.values():
+                    state.last_seen = time.monotonic()
+
+    async def _engine_message(self, msg, state: EngineState) -> None:
+        if isinstance(msg, messages.EngineStats):
+            state.stats = msg
+            if msg.pid != state.pid:
+                await self._send(messages.Hello(), msg.role)  # an engine that was ready before this api started
+            elif state.status == "down" and self._alive(msg.pid):
+                state.status, state.reason = "ready", ""
+        elif isinstance(msg, messages.Ready):
+            if state.pid is not None and state.pid != msg.pid:
+                state.restarts += 1
+            state.pid, state.info, state.progress = msg.pid, msg.info, None
+            state.status, state.reason = "ready", ""
+            log.info("%s ready (pid %d)", self._name(msg.role), msg.pid)
+        elif isinstance(msg, messages.Progress):
+            state.progress = msg
+            if state.status != "ready":
+                state.status = "loading"
+        elif isinstance(msg, messages.Fatal):
+            self._down(msg.role, f"the {self._name(msg.role)} failed: {msg.message}")
+
+    @staticmethod
+    def _name(role: str) -> str:
+        return "engine" if role == "engine" else f"{role} engine"
 
     async def _watch(self) -> None:
         while True:
             await asyncio.sleep(WATCH_PERIOD_S)
-            s = self.state
-            if s.status != "ready":
-                continue
-            if not self._alive(s.pid):
-                self._down(f"the engine process (pid {s.pid}) exited; the supervisor is restarting it")
-            elif time.monotonic() - s.last_seen > self.hang_timeout_s:
-                self._down(f"the engine process (pid {s.pid}) has not answered for {self.hang_timeout_s:.0f}s")
+            for role, s in self.engines.items():
+                if s.status != "ready":
+                    continue
+                name = self._name(role)
+                if not self._alive(s.pid):
+                    self._down(role, f"the {name} process (pid {s.pid}) exited; the supervisor is restarting it")
+                elif time.monotonic() - s.last_seen > self.hang_timeout_s:
+                    self._down(role, f"the {name} process (pid {s.pid}) has not answered for "
+                                     f"{self.hang_timeout_s:.0f}s")
 
     @staticmethod
     def _alive(pid: int | None) -> bool:
@@ -155,11 +230,13 @@ class EngineClient:
         except psutil.NoSuchProcess:
             return False
 
-    def _down(self, reason: str) -> None:
+    def _down(self, role: str, reason: str) -> None:
+        """An engine is gone: the requests living in it fail; the other engine's go on."""
         log.error("%s", reason)
-        self.state.status, self.state.reason = "down", reason
-        self._fail_all(EngineError(reason, 503))
+        self.engines[role].status, self.engines[role].reason = "down", reason
+        self._fail_all(EngineError(reason, 503), role)
 
-    def _fail_all(self, error: EngineError) -> None:
-        for queue in self._queues.values():
-            queue.put_nowait(error)
+    def _fail_all(self, error: EngineError, role: str | None = None) -> None:
+        for rid, queue in self._queues.items():
+            if role is None or self._location.get(rid) == role:
+                queue.put_nowait(error)

@@ -5,6 +5,8 @@ restarted api asks for Ready). Out (PUSH): Progress while packing/loading, Ready
 TokenDelta per new token(s), RequestFailed for a request the engine cannot finish, and EngineStats every
 STATS_PERIOD_S and between steps (the api process treats a silent engine as hung). If the expert process
 dies, every in-flight request gets an error, the expert process is restarted and the engine keeps serving.
+
+`--role prefill|decode` runs one half of a disaggregated pair (prefill_server.py, decode_server.py).
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ import signal
 import sys
 import time
 from collections import deque
+from pathlib import Path
 
 import zmq
 
+from hybrid.config.home import open_private
 from hybrid.engine.llm_engine import LLMEngine
 from hybrid.engine.outputs import RequestOutput
 from hybrid.experts.process.client import ExpertServerError
@@ -52,11 +56,13 @@ DRAIN_S = 5.0  # on SIGTERM, how long running requests may finish before the res
 
 
 class EngineServer:
+    role = "engine"
+
     def __init__(self, config: DaemonConfig):
         self.config = config
         self._ctx = zmq.Context()
         self.inbox = self._ctx.socket(zmq.PULL)
-        self.inbox.bind(config.paths.engine_in)
+        self.inbox.bind(config.paths.inbox(self.role))
         self.outbox = self._ctx.socket(zmq.PUSH)
         self.outbox.setsockopt(zmq.LINGER, 1000)
         self.outbox.connect(config.paths.engine_out)
@@ -70,23 +76,34 @@ class EngineServer:
         self.outbox.send(encode(msg))
 
     def load(self) -> None:
-        engine_config = self.config.engine_config()
+        engine_config = self.config.engine_config(self.role)
         if engine_config.experts == "process" and engine_config.expert_server is None:
             self._pack(engine_config)
-        self.send(Progress("loading model"))
+        elif self.config.disagg and engine_config.backend == "cpu" and engine_config.expert_pack is None:
+            # Both engines of a pair map one pack rather than each packing the experts into its own memory.
+            engine_config.expert_pack = self._pack(engine_config)
+        self.send(Progress("loading model", role=self.role))
         self.engine = LLMEngine(engine_config)
-        self.send(Ready(os.getpid(), self.info()))
+        self.send(Ready(os.getpid(), self.info(), self.role))
 
-    def _pack(self, engine_config) -> None:
+    def _pack(self, engine_config) -> Path:
+        """Writes the expert pack unless a current one exists (one engine at a time: a pair shares it)."""
         from hybrid.config import ModelConfig
         from hybrid.experts.kernel_experts import default_expert_format
-        from hybrid.experts.pack import default_pack_dir, expert_bytes_to_read, is_current, write_pack
+        from hybrid.experts.pack import default_pack_dir, is_current
 
         model = ModelConfig.from_dir(engine_config.model)
         fmt = default_expert_format(model) if engine_config.expert_format == "auto" else engine_config.expert_format
-        pack_dir = engine_config.expert_pack or default_pack_dir(engine_config.model, fmt)
-        if is_current(pack_dir, model, fmt):
-            return
+        pack_dir = Path(engine_config.expert_pack or default_pack_dir(engine_config.model, fmt))
+        pack_dir.parent.mkdir(parents=True, exist_ok=True)
+        with open_private_lock(pack_dir.with_name(pack_dir.name + ".lock")):
+            if not is_current(pack_dir, model, fmt):
+                self._write_pack(engine_config, model, fmt, pack_dir)
+        return pack_dir
+
+    def _write_pack(self, engine_config, model, fmt: str, pack_dir: Path) -> None:
+        from hybrid.experts.pack import expert_bytes_to_read, write_pack
+
         total, done, last = expert_bytes_to_read(model), 0, 0.0
 
         def progress(n: int) -> None:
@@ -94,7 +111,7 @@ class EngineServer:
             done += n
             if time.monotonic() - last > 0.2:
                 last = time.monotonic()
-                self.send(Progress("packing experts", done, total))
+                self.send(Progress("packing experts", done, total, self.role))
 
         log.info("packing %s experts as %s into %s", model.model_dir, fmt, pack_dir)
         write_pack(engine_config.model, pack_dir, fmt, progress=progress)
@@ -132,7 +149,10 @@ class EngineServer:
                            tokens_per_s=sum(n for _, n in self._generated) / RATE_WINDOW_S,
                            expert_pid=self.expert_pid(), kv_blocks_cached=bm.num_cached,
                            prefix_cache=bm.cache is not None, prefix_queried_tokens=e.scheduler.queried_tokens,
-                           prefix_hit_tokens=e.scheduler.hit_tokens)
+                           prefix_hit_tokens=e.scheduler.hit_tokens, role=self.role, handoffs=self.handoffs())
+
+    def handoffs(self) -> int:
+        return 0
 
     def expert_pid(self) -> int | None:
         experts = self.process_experts()
@@ -167,11 +187,13 @@ class EngineServer:
                 return
             self.in_flight.add(msg.request_id)
         elif isinstance(msg, Hello):
-            self.send(Ready(os.getpid(), self.info()))
+            self.send(Ready(os.getpid(), self.info(), self.role))
         elif isinstance(msg, AbortRequest):
             if msg.request_id in self.in_flight:
                 self.in_flight.discard(msg.request_id)
                 self.engine.abort(msg.request_id)
+        else:
+            log.warning("ignoring a %s message, which a %s engine does not take", type(msg).__name__, self.role)
 
     def fail(self, request_id: str, status: int, message: str) -> None:
         """Tells the api a request failed; one still running here is aborted, as the api has dropped it."""
@@ -207,6 +229,13 @@ class EngineServer:
             return
         for out in outputs:
             self.emit(out)
+        self.after_step()
+
+    def after_step(self) -> None:
+        """What a role does once a step's outputs are out (a prefill engine offers its prefilled sequences)."""
+
+    def before_step(self) -> None:
+        """What a role does before deciding whether to step (a decode engine takes over waiting hand-offs)."""
 
     def check_experts(self) -> None:
         """Restarts an expert process that is stopped (its liveness check), also when no call is waiting on it."""
@@ -222,7 +251,7 @@ class EngineServer:
         if experts is not None:
             experts.restart()
             log.info("expert process restarted (pid %d)", experts.client.server_pid)
-            self.send(Ready(os.getpid(), self.info()))  # so /status shows the new expert pid
+            self.send(Ready(os.getpid(), self.info(), self.role))  # so /status shows the new expert pid
 
     def serve(self) -> None:
         """Runs until SIGTERM, then drains: new requests are refused, running ones get DRAIN_S to finish, and
@@ -242,6 +271,7 @@ class EngineServer:
                     except zmq.Again:
                         break
                     self.receive(raw)
+            self.before_step()
             if self.engine.has_unfinished():
                 self.step()
             if time.monotonic() - self._last_stats >= STATS_PERIOD_S or not busy:
@@ -258,12 +288,28 @@ class EngineServer:
         self._ctx.term()
 
 
+def open_private_lock(path: Path):
+    """An exclusive flock on path (created private), released when the returned file is closed."""
+    import fcntl
+
+    f = os.fdopen(open_private(path, os.O_RDWR | os.O_CREAT), "r+")
+    fcntl.flock(f, fcntl.LOCK_EX)
+    return f
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="hybridd engine process")
     ap.add_argument("--config", required=True, help="daemon.json written by the supervisor")
+    ap.add_argument("--role", default="engine", choices=["engine", "prefill", "decode"])
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    server = EngineServer(DaemonConfig.load(a.config))
+    if a.role == "engine":
+        server_class = EngineServer
+    elif a.role == "prefill":
+        from hybrid.managers.prefill_server import PrefillServer as server_class
+    else:
+        from hybrid.managers.decode_server import DecodeServer as server_class
+    server = server_class(DaemonConfig.load(a.config))
 
     def stop(*_) -> None:
         server.stopping = True
@@ -275,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         server.serve()
     except Exception as e:
         log.exception("engine failed")
-        server.send(Fatal(f"{type(e).__name__}: {e}"))
+        server.send(Fatal(f"{type(e).__name__}: {e}", server.role))
         return 1
     finally:
         server.close()

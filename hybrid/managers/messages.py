@@ -1,4 +1,4 @@
-"""The typed messages between the api process and the engine process, encoded with msgspec's msgpack.
+"""The typed messages between the api process and the engine processes, encoded with msgspec's msgpack.
 
 Every message is a tagged struct; a decoder for one direction accepts exactly that direction's messages and
 validates their fields (types, and SamplingParams' own checks), so neither side parses untyped dicts. One
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
+from hybrid.disaggregation.handoff import SequenceHandoff
 from hybrid.engine.outputs import TokenLogprob
 from hybrid.sampling_params import SamplingParams
 
@@ -25,6 +26,21 @@ class AbortRequest(msgspec.Struct, tag="abort"):
 
 class Hello(msgspec.Struct, tag="hello"):
     """A restarted api asks the engine to repeat its Ready."""
+
+
+class HandoffDone(msgspec.Struct, tag="handoff-done"):
+    """Decode engine -> prefill engine: the sequence was taken over (ok), or could not be (the decode engine has
+    failed it towards the api); either way the prefill engine frees what it held."""
+
+    request_id: str
+    ok: bool
+    message: str = ""
+
+
+class DecodeReady(msgspec.Struct, tag="decode-ready"):
+    """A (re)started decode engine: the prefill engine offers it every hand-off not yet taken."""
+
+    pid: int
 
 
 class EngineInfo(msgspec.Struct):
@@ -54,11 +70,19 @@ class Progress(msgspec.Struct, tag="progress"):
     phase: str
     done: int = 0
     total: int | None = None
+    role: str = "engine"
 
 
 class Ready(msgspec.Struct, tag="ready"):
     pid: int
     info: EngineInfo
+    role: str = "engine"
+
+
+class TakenOver(msgspec.Struct, tag="taken-over"):
+    """Decode engine -> api: the request now continues in the decode engine."""
+
+    request_id: str
 
 
 class TokenDelta(msgspec.Struct, tag="out"):
@@ -98,14 +122,17 @@ class EngineStats(msgspec.Struct, tag="stats"):
     prefix_cache: bool = False
     prefix_queried_tokens: int = 0  # prompt tokens admitted since the engine started
     prefix_hit_tokens: int = 0  # of those, found in the prefix cache
+    role: str = "engine"  # engine (both phases), prefill or decode
+    handoffs: int = 0  # prefill: sequences waiting for the decode engine; decode: hand-offs waiting for a slot
 
 
 class Fatal(msgspec.Struct, tag="fatal"):
     message: str
+    role: str = "engine"
 
 
-ToEngine = AddRequest | AbortRequest | Hello
-FromEngine = Progress | Ready | TokenDelta | RequestFailed | EngineStats | Fatal
+ToEngine = AddRequest | AbortRequest | Hello | SequenceHandoff | HandoffDone | DecodeReady
+FromEngine = Progress | Ready | TokenDelta | RequestFailed | EngineStats | Fatal | TakenOver
 
 _encoder = msgspec.msgpack.Encoder()
 to_engine_decoder = msgspec.msgpack.Decoder(ToEngine)

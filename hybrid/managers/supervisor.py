@@ -1,5 +1,8 @@
 """The supervisor: starts the api and engine processes, restarts whichever dies, and stops them cleanly.
 
+Disaggregated (--disagg) it runs a prefill and a decode engine, each pinned to its own share of the cores (with
+its kernel pool, and its expert process if it has one), so that decode never waits behind a prefill's experts.
+
 Also the helpers `hybridd start/stop` use to find, launch and stop a supervisor through its pid file.
 """
 
@@ -31,7 +34,17 @@ MAX_BACKOFF_S = 30.0
 API_STOP_S = 20.0
 ENGINE_STOP_S = 20.0  # the engine drains for engine_server.DRAIN_S, then fails what is left, then stops its experts
 ALREADY_RUNNING_EXIT = 3
-ROLE_MODULES = {"api": "server.api_server", "engine": "hybrid.managers.engine_server"}
+ROLE_MODULES = {"api": "server.api_server", "engine": "hybrid.managers.engine_server",
+                "prefill": "hybrid.managers.engine_server", "decode": "hybrid.managers.engine_server"}
+
+
+def core_split(cores: list[int], prefill_cores: int | None) -> dict[str, list[int]]:
+    """The cores of the decode and prefill engines: prefill gets prefill_cores (default half, rounded down) of the
+    last ones, decode the rest; on one core both share it."""
+    if len(cores) < 2:
+        return {"decode": cores, "prefill": cores}
+    k = min(prefill_cores or len(cores) // 2, len(cores) - 1)
+    return {"decode": cores[:len(cores) - k], "prefill": cores[len(cores) - k:]}
 
 
 class DaemonError(RuntimeError):
@@ -50,15 +63,21 @@ class Supervisor:
     def __init__(self, config: DaemonConfig):
         self.config = config
         self.paths = config.paths
-        self.children = {role: Child(role) for role in ROLE_MODULES}
+        self.children = {role: Child(role) for role in ["api"] + config.engine_roles}
+        self.cores = core_split(sorted(os.sched_getaffinity(0)), config.prefill_cores) if config.disagg else {}
         self.stopping = False
 
     def spawn(self, child: Child) -> None:
         log_file = os.fdopen(open_private(self.paths.log_dir / f"{child.role}.log"), "ab")
         cmd = [sys.executable, "-m", ROLE_MODULES[child.role], "--config", str(self.paths.config_file)]
-        child.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT)
+        if child.role != "api":
+            cmd += ["--role", child.role]
+        cores = self.cores.get(child.role)
+        child.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
+                                      preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None)
         log_file.close()
-        log.info("started %s (pid %d)", child.role, child.proc.pid)
+        log.info("started %s (pid %d%s)", child.role, child.proc.pid,
+                 f", cores {','.join(map(str, cores))}" if cores else "")
 
     def check(self, child: Child) -> None:
         """Restarts a child that exited, backing off when it keeps dying."""
@@ -110,17 +129,19 @@ class Supervisor:
         """The engine first: it refuses new requests, lets running ones finish for a moment, fails what is left
         (each stream gets an error event and [DONE] from the api) and stops the expert process; then the api,
         whose streams have all ended."""
-        for role, limit in (("engine", ENGINE_STOP_S), ("api", API_STOP_S)):
-            proc = self.children[role].proc
-            if proc is None or proc.poll() is not None:
-                continue
-            proc.terminate()
-            try:
-                proc.wait(limit)
-            except subprocess.TimeoutExpired:
-                log.warning("%s did not stop within %.0fs; killing it", role, limit)
-                proc.kill()
-                proc.wait()
+        for roles, limit in ((self.config.engine_roles, ENGINE_STOP_S), (["api"], API_STOP_S)):
+            procs = {role: self.children[role].proc for role in roles}
+            procs = {role: p for role, p in procs.items() if p is not None and p.poll() is None}
+            for proc in procs.values():
+                proc.terminate()
+            deadline = time.monotonic() + limit
+            for role, proc in procs.items():
+                try:
+                    proc.wait(max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    log.warning("%s did not stop within %.0fs; killing it", role, limit)
+                    proc.kill()
+                    proc.wait()
 
 
 def take_lock(paths: DaemonPaths) -> int:

@@ -1,0 +1,81 @@
+"""The decode engine process of a disaggregated pair: takes over sequences the prefill engine hands off and
+decodes them, streaming their tokens to the api as one engine would.
+
+Hand-offs wait here, in arrival order, until a slot and blocks are free (their KV stays with the prefill
+engine meanwhile). Taking one over tells the api (TakenOver: the request now lives here) and the prefill engine
+(HandoffDone); KV that cannot be read fails that request alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import deque
+
+import zmq
+
+from hybrid.disaggregation.handoff import SequenceHandoff, take_over
+from hybrid.disaggregation.kv_transport import KVTransferError
+from hybrid.disaggregation.shm_kv_transport import SharedMemoryKVTransport
+from hybrid.managers.daemon_config import DaemonConfig
+from hybrid.managers.engine_server import EngineServer
+from hybrid.managers.messages import (
+    AbortRequest,
+    DecodeReady,
+    HandoffDone,
+    RequestFailed,
+    TakenOver,
+    ToEngine,
+    encode,
+)
+from hybrid.request_checks import InvalidRequest
+
+log = logging.getLogger("hybridd.decode")
+
+
+class DecodeServer(EngineServer):
+    role = "decode"
+
+    def __init__(self, config: DaemonConfig):
+        super().__init__(config)
+        self.to_prefill = self._ctx.socket(zmq.PUSH)
+        self.to_prefill.setsockopt(zmq.LINGER, 1000)
+        self.to_prefill.connect(config.paths.engine_in)
+        self.transport = SharedMemoryKVTransport()
+        self.waiting: deque[SequenceHandoff] = deque()
+
+    def load(self) -> None:
+        super().load()
+        self.to_prefill.send(encode(DecodeReady(os.getpid())))
+
+    def handoffs(self) -> int:
+        return len(self.waiting)
+
+    def handle(self, msg: ToEngine) -> None:
+        if isinstance(msg, SequenceHandoff):
+            if msg.request_id not in self.in_flight and all(h.request_id != msg.request_id for h in self.waiting):
+                self.waiting.append(msg)
+            return
+        if isinstance(msg, AbortRequest):
+            self.waiting = deque(h for h in self.waiting if h.request_id != msg.request_id)
+        super().handle(msg)
+
+    def before_step(self) -> None:
+        while self.waiting and not self.stopping:
+            handoff = self.waiting[0]
+            try:
+                if not take_over(self.engine, handoff, self.transport):
+                    return
+            except (KVTransferError, InvalidRequest) as e:
+                self.waiting.popleft()
+                self.send(RequestFailed(handoff.request_id, 500, f"the hand-off to the decode engine failed: {e}"))
+                self.to_prefill.send(encode(HandoffDone(handoff.request_id, False, str(e))))
+                continue
+            self.waiting.popleft()
+            self.in_flight.add(handoff.request_id)
+            self.send(TakenOver(handoff.request_id))
+            self.to_prefill.send(encode(HandoffDone(handoff.request_id, True)))
+
+    def close(self) -> None:
+        self.to_prefill.close()
+        super().close()

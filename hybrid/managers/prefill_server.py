@@ -1,0 +1,80 @@
+"""The prefill engine process of a disaggregated pair: prefills requests from the api, samples their first token,
+then offers each sequence with its KV (shared-memory transport) to the decode engine.
+
+A sequence waits here, parked with its KV, until the decode engine answers HandoffDone: taken (its blocks are
+freed) or not (the decode engine has failed it towards the api). A restarted decode engine announces itself with
+DecodeReady and is offered again everything not yet taken.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import zmq
+
+from hybrid.disaggregation.handoff import SequenceHandoff, export
+from hybrid.disaggregation.shm_kv_transport import SharedMemoryKVTransport
+from hybrid.managers.daemon_config import DaemonConfig
+from hybrid.managers.engine_server import EngineServer
+from hybrid.managers.messages import AbortRequest, DecodeReady, HandoffDone, ToEngine, encode
+
+log = logging.getLogger("hybridd.prefill")
+
+
+class PrefillServer(EngineServer):
+    role = "prefill"
+
+    def __init__(self, config: DaemonConfig):
+        super().__init__(config)
+        self.to_decode = self._ctx.socket(zmq.PUSH)
+        self.to_decode.setsockopt(zmq.LINGER, 0)
+        self.to_decode.connect(config.paths.decode_in)
+        self.transport = SharedMemoryKVTransport()
+        self.offered: dict[str, SequenceHandoff] = {}
+        self.decode_pid: int | None = None
+
+    def handoffs(self) -> int:
+        return len(self.engine.prefilled)
+
+    def after_step(self) -> None:
+        for rid in list(self.engine.prefilled):
+            if rid in self.offered:
+                continue
+            if rid not in self.in_flight:  # dropped by the api meanwhile
+                self.engine.abort(rid)
+                continue
+            handoff = export(self.engine, rid, self.transport)
+            self.offered[rid] = handoff
+            self.to_decode.send(encode(handoff))
+
+    def handle(self, msg: ToEngine) -> None:
+        if isinstance(msg, HandoffDone):
+            handoff = self.offered.pop(msg.request_id, None)
+            if handoff is None:
+                return
+            self.transport.drop(handoff.kv)
+            self.in_flight.discard(msg.request_id)
+            if msg.ok:
+                self.engine.release(msg.request_id)
+            else:
+                log.error("the decode engine could not take request %s over: %s", msg.request_id, msg.message)
+                self.engine.abort(msg.request_id)
+        elif isinstance(msg, DecodeReady):
+            if msg.pid != self.decode_pid:
+                self.decode_pid = msg.pid
+                for handoff in self.offered.values():
+                    self.to_decode.send(encode(handoff))
+        else:
+            if isinstance(msg, AbortRequest) and msg.request_id in self.offered:
+                self.transport.drop(self.offered.pop(msg.request_id).kv)
+            super().handle(msg)
+
+    def fail(self, request_id: str, status: int, message: str) -> None:
+        if request_id in self.offered:
+            self.transport.drop(self.offered.pop(request_id).kv)
+        super().fail(request_id, status, message)
+
+    def close(self) -> None:
+        self.transport.close()
+        self.to_decode.close()
+        super().close()
