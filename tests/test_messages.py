@@ -7,6 +7,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from hybrid.disaggregation.kv_transport import KVTicket
+from hybrid.engine.outputs import TokenLogprob
 from hybrid.managers import messages as m
 from hybrid.sampling_params import SamplingParams
 
@@ -14,11 +16,16 @@ INFO = m.EngineInfo(model="tiny", model_dir="/x", architecture="qwen3_moe", max_
                     num_kv_blocks=256, block_size=16, max_num_seqs=16, mode="cpu-only", devices=["cpu"],
                     attention="cpu", overlap=False, backend="cpu", kernel_path="avx2, attention cpu",
                     experts="process", expert_pid=42)
+HANDOFF = m.SequenceHandoff("r1", [1, 2, 3, 9], 3, 3, SamplingParams(seed=7, logprobs=1),
+                            KVTicket("shm", "hybridd-kv-0-1-1", 1, "[16, 2, 8]torch.float32"),
+                            generator_state=b"\x00\x01", logprobs=[TokenLogprob(9, -0.5, [(9, -0.5)])],
+                            prompt_logprobs=[None, TokenLogprob(2, -1.0)])
 TO_ENGINE = [m.AddRequest("r1", [1, 2, 3], SamplingParams(temperature=0.5, top_p=0.9, stop=["\n"], seed=7)),
-             m.AbortRequest("r1"), m.Hello()]
-FROM_ENGINE = [m.Progress("packing experts", 10, 100), m.Ready(123, INFO),
+             m.AbortRequest("r1"), m.Hello(), HANDOFF, m.HandoffDone("r1", False, "gone"), m.DecodeReady(7)]
+FROM_ENGINE = [m.Progress("packing experts", 10, 100), m.Ready(123, INFO), m.Ready(124, INFO, "decode"),
                m.TokenDelta("r1", [5, 6], "hi", False, None, 3, 2), m.RequestFailed("r1", 400, "no"),
-               m.EngineStats(123, 1, 2, 3, 256, 12.5, None), m.Fatal("boom")]
+               m.EngineStats(123, 1, 2, 3, 256, 12.5, None, role="prefill", handoffs=2), m.Fatal("boom"),
+               m.TakenOver("r1")]
 
 
 @pytest.mark.parametrize("msg", TO_ENGINE, ids=lambda x: type(x).__name__)
@@ -59,6 +66,7 @@ def test_garbage_has_no_request_id():
 
 
 def test_status_json_is_the_fields_without_the_tag():
-    assert m.as_json(m.Progress("loading model")) == {"phase": "loading model", "done": 0, "total": None}
+    assert m.as_json(m.Progress("loading model")) == {"phase": "loading model", "done": 0, "total": None,
+                                                      "role": "engine"}
     assert m.as_json(m.Ready(1, INFO))["info"]["kernel_path"] == "avx2, attention cpu"
     assert m.as_json(None) is None

@@ -60,8 +60,11 @@ class PrefillServer(EngineServer):
                 log.error("the decode engine could not take request %s over: %s", msg.request_id, msg.message)
                 self.engine.abort(msg.request_id)
         elif isinstance(msg, DecodeReady):
-            if msg.pid != self.decode_pid:
-                self.decode_pid = msg.pid
+            restarted = self.decode_pid is not None and msg.pid != self.decode_pid
+            self.decode_pid = msg.pid
+            if restarted and self.offered:  # a first start gets the offers queued for it
+                log.warning("offering %d hand-offs again to the restarted decode engine (pid %d)", len(self.offered),
+                            msg.pid)
                 for handoff in self.offered.values():
                     self.to_decode.send(encode(handoff))
         else:

@@ -1,0 +1,141 @@
+"""A disaggregated daemon (`hybridd start --disagg`): a prefill and a decode engine process behind one api.
+
+The openai client streams through it with the same tokens as one engine gives; requests arrive staggered
+while others decode, more than the decode engine has slots for; killing either engine fails only the requests
+living in it, and the next request works once the supervisor has restarted it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import openai
+import psutil
+import pytest
+from daemon_harness import MODEL, Daemon, free_port, openai_client
+
+from hybrid import LLM, SamplingParams
+
+PROMPTS = ["Tell me about the sea.", "Count to ten.", "What is a monad?", "Write a haiku.", "Name three rivers."]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    d = Daemon(tmp_path_factory.mktemp("home"), free_port())
+    d.start("--disagg", "--max-num-seqs", "2", "--dtype", "float32")  # bf16 results depend on the batch
+    yield d
+    d.stop()
+
+
+@pytest.fixture
+def client(pair) -> openai.OpenAI:
+    return openai_client(pair)
+
+
+def one_engine_texts(max_tokens: list[int]) -> list[str]:
+    llm = LLM(experts="inline", dtype="float32")
+    outs = [llm.chat([{"role": "user", "content": p}], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0]
+            for p, n in zip(PROMPTS, max_tokens)]
+    llm.close()
+    return [o.text for o in outs]
+
+
+def test_staggered_streams_match_one_engine(pair, client):
+    max_tokens = [200, 120, 260, 180, 150]
+    texts: dict[int, str] = {}
+    finish: dict[int, str] = {}
+    handoffs_seen = []
+
+    def run(i: int) -> None:
+        stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPTS[i]}],
+                                                max_tokens=max_tokens[i], temperature=0, stream=True,
+                                                extra_body={"ignore_eos": True})
+        parts = []
+        for chunk in stream:
+            if chunk.choices:
+                parts.append(chunk.choices[0].delta.content or "")
+                finish[i] = chunk.choices[0].finish_reason or finish.get(i)
+        texts[i] = "".join(parts)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+        time.sleep(0.05)
+    while any(t.is_alive() for t in threads):
+        engines = pair.status()["engines"]
+        handoffs_seen.append(engines["decode"]["stats"].get("handoffs", 0))
+        time.sleep(0.02)
+    for t in threads:
+        t.join()
+    assert [texts[i] for i in range(len(PROMPTS))] == one_engine_texts(max_tokens)
+    assert all(finish[i] == "length" for i in range(len(PROMPTS)))
+    status = pair.status()
+    assert set(status["engines"]) == {"prefill", "decode"}
+    assert status["engines"]["prefill"]["pid"] != status["engines"]["decode"]["pid"]
+    assert max(handoffs_seen) >= 1, "no hand-off ever waited for a decode slot"
+
+
+def test_stream_and_whole_reply_agree(client):
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=16, temperature=0)
+    whole = client.chat.completions.create(**kw).choices[0].message.content
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**kw, stream=True)
+                       if c.choices)
+    assert whole == streamed
+
+
+def test_status_and_metrics_name_each_engine(pair):
+    r = pair.cli("status")
+    assert r.returncode == 0 and "prefill" in r.stdout and "decode" in r.stdout
+    import httpx
+
+    body = httpx.get(f"{pair.url}/metrics").text
+    assert 'role="prefill"' in body and 'role="decode"' in body
+
+
+def wait_replaced(pair: Daemon, role: str, old: int) -> None:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            e = pair.status()["engines"][role]
+            if e["pid"] not in (None, old) and e["status"] == "ready" and pair.health().status_code == 200:
+                return
+        except Exception:
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"the {role} engine was not replaced:\n{pair.logs()}")
+
+
+def test_prefill_death_leaves_decoding_requests_running(pair, client):
+    stream = client.completions.create(model=MODEL, prompt="Tell a long story", stream=True, max_tokens=200,
+                                       temperature=0, extra_body={"ignore_eos": True})
+    it = iter(stream)
+    for _ in range(5):  # past the first token: the request lives in the decode engine now
+        next(it)
+    old = pair.status()["engines"]["prefill"]["pid"]
+    os.kill(old, signal.SIGKILL)
+    rest = list(it)
+    assert rest[-1].choices[0].finish_reason == "length"
+    wait_replaced(pair, "prefill", old)
+    r = client.completions.create(model=MODEL, prompt="again", max_tokens=4, temperature=0)
+    assert r.usage.completion_tokens == 4
+
+
+def test_decode_death_fails_its_requests_then_recovers(pair, client):
+    old = pair.status()["engines"]["decode"]["pid"]
+    stream = client.completions.create(model=MODEL, prompt="Tell a long story", stream=True, max_tokens=4000,
+                                       extra_body={"ignore_eos": True})
+    it = iter(stream)
+    for _ in range(3):  # the second token onwards come from the decode engine
+        next(it)
+    os.kill(old, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(openai.APIError):
+        for _ in it:
+            pass
+    assert time.monotonic() - start < 10
+    wait_replaced(pair, "decode", old)
+    assert psutil.pid_exists(pair.status()["engines"]["decode"]["pid"])
+    r = client.completions.create(model=MODEL, prompt="back", max_tokens=4, temperature=0)
+    assert r.usage.completion_tokens == 4
