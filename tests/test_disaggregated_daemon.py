@@ -139,3 +139,40 @@ def test_decode_death_fails_its_requests_then_recovers(pair, client):
     assert psutil.pid_exists(pair.status()["engines"]["decode"]["pid"])
     r = client.completions.create(model=MODEL, prompt="back", max_tokens=4, temperature=0)
     assert r.usage.completion_tokens == 4
+
+
+def test_the_pair_and_its_expert_processes_hold_the_experts_once(tmp_path):
+    """Both engines and both expert processes map one pack: its pages are resident once across all of them
+    (PSS, as in test_expert_process.py), and no process copied the experts into its own memory."""
+    import subprocess
+    import sys
+
+    from make_tiny_model import make_model
+    from test_expert_process import BARE, mapping_pss_kb, pss_kb
+
+    model = make_model(tmp_path / "model", "experts-heavy")
+    d = Daemon(tmp_path / "home", free_port())
+    d.start("--disagg", "--model", str(model), "--max-model-len", "512")
+    bare = subprocess.Popen([sys.executable, "-c", BARE, str(model)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        for n in (300, 40):  # a long prompt touches (nearly) every expert in the prefill engine's expert process
+            openai_client(d).completions.create(model="model", prompt=list(range(10, 10 + n)), max_tokens=8,
+                                                temperature=0, extra_body={"ignore_eos": True})
+        assert bare.stdout.readline().strip() == "ready"
+        (pack,) = [p for p in (tmp_path / "home" / "packs").glob("model-*") if p.is_dir()]
+        experts_file = str(pack / "experts.bin")
+        pack_kb = (pack / "experts.bin").stat().st_size // 1024
+        status = d.status()
+        engines = [status["engines"][r]["pid"] for r in ("prefill", "decode")]
+        expert_procs = [status["engines"][r]["stats"]["expert_pid"] for r in ("prefill", "decode")]
+        pids = engines + expert_procs
+        assert len(set(pids)) == 4
+        mapped = sum(mapping_pss_kb(pid, experts_file) for pid in pids)
+        assert 0.5 * pack_kb < mapped <= 1.1 * pack_kb
+        baseline = pss_kb(bare.pid)
+        for pid in pids:
+            assert pss_kb(pid)["Pss_Anon"] < baseline["Pss_Anon"] + 0.5 * pack_kb
+    finally:
+        bare.kill()
+        d.stop()

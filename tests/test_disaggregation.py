@@ -174,3 +174,31 @@ def test_files_of_a_dead_sender_are_removed(tmp_path):
     mine.write_bytes(b"x")
     assert remove_orphans(tmp_path) == 1
     assert not orphan.exists() and mine.exists()
+
+
+def check_hybrid_pair(model, attn_device: str) -> None:
+    """The hybrid path (attention and KV on the device, experts in an expert process per engine)."""
+    kw = dict(dtype="float32", max_num_batched_tokens=16, block_size=8)
+    prompts = [prompt_ids(n, seed=n) for n in (23, 9, 40)]
+    one = LLM(model, **kw)
+    want = [o.token_ids for o in one.generate(prompts, GREEDY)]
+    one.close()
+    pair = Pair(model, SharedMemoryKVTransport(), decode_seqs=2, gpus=[0], attn_device=attn_device, **kw)
+    try:
+        assert pair.decode.config.experts == "process" and pair.decode.config.attention == "triton"
+        outs = pair.run([(i * 2, p, GREEDY) for i, p in enumerate(prompts)])
+        assert [o.token_ids for o in outs] == want and pair.max_waiting >= 1
+    finally:
+        pair.close()
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-deepseek-v3"])
+def test_hybrid_pair_with_the_cpu_as_device(model_dirs, preset):
+    check_hybrid_pair(model_dirs[preset], "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-deepseek-v3"])
+def test_hybrid_pair_on_a_gpu(model_dirs, preset):
+    """KV pools on the GPU, handed over through host shared memory (CUDA IPC is not built yet)."""
+    check_hybrid_pair(model_dirs[preset], "cuda:0")
