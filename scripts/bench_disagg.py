@@ -1,0 +1,141 @@
+"""Disaggregation: what long prompts arriving do to running chats, one engine vs a prefill and a decode engine.
+
+Starts the daemon colocated and with --disagg in turn (same HYBRIDD_HOME, so the experts are packed once; never
+both at once), and in each: `--chats` streaming chats start, and once they are decoding `--long` long prompts
+arrive together. Measured from the client side: first the chats' time per output
+token with nothing else running, then the gaps between a chat's streamed tokens while the long prompts are
+prefilled (p50 / p99 / max), the chats' tokens/s, and the long prompts' time to first token. Rounds alternate
+colocated and disaggregated so that bandwidth drift hits both alike; the last column is disagg over colocated
+(issue 31: decode latency within 15 % of an idle engine's while throughput rises).
+
+    python scripts/bench_disagg.py
+    python scripts/bench_disagg.py --model bench_models/qwen3-30b-a3b-L4 --long-tokens 3000 --chat-tokens 96
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import torch
+from rich.console import Console
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from cpu_kernels.moe import kernel_isa_name  # noqa: E402
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(100, 2000, (n,), generator=g).tolist()
+
+
+class Daemon:
+    def __init__(self, home: Path, port: int, model: str | None, extra: list[str]):
+        self.home, self.port, self.url = home, port, f"http://127.0.0.1:{port}"
+        self.args = ["--model", model] if model else []
+        self.extra = extra
+
+    def cli(self, *args: str) -> None:
+        env = {**os.environ, "HYBRIDD_HOME": str(self.home)}
+        r = subprocess.run([sys.executable, "-m", "hybrid.cli.main", *args], env=env, capture_output=True, text=True,
+                           timeout=1800)
+        if r.returncode:
+            raise SystemExit(f"hybridd {' '.join(args)} failed:\n{r.stdout}\n{r.stderr}")
+
+    def __enter__(self) -> Daemon:
+        self.cli("start", "--port", str(self.port), *self.args, *self.extra)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.cli("stop")
+
+
+async def stream(client: httpx.AsyncClient, model: str, prompt: list[int], max_tokens: int) -> list[float]:
+    """Arrival times of the streamed chunks, the request's start first."""
+    times = [time.perf_counter()]
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if line.startswith("data: {") and json.loads(line[6:]).get("choices"):
+                times.append(time.perf_counter())
+    return times
+
+
+async def round_trip(url: str, a: argparse.Namespace) -> dict:
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        model = (await client.get("/v1/models")).json()["data"][0]["id"]
+        await stream(client, model, tokens(a.long_tokens, 99), 2)  # warm both engines
+        idle = await asyncio.gather(*(stream(client, model, tokens(a.chat_prompt, i), a.chat_tokens)
+                                      for i in range(a.chats)))
+        chats = [asyncio.create_task(stream(client, model, tokens(a.chat_prompt, i), a.chat_tokens))
+                 for i in range(a.chats)]
+        await asyncio.sleep(a.long_after)
+        t_long = time.perf_counter()
+        longs = await asyncio.gather(*(stream(client, model, tokens(a.long_tokens, 100 + i), 4)
+                                       for i in range(a.long)))
+        long_done = time.perf_counter()
+        chat_times = await asyncio.gather(*chats)
+    gaps = [b - a_ for t in chat_times for a_, b in zip(t[1:], t[2:]) if t_long <= b <= long_done]
+    all_gaps = [b - a_ for t in chat_times for a_, b in zip(t[1:], t[2:])]
+    idle_tpot = statistics.median((t[-1] - t[1]) / (len(t) - 2) for t in idle)
+    span = max(t[-1] - t[0] for t in chat_times)
+    return {"idle_tpot": idle_tpot, "gaps": gaps or all_gaps, "tok_s": sum(len(t) - 1 for t in chat_times) / span,
+            "long_ttft": statistics.median(t[1] - t[0] for t in longs)}
+
+
+def summarize(runs: list[dict]) -> dict[str, float]:
+    gaps = sorted(g for r in runs for g in r["gaps"])
+    pick = lambda q: gaps[min(len(gaps) - 1, int(q * len(gaps)))]  # noqa: E731
+    return {"chats alone: TPOT ms": statistics.median(r["idle_tpot"] for r in runs) * 1e3,
+            "gap p50 ms": pick(0.5) * 1e3, "gap p99 ms": pick(0.99) * 1e3, "gap max ms": gaps[-1] * 1e3,
+            "chat tok/s": statistics.median(r["tok_s"] for r in runs),
+            "long TTFT s": statistics.median(r["long_ttft"] for r in runs)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="checkpoint directory (default: the embedded default model)")
+    ap.add_argument("--chats", type=int, default=2)
+    ap.add_argument("--chat-prompt", type=int, default=64)
+    ap.add_argument("--chat-tokens", type=int, default=400)
+    ap.add_argument("--long", type=int, default=2)
+    ap.add_argument("--long-tokens", type=int, default=3000)
+    ap.add_argument("--long-after", type=float, default=0.3, help="seconds after the chats start")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--port", type=int, default=18931)
+    ap.add_argument("--home", help="HYBRIDD_HOME for the runs (default: a temporary directory)")
+    a = ap.parse_args()
+    home = Path(a.home) if a.home else Path(tempfile.mkdtemp(prefix="bench-disagg-"))
+    modes = {"colocated": [], "disagg": ["--disagg"]}
+    results: dict[str, list[dict]] = {m: [] for m in modes}
+    for _ in range(a.rounds):
+        for mode, extra in modes.items():
+            with Daemon(home, a.port, a.model, extra) as d:
+                results[mode].append(asyncio.run(round_trip(d.url, a)))
+    console = Console()
+    console.print(f"model {Path(a.model).name if a.model else 'default'}, kernel path {kernel_isa_name()}, "
+                  f"{os.cpu_count()} cores; {a.chats} chats of {a.chat_tokens} tokens, {a.long} prompts of "
+                  f"{a.long_tokens} tokens arriving {a.long_after}s in; {a.rounds} alternating rounds")
+    colocated, disagg = summarize(results["colocated"]), summarize(results["disagg"])
+    table = Table("measure", "colocated", "disagg", "disagg / colocated")
+    for key in colocated:
+        table.add_row(key, f"{colocated[key]:.3f}", f"{disagg[key]:.3f}", f"{disagg[key] / colocated[key]:.2f}x")
+    console.print(table)
+    console.print("gaps: time between a chat's streamed tokens while the long prompts are prefilled")
+
+
+if __name__ == "__main__":
+    main()
