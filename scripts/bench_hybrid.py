@@ -1,13 +1,15 @@
-"""Dual-batch overlap in the hybrid runner: decode tokens/s and TPOT with overlap on vs off at several
-concurrency levels, on a real-shaped (truncated) MoE model with the experts in the expert process.
+"""Dual-batch overlap in the hybrid runner: decode tokens/s and TPOT with overlap on, off and auto at several
+concurrency levels and context lengths, on a real-shaped (truncated) MoE model with the experts in the expert
+process; then what auto learned per bucket (ms per sequence split and whole): where splitting pays here.
 
 On a CUDA machine the device is the GPU (`--gpus 0`). Without one the CPU plays the device
 (`--attn-device cpu`) and attention runs in torch (`--attention torch`), because Triton's interpreter
 would measure the interpreter; the device work and the expert process then share the same cores, so
-the overlap has little to hide behind. Each level runs on/off/on/off and reports the median.
+the overlap has little to hide behind. Each level runs on/off/auto in turn, `--repeats` times, and reports
+medians. Target (issue 31): auto never slower than off (auto/off >= 1.00x within noise).
 
     python scripts/bench_hybrid.py                                # Qwen3-30B-A3B shapes, 4 layers
-    python scripts/bench_hybrid.py --concurrency 1,4,8 --tokens 32
+    python scripts/bench_hybrid.py --concurrency 2,4,8 --prompt-lens 32,2048 --tokens 32
     python scripts/bench_hybrid.py --enforce-eager                # the same without CUDA graphs
 """
 
@@ -60,7 +62,7 @@ def main() -> None:
     ap.add_argument("--preset", default="qwen3-30b-a3b")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--concurrency", default="1,4,8")
-    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--prompt-lens", default="32,1024", help="context lengths, comma-separated")
     ap.add_argument("--tokens", type=int, default=24)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--gpus", default="0")
@@ -77,33 +79,46 @@ def main() -> None:
     attention = a.attention or ("triton" if attn_device.startswith("cuda") else "torch")
     gpus = [int(x) for x in a.gpus.split(",")]
     levels = [int(x) for x in a.concurrency.split(",")]
+    lens = [int(x) for x in a.prompt_lens.split(",")]
     console = Console()
-    results: dict[tuple[int, bool], list[tuple[float, float]]] = {}
-    llms = {ov: LLM(model_dir, dtype="bfloat16", gpus=gpus, attn_device=attn_device, attention=attention,
-                    overlap=ov, max_num_seqs=max(levels), enforce_eager=a.enforce_eager) for ov in (True, False)}
-    decode = "decode graphs" if llms[True].engine.runner.graphs is not None else "eager decode"
+    modes = ("on", "off", "auto")
+    results: dict[tuple[int, int, str], list[tuple[float, float]]] = {}
+    llms = {mode: LLM(model_dir, dtype="bfloat16", gpus=gpus, attn_device=attn_device, attention=attention,
+                      overlap=mode, max_num_seqs=max(levels), enforce_eager=a.enforce_eager,
+                      max_model_len=max(lens) + a.tokens + 16) for mode in modes}
+    decode = "decode graphs" if llms["on"].engine.runner.graphs is not None else "eager decode"
     try:
-        for c in levels:
-            for ov in (True, False):
-                decode_run(llms[ov], c, a.prompt_len, 4)
-            for _ in range(a.repeats):
-                for ov in (True, False):
-                    results.setdefault((c, ov), []).append(decode_run(llms[ov], c, a.prompt_len, a.tokens))
+        for n in lens:
+            for c in levels:
+                for mode in modes:
+                    decode_run(llms[mode], c, n, 4)
+                for _ in range(a.repeats):
+                    for mode in modes:
+                        results.setdefault((n, c, mode), []).append(decode_run(llms[mode], c, n, a.tokens))
+        learned = llms["auto"].engine.runner.overlap_policy.table()
     finally:
         for llm in llms.values():
             llm.close()
     t = Table(title=f"dual-batch overlap, {model_dir.name}, device {attn_device}, attention {attention}, {decode}, "
                     f"experts in the expert process")
-    for col in ("concurrency", "tok/s overlap", "tok/s no-overlap", "speedup", "TPOT ms overlap",
-                "TPOT ms no-overlap", "TPOT change"):
+    for col in ("context", "concurrency", "tok/s on", "tok/s off", "tok/s auto", "on / off", "auto / off",
+                "TPOT ms on", "TPOT ms off", "TPOT ms auto"):
         t.add_column(col, justify="right")
-    for c in levels:
-        on = [statistics.median(x) for x in zip(*results[(c, True)])]
-        off = [statistics.median(x) for x in zip(*results[(c, False)])]
-        t.add_row(str(c), f"{on[0]:.1f}", f"{off[0]:.1f}", f"{on[0] / off[0]:.2f}x", f"{on[1] * 1e3:.1f}",
-                  f"{off[1] * 1e3:.1f}", f"{on[1] / off[1] - 1:+.0%}")
+    for n in lens:
+        for c in levels:
+            on, off, auto = ([statistics.median(x) for x in zip(*results[(n, c, m)])] for m in modes)
+            t.add_row(str(n), str(c), f"{on[0]:.1f}", f"{off[0]:.1f}", f"{auto[0]:.1f}", f"{on[0] / off[0]:.2f}x",
+                      f"{auto[0] / off[0]:.2f}x", f"{on[1] * 1e3:.1f}", f"{off[1] * 1e3:.1f}", f"{auto[1] * 1e3:.1f}")
     console.print(t)
     console.print("concurrency 1 never overlaps (a split needs two sequences): its row is the noise floor")
+    lt = Table(title="what auto learned: ms per sequence of a decode step, by bucket (batch, context per sequence "
+                     "rounded up to powers of two)")
+    for col in ("batch", "context", "split ms", "whole ms", "steps", "auto splits"):
+        lt.add_column(col, justify="right")
+    for row in learned:
+        lt.add_row(str(row["batch"]), str(row["context"]), f"{row['split_ms']:.2f}", f"{row['whole_ms']:.2f}",
+                   str(row["steps"]), "yes" if row["splits"] else "no")
+    console.print(lt)
     console.print("target on a CUDA machine: >= 1.5x decode throughput at concurrency 8 with <= 15 % higher TPOT")
 
 

@@ -14,7 +14,7 @@ from hybrid.sampling_params import SamplingParams
 
 INFO = m.EngineInfo(model="tiny", model_dir="/x", architecture="qwen3_moe", max_model_len=4096, vocab_size=2048,
                     num_kv_blocks=256, block_size=16, max_num_seqs=16, mode="cpu-only", devices=["cpu"],
-                    attention="cpu", overlap=False, backend="cpu", kernel_path="avx2, attention cpu",
+                    attention="cpu", overlap="off", backend="cpu", kernel_path="avx2, attention cpu",
                     experts="process", expert_pid=42)
 HANDOFF = m.SequenceHandoff("r1", [1, 2, 3, 9], 3, 3, SamplingParams(seed=7, logprobs=1),
                             KVTicket("shm", "hybridd-kv-0-1-1", 1, "[16, 2, 8]torch.float32"),

@@ -27,7 +27,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--expert-server", help="control address of a running expert process (with --experts process)")
     p.add_argument("--attn-device", help="with --gpus: the device that plays GPU 0's role (cpu: the hybrid path "
                    "on the CPU, Triton attention under TRITON_INTERPRET=1)")
-    p.add_argument("--no-overlap", action="store_true", help="with --gpus: no dual-batch attention/MoE overlap")
+    p.add_argument("--overlap", choices=["auto", "on", "off"], default="auto",
+                   help="with --gpus: dual-batch attention/MoE overlap in decode; auto splits a step where the "
+                   "engine's measured steps say it pays (default)")
+    p.add_argument("--no-overlap", dest="overlap", action="store_const", const="off", help="--overlap off")
     p.add_argument("--enforce-eager", action="store_true", help="with --gpus: run decode eagerly instead of "
                    "replaying captured CUDA graphs")
     p.add_argument("--gpu-experts", type=int, default=0, help="with --gpus: keep the N most used experts of each "
@@ -53,7 +56,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
                 kv_cache_bytes=int(a.kv_cache_gb * 2**30), backend=a.backend, expert_format=a.expert_format,
                 dense_format=a.dense_format, num_threads=a.threads, expert_pack=a.expert_pack, experts=a.experts,
                 expert_server=a.expert_server, gpus=getattr(a, "gpus", None), attn_device=a.attn_device,
-                overlap=not a.no_overlap, enforce_eager=a.enforce_eager, gpu_experts=a.gpu_experts,
+                overlap=a.overlap, enforce_eager=a.enforce_eager, gpu_experts=a.gpu_experts,
                 expert_profile=a.expert_profile, enable_prefix_caching=not a.no_prefix_cache)
 
 

@@ -40,7 +40,7 @@ class EngineConfig:
     gpus: list[int] | None = None
     attn_device: str | None = None
     attention: str = "auto"
-    overlap: bool = True
+    overlap: str = "auto"
     enforce_eager: bool = False
     gpu_experts: int = 0
     expert_profile: str | None = None
@@ -48,6 +48,10 @@ class EngineConfig:
     role: str = "both"
 
     def __post_init__(self) -> None:
+        if isinstance(self.overlap, bool):
+            self.overlap = "on" if self.overlap else "off"
+        if self.overlap not in ("auto", "on", "off"):
+            raise ConfigError(f"overlap must be auto, on or off, got {self.overlap!r}")
         if self.role not in ROLES:
             raise ConfigError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
         if self.gpus is not None:

@@ -5,12 +5,14 @@ The runner builds itself in named steps: threads, experts, attention backend, mo
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 import torch
 
 from hybrid.checkpoint.reader import CheckpointReader
 from hybrid.config import ConfigError, EngineConfig, ModelConfig
+from hybrid.engine.overlap_policy import OverlapPolicy
 from hybrid.engine.scheduler import ScheduledSeq
 from hybrid.experts.base import Experts
 from hybrid.experts.loader import build_experts
@@ -34,7 +36,8 @@ class ModelRunner:
                               "(--dtype bfloat16), or backend=torch")
         self.device = torch.device(engine_config.device)
         self.block_size = engine_config.block_size
-        self.overlap = engine_config.hybrid and engine_config.overlap
+        self.overlap = engine_config.hybrid and engine_config.overlap != "off"
+        self.overlap_policy = OverlapPolicy(engine_config.overlap if self.overlap else "off")
         reader = CheckpointReader(model_config.model_dir, model_config.fp8_block)
         self.init_threads()
         self.experts = self.init_experts(reader, experts)
@@ -106,15 +109,30 @@ class ModelRunner:
                 sample_rows.append(len(ids) - 1)
         return HostBatch(ids, positions, slots, starts, lens, ctx_lens, tables, sample_rows)
 
-    def overlaps(self, batch: list[ScheduledSeq]) -> bool:
-        """Dual-batch overlap runs decode steps of two or more sequences with the experts out of process."""
+    def can_overlap(self, batch: list[ScheduledSeq]) -> bool:
+        """Dual-batch overlap can run decode steps of two or more sequences with the experts out of process."""
         return self.overlap and len(batch) >= 2 and all(item.num_tokens == 1 for item in batch)
 
     @torch.inference_mode()
     def execute(self, batch: list[ScheduledSeq], all_logits: bool = False) -> torch.Tensor:
         """Logits [num sampling seqs, vocab] in float32, or for every query row when all_logits is set.
-        Decode steps replay captured graphs unless the engine runs eagerly or the batch is too large."""
-        if not all_logits and self.overlaps(batch):
+        Decode steps replay captured graphs unless the engine runs eagerly or the batch is too large; the
+        overlap policy says which decode steps run split, and learns from their times in auto."""
+        if all_logits or not self.can_overlap(batch):
+            return self._execute(batch, all_logits, split=False)
+        context = sum(item.seq.num_computed_tokens + 1 for item in batch)
+        split = self.overlap_policy.choose(len(batch), context)
+        if not self.overlap_policy.learns:
+            return self._execute(batch, all_logits, split)
+        start = time.perf_counter()
+        logits = self._execute(batch, all_logits, split)
+        if logits.is_cuda:
+            torch.cuda.synchronize(logits.device)
+        self.overlap_policy.record(len(batch), context, split, time.perf_counter() - start)
+        return logits
+
+    def _execute(self, batch: list[ScheduledSeq], all_logits: bool, split: bool) -> torch.Tensor:
+        if split:
             half = len(batch) // 2
             a, b = self.host_batch(batch[:half]), self.host_batch(batch[half:])
             if self.graphs is not None and self.graphs.fits(a) and self.graphs.fits(b):

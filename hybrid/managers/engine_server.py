@@ -125,7 +125,8 @@ class EngineServer:
             block_size=e.config.block_size, max_num_seqs=e.config.max_num_seqs,
             mode="hybrid" if e.config.hybrid else "cpu-only",
             devices=[e.config.device] + (["experts: cpu"] if e.config.hybrid else []),
-            attention=e.config.attention, overlap=e.config.hybrid and e.config.overlap, backend=e.config.backend,
+            attention=e.config.attention, overlap=e.config.overlap if e.config.hybrid else "off",
+            backend=e.config.backend,
             kernel_path=self.kernel_path(), experts=e.config.experts, expert_pid=self.expert_pid(),
         )
 

@@ -57,7 +57,7 @@ class EngineInfo(msgspec.Struct):
     mode: str
     devices: list[str]
     attention: str
-    overlap: bool
+    overlap: str  # auto, on or off
     backend: str
     kernel_path: str
     experts: str

@@ -1,0 +1,82 @@
+"""Whether a decode step runs as dual-batch overlap (hybrid/models/overlap.py): always, never, or, in auto,
+where the engine's own measured steps say it pays.
+
+Splitting hides one half's device work behind the other half's expert call, but each half's expert call is
+smaller (less efficient per token) and the device runs twice as many small kernels; which wins depends on the
+batch size, the context length (attention's share of the device part), the layers and the machine. So auto keeps,
+per bucket of batch size and per-sequence context (powers of two), a running mean of the step time per sequence
+run split and run whole: a new bucket runs each way WARMUP times, then takes the faster way, and every
+EXPLORE_EVERY-th step of a bucket runs the other way once so that drift (a context growing within its bucket,
+memory bandwidth) is seen. The price of learning is WARMUP steps per bucket the slower way, then one step in
+EXPLORE_EVERY.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+MODES = ("auto", "on", "off")
+WARMUP = 4
+EXPLORE_EVERY = 32
+SMOOTHING = 0.2  # weight of the newest step in a running mean
+
+
+@dataclass
+class RunningMean:
+    """The first observation only counts: it may include a graph capture or cold caches."""
+
+    n: int = 0
+    mean: float = 0.0
+
+    def add(self, x: float) -> None:
+        self.n += 1
+        if self.n > 1:
+            self.mean = x if self.n == 2 else self.mean + SMOOTHING * (x - self.mean)
+
+
+Bucket = tuple[int, int]
+
+
+class OverlapPolicy:
+    def __init__(self, mode: str = "auto"):
+        if mode not in MODES:
+            raise ValueError(f"overlap must be one of {', '.join(MODES)}, got {mode!r}")
+        self.mode = mode
+        self.times: dict[Bucket, dict[bool, RunningMean]] = defaultdict(lambda: {True: RunningMean(),
+                                                                                  False: RunningMean()})
+        self.steps: dict[Bucket, int] = defaultdict(int)
+
+    @staticmethod
+    def bucket(batch_size: int, context_tokens: int) -> Bucket:
+        """(batch size, mean context per sequence), each as the power of two at or above it."""
+        per_seq = max(1, context_tokens // max(batch_size, 1))
+        return 1 << (batch_size - 1).bit_length(), 1 << (per_seq - 1).bit_length()
+
+    @property
+    def learns(self) -> bool:
+        return self.mode == "auto"
+
+    def choose(self, batch_size: int, context_tokens: int) -> bool:
+        """Whether to split this decode step of batch_size (>= 2) sequences holding context_tokens in all."""
+        if self.mode != "auto":
+            return self.mode == "on"
+        key = self.bucket(batch_size, context_tokens)
+        self.steps[key] += 1
+        split, whole = self.times[key][True], self.times[key][False]
+        if split.n < WARMUP or whole.n < WARMUP:
+            return split.n <= whole.n
+        faster = split.mean < whole.mean
+        return not faster if self.steps[key] % EXPLORE_EVERY == 0 else faster
+
+    def record(self, batch_size: int, context_tokens: int, split: bool, seconds: float) -> None:
+        self.times[self.bucket(batch_size, context_tokens)][split].add(seconds / batch_size)
+
+    def table(self) -> list[dict]:
+        """What auto has learned, per bucket: ms per sequence split and whole, and which it runs."""
+        rows = []
+        for (batch, context), arms in sorted(self.times.items()):
+            split, whole = arms[True], arms[False]
+            rows.append({"batch": batch, "context": context, "split_ms": split.mean * 1e3, "whole_ms": whole.mean * 1e3,
+                         "steps": split.n + whole.n, "splits": split.n > 0 and whole.n > 0 and split.mean < whole.mean})
+        return rows
