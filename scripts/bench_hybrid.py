@@ -112,7 +112,7 @@ def main() -> None:
     console.print(t)
     console.print("concurrency 1 never overlaps (a split needs two sequences): its row is the noise floor")
     lt = Table(title="what auto learned: ms per sequence of a decode step, by bucket (batch, context per sequence "
-                     "rounded up to powers of two)")
+                     "rounded up to a power of four)")
     for col in ("batch", "context", "split ms", "whole ms", "steps", "auto splits"):
         lt.add_column(col, justify="right")
     for row in learned:

@@ -7,7 +7,7 @@ import pytest
 from conftest import prompt_ids
 
 from hybrid import LLM, SamplingParams
-from hybrid.engine.overlap_policy import EXPLORE_EVERY, WARMUP, OverlapPolicy
+from hybrid.engine.overlap_policy import EXPLORE_EVERY, EXPLORE_RARELY, WARMUP, OverlapPolicy
 
 
 def run(policy: OverlapPolicy, steps: int, batch: int, context: int, split_s: float, whole_s: float) -> list[bool]:
@@ -35,18 +35,24 @@ def test_auto_settles_on_the_faster_way_and_keeps_checking(split_faster):
     slower = settled.count(not split_faster)
     assert 1 <= slower <= len(settled) // EXPLORE_EVERY + 1  # the other way only to re-check it
     (row,) = policy.table()
-    assert row["splits"] == split_faster and (row["batch"], row["context"]) == (8, 128)
+    assert row["splits"] == split_faster and (row["batch"], row["context"]) == (8, 256)
+
+
+def test_a_way_far_behind_is_checked_rarely():
+    policy = OverlapPolicy("auto")
+    choices = run(policy, 2 * WARMUP + 2 * EXPLORE_RARELY, 8, 800, 0.010, 0.020)[2 * WARMUP:]
+    assert 1 <= choices.count(False) <= 2
 
 
 def test_auto_follows_a_change_and_learns_each_bucket_apart():
     policy = OverlapPolicy("auto")
-    run(policy, 100, 4, 4 * 30, 0.010, 0.020)
+    run(policy, 100, 4, 4 * 30, 0.010, 0.011)
     assert policy.choose(4, 4 * 30)
     run(policy, 100, 16, 16 * 3000, 0.030, 0.020)  # another bucket: whole wins there
-    assert not policy.choose(16, 16 * 3000) or policy.steps[(16, 4096)] % EXPLORE_EVERY == 0
-    choices = run(policy, 10 * EXPLORE_EVERY, 4, 4 * 30, 0.030, 0.020)  # the first bucket's split got slower
+    assert not policy.choose(16, 16 * 3000) or policy.steps[(16, 4096)] % EXPLORE_RARELY == 0
+    choices = run(policy, 10 * EXPLORE_EVERY, 4, 4 * 30, 0.012, 0.011)  # the first bucket's split got slower
     assert choices[-EXPLORE_EVERY // 2:].count(True) <= 1
-    assert {(r["batch"], r["context"]): r["splits"] for r in policy.table()} == {(4, 32): False, (16, 4096): False}
+    assert {(r["batch"], r["context"]): r["splits"] for r in policy.table()} == {(4, 64): False, (16, 4096): False}
 
 
 def test_first_time_of_each_way_is_not_counted():

@@ -4,11 +4,12 @@ where the engine's own measured steps say it pays.
 Splitting hides one half's device work behind the other half's expert call, but each half's expert call is
 smaller (less efficient per token) and the device runs twice as many small kernels; which wins depends on the
 batch size, the context length (attention's share of the device part), the layers and the machine. So auto keeps,
-per bucket of batch size and per-sequence context (powers of two), a running mean of the step time per sequence
-run split and run whole: a new bucket runs each way WARMUP times, then takes the faster way, and every
-EXPLORE_EVERY-th step of a bucket runs the other way once so that drift (a context growing within its bucket,
-memory bandwidth) is seen. The price of learning is WARMUP steps per bucket the slower way, then one step in
-EXPLORE_EVERY.
+per bucket of batch size (powers of two) and per-sequence context (powers of four), a running mean of the step
+time per sequence run split and run whole: a new bucket runs each way WARMUP times, then takes the faster way
+(splitting only when it is SPLIT_MARGIN faster: within noise, not splitting is the safe choice),
+and runs the other way once every EXPLORE_EVERY-th step of the bucket so that drift (a context growing within
+its bucket, memory bandwidth) is seen; every EXPLORE_RARELY-th step when the other way was FAR_BEHIND. The
+price of learning is WARMUP steps per bucket the slower way, then one step in EXPLORE_EVERY or EXPLORE_RARELY.
 """
 
 from __future__ import annotations
@@ -17,8 +18,11 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 MODES = ("auto", "on", "off")
-WARMUP = 4
+WARMUP = 3
 EXPLORE_EVERY = 32
+EXPLORE_RARELY = 256
+FAR_BEHIND = 1.25  # the slower way's time over the faster's
+SPLIT_MARGIN = 0.03
 SMOOTHING = 0.2  # weight of the newest step in a running mean
 
 
@@ -49,9 +53,9 @@ class OverlapPolicy:
 
     @staticmethod
     def bucket(batch_size: int, context_tokens: int) -> Bucket:
-        """(batch size, mean context per sequence), each as the power of two at or above it."""
+        """(batch size, mean context per sequence), as the power of two (four) at or above it."""
         per_seq = max(1, context_tokens // max(batch_size, 1))
-        return 1 << (batch_size - 1).bit_length(), 1 << (per_seq - 1).bit_length()
+        return 1 << (batch_size - 1).bit_length(), 4 ** -(-(per_seq - 1).bit_length() // 2)
 
     @property
     def learns(self) -> bool:
@@ -66,8 +70,10 @@ class OverlapPolicy:
         split, whole = self.times[key][True], self.times[key][False]
         if split.n < WARMUP or whole.n < WARMUP:
             return split.n <= whole.n
-        faster = split.mean < whole.mean
-        return not faster if self.steps[key] % EXPLORE_EVERY == 0 else faster
+        faster = split.mean < whole.mean * (1 - SPLIT_MARGIN)
+        behind = max(split.mean, whole.mean) / max(min(split.mean, whole.mean), 1e-12)
+        every = EXPLORE_RARELY if behind >= FAR_BEHIND else EXPLORE_EVERY
+        return not faster if self.steps[key] % every == 0 else faster
 
     def record(self, batch_size: int, context_tokens: int, split: bool, seconds: float) -> None:
         self.times[self.bucket(batch_size, context_tokens)][split].add(seconds / batch_size)
@@ -77,6 +83,7 @@ class OverlapPolicy:
         rows = []
         for (batch, context), arms in sorted(self.times.items()):
             split, whole = arms[True], arms[False]
+            splits = split.n > 0 and whole.n > 0 and split.mean < whole.mean * (1 - SPLIT_MARGIN)
             rows.append({"batch": batch, "context": context, "split_ms": split.mean * 1e3, "whole_ms": whole.mean * 1e3,
-                         "steps": split.n + whole.n, "splits": split.n > 0 and whole.n > 0 and split.mean < whole.mean})
+                         "steps": split.n + whole.n, "splits": splits})
         return rows
