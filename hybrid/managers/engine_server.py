@@ -12,6 +12,7 @@ dies, every in-flight request gets an error, the expert process is restarted and
 from __future__ import annotations
 
 import argparse
+import ctypes
 import logging
 import os
 import signal
@@ -115,6 +116,7 @@ class EngineServer:
 
         log.info("packing %s experts as %s into %s", model.model_dir, fmt, pack_dir)
         write_pack(engine_config.model, pack_dir, fmt, progress=progress)
+        release_freed_memory()
 
     def info(self) -> EngineInfo:
         e = self.engine
@@ -287,6 +289,14 @@ class EngineServer:
         self.inbox.close(linger=0)
         self.outbox.close()
         self._ctx.term()
+
+
+def release_freed_memory() -> None:
+    """Returns the heap glibc keeps after a large job (packing leaves about the pack's size behind) to the OS."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def open_private_lock(path: Path):
