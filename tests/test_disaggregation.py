@@ -192,13 +192,11 @@ def check_hybrid_pair(model, attn_device: str) -> None:
         pair.close()
 
 
-@pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-deepseek-v3"])
-def test_hybrid_pair_with_the_cpu_as_device(model_dirs, preset):
-    check_hybrid_pair(model_dirs[preset], "cpu")
+def test_hybrid_pair_with_the_cpu_as_device(any_model):
+    check_hybrid_pair(any_model, "cpu")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-deepseek-v3"])
-def test_hybrid_pair_on_a_gpu(model_dirs, preset):
+def test_hybrid_pair_on_a_gpu(any_model):
     """KV pools on the GPU, handed over through host shared memory (CUDA IPC is not built yet)."""
-    check_hybrid_pair(model_dirs[preset], "cuda:0")
+    check_hybrid_pair(any_model, "cuda:0")
