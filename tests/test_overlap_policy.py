@@ -76,3 +76,13 @@ def test_auto_engine_gives_the_tokens_of_one_that_never_splits(model_dirs):
             assert sum(r["steps"] for r in rows) >= 20  # every decode step of 2+ sequences was measured
         llm.close()
     assert tokens["auto"] == tokens["off"]
+
+
+def test_a_new_bucket_starts_from_its_neighbours_clear_verdict():
+    policy = OverlapPolicy("auto")
+    run(policy, 20, 8, 8 * 60, 0.030, 0.010)  # (8, 64): splitting is 3x slower
+    choices = run(policy, 50, 8, 8 * 200, 0.030, 0.010)  # (8, 256): no warm-up split steps
+    assert choices.count(True) == 0
+    close = OverlapPolicy("auto")
+    run(close, 20, 8, 8 * 60, 0.0105, 0.010)  # a close call next door: the new bucket warms up itself
+    assert run(close, 2 * WARMUP, 8, 8 * 200, 0.0105, 0.010).count(True) == WARMUP

@@ -9,7 +9,9 @@ time per sequence run split and run whole: a new bucket runs each way WARMUP tim
 (splitting only when it is SPLIT_MARGIN faster: within noise, not splitting is the safe choice),
 and runs the other way once every EXPLORE_EVERY-th step of the bucket so that drift (a context growing within
 its bucket, memory bandwidth) is seen; every EXPLORE_RARELY-th step when the other way was FAR_BEHIND. The
-price of learning is WARMUP steps per bucket the slower way, then one step in EXPLORE_EVERY or EXPLORE_RARELY.
+price of learning is WARMUP steps per bucket the slower way, then one step in EXPLORE_EVERY or EXPLORE_RARELY;
+a new bucket whose nearest learned neighbour (same batch size) found one way FAR_BEHIND skips its warm-up and
+starts the neighbour's way, checking the other only rarely, until it has times of its own.
 """
 
 from __future__ import annotations
@@ -67,13 +69,35 @@ class OverlapPolicy:
             return self.mode == "on"
         key = self.bucket(batch_size, context_tokens)
         self.steps[key] += 1
-        split, whole = self.times[key][True], self.times[key][False]
-        if split.n < WARMUP or whole.n < WARMUP:
-            return split.n <= whole.n
-        faster = split.mean < whole.mean * (1 - SPLIT_MARGIN)
-        behind = max(split.mean, whole.mean) / max(min(split.mean, whole.mean), 1e-12)
-        every = EXPLORE_RARELY if behind >= FAR_BEHIND else EXPLORE_EVERY
+        arms = self.times[key]
+        if not self.settled(arms):
+            neighbour = self.neighbour(key)
+            if neighbour is None or self.behind(neighbour) < FAR_BEHIND:
+                return arms[True].n <= arms[False].n
+            arms = neighbour
+        faster = self.splits(arms)
+        every = EXPLORE_RARELY if self.behind(arms) >= FAR_BEHIND else EXPLORE_EVERY
         return not faster if self.steps[key] % every == 0 else faster
+
+    @staticmethod
+    def settled(arms: dict[bool, RunningMean]) -> bool:
+        return arms[True].n >= WARMUP and arms[False].n >= WARMUP
+
+    @staticmethod
+    def splits(arms: dict[bool, RunningMean]) -> bool:
+        return arms[True].mean < arms[False].mean * (1 - SPLIT_MARGIN)
+
+    @staticmethod
+    def behind(arms: dict[bool, RunningMean]) -> float:
+        """The slower way's time over the faster's."""
+        split, whole = arms[True].mean, arms[False].mean
+        return max(split, whole) / max(min(split, whole), 1e-12)
+
+    def neighbour(self, key: Bucket) -> dict[bool, RunningMean] | None:
+        """The settled bucket of the same batch size with the nearest context."""
+        near = [(abs(k[1].bit_length() - key[1].bit_length()), k) for k, arms in self.times.items()
+                if k[0] == key[0] and k != key and self.settled(arms)]
+        return self.times[min(near)[1]] if near else None
 
     def record(self, batch_size: int, context_tokens: int, split: bool, seconds: float) -> None:
         self.times[self.bucket(batch_size, context_tokens)][split].add(seconds / batch_size)
@@ -83,7 +107,7 @@ class OverlapPolicy:
         rows = []
         for (batch, context), arms in sorted(self.times.items()):
             split, whole = arms[True], arms[False]
-            splits = split.n > 0 and whole.n > 0 and split.mean < whole.mean * (1 - SPLIT_MARGIN)
+            splits = split.n > 0 and whole.n > 0 and self.splits(arms)
             rows.append({"batch": batch, "context": context, "split_ms": split.mean * 1e3, "whole_ms": whole.mean * 1e3,
                          "steps": split.n + whole.n, "splits": splits})
         return rows
