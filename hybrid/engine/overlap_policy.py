@@ -103,11 +103,13 @@ class OverlapPolicy:
         self.times[self.bucket(batch_size, context_tokens)][split].add(seconds / batch_size)
 
     def table(self) -> list[dict]:
-        """What auto has learned, per bucket: ms per sequence split and whole, and which it runs."""
+        """What auto has learned, per bucket: ms per sequence split and whole (None: not timed yet; a bucket may go
+        by its neighbour's verdict), and whether it splits now."""
         rows = []
         for (batch, context), arms in sorted(self.times.items()):
-            split, whole = arms[True], arms[False]
-            splits = split.n > 0 and whole.n > 0 and self.splits(arms)
-            rows.append({"batch": batch, "context": context, "split_ms": split.mean * 1e3, "whole_ms": whole.mean * 1e3,
-                         "steps": split.n + whole.n, "splits": splits})
+            ms = {way: arms[way].mean * 1e3 if arms[way].n > 1 else None for way in (True, False)}
+            verdict = arms if self.settled(arms) else self.neighbour((batch, context))
+            rows.append({"batch": batch, "context": context, "split_ms": ms[True], "whole_ms": ms[False],
+                         "steps": arms[True].n + arms[False].n,
+                         "splits": verdict is not None and self.splits(verdict)})
         return rows
