@@ -109,8 +109,14 @@ def test_seeded_sampling_stop_strings_and_logprobs_carry_over(model_dirs):
         assert (ours.token_ids, ours.text, ours.finish_reason) == (theirs.token_ids, theirs.text,
                                                                     theirs.finish_reason)
     assert [lp.token_id for lp in outs[0].logprobs] == outs[0].token_ids
-    assert [(lp.logprob, lp.top) for lp in outs[0].logprobs] == pytest.approx(
-        [(lp.logprob, lp.top) for lp in colocated[0].logprobs])
+    def ids(lps):
+        return [[t for t, _ in lp.top] for lp in lps]
+
+    def values(lps):
+        return [x for lp in lps for x in [lp.logprob, *(v for _, v in lp.top)]]
+
+    assert ids(outs[0].logprobs) == ids(colocated[0].logprobs)
+    assert values(outs[0].logprobs) == pytest.approx(values(colocated[0].logprobs), abs=1e-5)
     assert len(outs[0].prompt_logprobs) == len(outs[0].prompt_token_ids)
     pair.close()
 
