@@ -176,3 +176,24 @@ def test_the_pair_and_its_expert_processes_hold_the_experts_once(tmp_path):
     finally:
         bare.kill()
         d.stop()
+
+
+@pytest.mark.gpu
+def test_a_pair_on_one_gpu_hands_kv_over_by_cuda_ipc(tmp_path):
+    """Both engines' KV pools on GPU 0: the KV passes by CUDA IPC (device to device), and the streams carry one
+    engine's tokens."""
+    d = Daemon(tmp_path / "home", free_port())
+    d.start("--disagg", "--gpus", "0", "--dtype", "float32", "--max-num-seqs", "2")
+    try:
+        client = openai_client(d)
+        params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+        texts = [client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": p}], max_tokens=40,
+                                                temperature=0, extra_body={"ignore_eos": True})
+                 .choices[0].message.content for p in PROMPTS[:3]]
+        llm = LLM(dtype="float32", gpus=[0])
+        want = [llm.chat([{"role": "user", "content": p}], params)[0].text for p in PROMPTS[:3]]
+        llm.close()
+        assert texts == want
+        assert "KV hand-off by cuda-ipc" in (d.home / "logs" / "prefill.log").read_text()
+    finally:
+        d.stop()

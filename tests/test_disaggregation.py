@@ -169,6 +169,18 @@ def test_kv_that_cannot_be_read_fails_cleanly(model_dirs, tmp_path):
         e.close()
 
 
+def test_the_transport_follows_the_pool_device():
+    from hybrid.disaggregation.cuda_ipc_transport import CudaIpcKVTransport
+    from hybrid.disaggregation.kv_transport import transport_for
+    from hybrid.mem_cache.kv_pool import KVPool
+
+    assert isinstance(transport_for(torch.device("cpu")), SharedMemoryKVTransport)
+    assert isinstance(transport_for(torch.device("cuda", 0)), CudaIpcKVTransport)
+    cpu_pool = KVPool([(2, 4)], 1, 4, 8, torch.float32, torch.device("cpu"))
+    with pytest.raises(KVTransferError, match="CUDA"):
+        CudaIpcKVTransport().put(cpu_pool, [0, 1])
+
+
 def test_files_of_a_dead_sender_are_removed(tmp_path):
     import subprocess
     import sys

@@ -22,12 +22,14 @@ class KVTransferError(RuntimeError):
 
 
 class KVTicket(msgspec.Struct):
-    """Where one hand-off's KV is: `name` is the transport's handle, `layout` the pool layout it was put from."""
+    """Where one hand-off's KV is: `name` is the transport's name for it, `layout` the pool layout it was put
+    from, `handle` what a receiver needs to open it (a CUDA IPC handle), if anything."""
 
     transport: str
     name: str
     num_blocks: int
     layout: str
+    handle: bytes = b""
 
 
 def pool_layout(pool: KVPool) -> str:
@@ -101,3 +103,15 @@ class LocalKVTransport(KVTransport):
 
     def close(self) -> None:
         self.held.clear()
+
+
+def transport_for(device: torch.device) -> KVTransport:
+    """The transport between two engine processes whose pools are on `device`'s kind: shared memory for the CPU,
+    CUDA IPC for GPUs."""
+    if device.type == "cuda":
+        from hybrid.disaggregation.cuda_ipc_transport import CudaIpcKVTransport
+
+        return CudaIpcKVTransport()
+    from hybrid.disaggregation.shm_kv_transport import SharedMemoryKVTransport
+
+    return SharedMemoryKVTransport()

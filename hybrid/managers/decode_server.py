@@ -15,8 +15,7 @@ from collections import deque
 import zmq
 
 from hybrid.disaggregation.handoff import SequenceHandoff, take_over
-from hybrid.disaggregation.kv_transport import KVTransferError
-from hybrid.disaggregation.shm_kv_transport import SharedMemoryKVTransport
+from hybrid.disaggregation.kv_transport import KVTransferError, KVTransport, transport_for
 from hybrid.managers.daemon_config import DaemonConfig
 from hybrid.managers.engine_server import EngineServer
 from hybrid.managers.messages import (
@@ -41,11 +40,12 @@ class DecodeServer(EngineServer):
         self.to_prefill = self._ctx.socket(zmq.PUSH)
         self.to_prefill.setsockopt(zmq.LINGER, 1000)
         self.to_prefill.connect(config.paths.engine_in)
-        self.transport = SharedMemoryKVTransport()
+        self.transport: KVTransport | None = None  # made in load(): it depends on the KV pool's device
         self.waiting: deque[SequenceHandoff] = deque()
 
     def load(self) -> None:
         super().load()
+        self.transport = transport_for(self.engine.runner.device)
         self.to_prefill.send(encode(DecodeReady(os.getpid())))
 
     def handoffs(self) -> int:
@@ -77,5 +77,7 @@ class DecodeServer(EngineServer):
             self.to_prefill.send(encode(HandoffDone(handoff.request_id, True)))
 
     def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
         self.to_prefill.close()
         super().close()

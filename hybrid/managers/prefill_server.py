@@ -1,5 +1,5 @@
 """The prefill engine process of a disaggregated pair: prefills requests from the api, samples their first token,
-then offers each sequence with its KV (shared-memory transport) to the decode engine.
+then offers each sequence with its KV to the decode engine (shared memory for KV on the CPU, CUDA IPC on GPUs).
 
 A sequence waits here, parked with its KV, until the decode engine answers HandoffDone: taken (its blocks are
 freed) or not (the decode engine has failed it towards the api). A restarted decode engine announces itself with
@@ -13,7 +13,7 @@ import logging
 import zmq
 
 from hybrid.disaggregation.handoff import SequenceHandoff, export
-from hybrid.disaggregation.shm_kv_transport import SharedMemoryKVTransport
+from hybrid.disaggregation.kv_transport import KVTransport, transport_for
 from hybrid.managers.daemon_config import DaemonConfig
 from hybrid.managers.engine_server import EngineServer
 from hybrid.managers.messages import AbortRequest, DecodeReady, HandoffDone, ToEngine, encode
@@ -29,9 +29,14 @@ class PrefillServer(EngineServer):
         self.to_decode = self._ctx.socket(zmq.PUSH)
         self.to_decode.setsockopt(zmq.LINGER, 0)
         self.to_decode.connect(config.paths.decode_in)
-        self.transport = SharedMemoryKVTransport()
+        self.transport: KVTransport | None = None  # made in load(): it depends on the KV pool's device
         self.offered: dict[str, SequenceHandoff] = {}
         self.decode_pid: int | None = None
+
+    def load(self) -> None:
+        super().load()
+        self.transport = transport_for(self.engine.runner.device)
+        log.info("KV hand-off by %s", self.transport.name)
 
     def handoffs(self) -> int:
         return len(self.engine.prefilled)
@@ -78,6 +83,7 @@ class PrefillServer(EngineServer):
         super().fail(request_id, status, message)
 
     def close(self) -> None:
-        self.transport.close()
+        if self.transport is not None:
+            self.transport.close()
         self.to_decode.close()
         super().close()
