@@ -197,3 +197,22 @@ def test_a_pair_on_one_gpu_hands_kv_over_by_cuda_ipc(tmp_path):
         assert "KV hand-off by cuda-ipc" in (d.home / "logs" / "prefill.log").read_text()
     finally:
         d.stop()
+
+
+def test_a_hybrid_pair_with_the_cpu_as_device(tmp_path):
+    """`--disagg --gpus 0 --attn-device cpu`: two hybrid engines (Triton attention interpreted, an expert process
+    each) stream one engine's tokens."""
+    d = Daemon(tmp_path / "home", free_port())
+    d.start("--disagg", "--gpus", "0", "--attn-device", "cpu", "--dtype", "float32")
+    try:
+        messages = [{"role": "user", "content": PROMPTS[0]}]
+        streamed = "".join(c.choices[0].delta.content or "" for c in openai_client(d).chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=24, temperature=0, stream=True,
+            extra_body={"ignore_eos": True}) if c.choices)
+        assert d.status()["info"]["mode"] == "hybrid"
+    finally:
+        d.stop()
+    llm = LLM(dtype="float32", gpus=[0], attn_device="cpu")
+    want = llm.chat(messages, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0].text
+    llm.close()
+    assert streamed == want
