@@ -11,7 +11,8 @@ from conftest import prompt_ids
 from test_models_vs_transformers import reference
 
 from hybrid import LLM, SamplingParams
-from hybrid.disaggregation.handoff import SequenceHandoff, export, take_over
+from hybrid.disaggregation.engine_handoff import export, take_over
+from hybrid.disaggregation.handoff import SequenceHandoff
 from hybrid.disaggregation.kv_transport import KVTransferError, LocalKVTransport
 from hybrid.disaggregation.shm_kv_transport import PREFIX, SharedMemoryKVTransport, remove_orphans
 from hybrid.engine.outputs import RequestOutput

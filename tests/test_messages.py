@@ -7,7 +7,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from hybrid.disaggregation.kv_transport import KVTicket
+from hybrid.disaggregation.handoff import KVTicket
 from hybrid.engine.outputs import TokenLogprob
 from hybrid.managers import messages as m
 from hybrid.sampling_params import SamplingParams

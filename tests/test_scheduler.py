@@ -339,3 +339,23 @@ def test_everything_finishes_and_every_block_comes_back(rng_seed):
     for s in seqs:
         assert s.token_ids == prompts[id(s)] + [TOKEN] * s.params.max_tokens
         assert s.block_table == []
+
+
+def test_a_handed_over_sequence_needs_a_slot_its_next_block_and_no_preempted_one_waiting():
+    sched = Scheduler(BlockManager(4, 4), max_num_seqs=2, max_num_batched_tokens=64)
+    handed = seq(8, "h")
+    handed.append(TOKEN)
+    handed.num_computed_tokens = 8  # two full blocks; its next token needs a third
+    assert sched.can_take_running(handed)
+    big = seq(8, "big")
+    sched.add(big)
+    run_step(sched)  # big holds 2 of the 4 blocks
+    assert not sched.can_take_running(handed)  # 2 blocks would hold its KV, but not its next token
+    sched.finish(big)
+    sched.blocks.grow(handed, 8)
+    sched.take_running(handed)
+    assert sched.running == [handed] and handed.status == SequenceStatus.RUNNING
+    other = seq(3, "o")
+    other.num_computed_tokens = 3
+    sched.waiting.append(seq(2, "preempted"))
+    assert not sched.can_take_running(other)  # a preempted sequence comes back first

@@ -15,7 +15,8 @@ import msgspec
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
-from hybrid.disaggregation.kv_transport import KVTicket, KVTransferError, KVTransport, gather, pool_layout, scatter
+from hybrid.disaggregation.handoff import KVTicket
+from hybrid.disaggregation.kv_transport import KVTransferError, KVTransport, gather, pool_layout, scatter
 from hybrid.mem_cache.kv_pool import KVPool
 
 

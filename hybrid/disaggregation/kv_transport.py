@@ -11,25 +11,14 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-import msgspec
 import torch
 
+from hybrid.disaggregation.handoff import KVTicket
 from hybrid.mem_cache.kv_pool import KVPool
 
 
 class KVTransferError(RuntimeError):
     """A ticket whose KV cannot be read (gone, or of another layout)."""
-
-
-class KVTicket(msgspec.Struct):
-    """Where one hand-off's KV is: `name` is the transport's name for it, `layout` the pool layout it was put
-    from, `handle` what a receiver needs to open it (a CUDA IPC handle), if anything."""
-
-    transport: str
-    name: str
-    num_blocks: int
-    layout: str
-    handle: bytes = b""
 
 
 def pool_layout(pool: KVPool) -> str:

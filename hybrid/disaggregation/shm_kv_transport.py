@@ -16,7 +16,8 @@ from pathlib import Path
 import psutil
 import torch
 
-from hybrid.disaggregation.kv_transport import KVTicket, KVTransferError, KVTransport, gather, pool_layout, scatter
+from hybrid.disaggregation.handoff import KVTicket
+from hybrid.disaggregation.kv_transport import KVTransferError, KVTransport, gather, pool_layout, scatter
 from hybrid.mem_cache.kv_pool import KVPool
 
 SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
@@ -56,7 +57,10 @@ class SharedMemoryKVTransport(KVTransport):
         path = self._path(name)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.ftruncate(fd, max(nbytes, 1))
+            os.posix_fallocate(fd, 0, max(nbytes, 1))  # ENOSPC now, rather than SIGBUS when a page is written
+        except OSError:
+            path.unlink(missing_ok=True)
+            raise
         finally:
             os.close(fd)
         self.held.add(name)

@@ -57,8 +57,10 @@ class Scheduler:
         self.running.remove(seq)
 
     def can_take_running(self, seq: Sequence) -> bool:
-        """Whether a slot and the blocks for seq's computed tokens are free now."""
-        return len(self.running) < self.max_num_seqs and self.blocks.can_grow(seq, seq.num_computed_tokens)
+        """Whether a slot and the blocks for seq's computed tokens and its next one are free now, with no preempted
+        sequence waiting to come back first."""
+        return (not self.waiting and len(self.running) < self.max_num_seqs
+                and self.blocks.can_grow(seq, seq.num_computed_tokens + 1))
 
     def take_running(self, seq: Sequence) -> None:
         """Adds a sequence whose computed tokens' blocks it already holds (handed over) to the running ones."""

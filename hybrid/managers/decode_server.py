@@ -14,7 +14,8 @@ from collections import deque
 
 import zmq
 
-from hybrid.disaggregation.handoff import SequenceHandoff, take_over
+from hybrid.disaggregation.engine_handoff import take_over
+from hybrid.disaggregation.handoff import SequenceHandoff
 from hybrid.disaggregation.kv_transport import KVTransferError, KVTransport, transport_for
 from hybrid.managers.daemon_config import DaemonConfig
 from hybrid.managers.engine_server import EngineServer
@@ -31,6 +32,8 @@ from hybrid.request_checks import InvalidRequest
 
 log = logging.getLogger("hybridd.decode")
 
+SEEN_IDS = 4096
+
 
 class DecodeServer(EngineServer):
     role = "decode"
@@ -42,6 +45,7 @@ class DecodeServer(EngineServer):
         self.to_prefill.connect(config.paths.engine_in)
         self.transport: KVTransport | None = None  # made in load(): it depends on the KV pool's device
         self.waiting: deque[SequenceHandoff] = deque()
+        self.seen: deque[str] = deque(maxlen=SEEN_IDS)  # request ids taken over or failed: offers to drop
 
     def load(self) -> None:
         super().load()
@@ -53,7 +57,8 @@ class DecodeServer(EngineServer):
 
     def handle(self, msg: ToEngine) -> None:
         if isinstance(msg, SequenceHandoff):
-            if msg.request_id not in self.in_flight and all(h.request_id != msg.request_id for h in self.waiting):
+            rid = msg.request_id
+            if rid not in self.seen and all(h.request_id != rid for h in self.waiting):
                 self.waiting.append(msg)
             return
         if isinstance(msg, AbortRequest):
@@ -66,12 +71,16 @@ class DecodeServer(EngineServer):
             try:
                 if not take_over(self.engine, handoff, self.transport):
                     return
-            except (KVTransferError, InvalidRequest) as e:
+            except Exception as e:  # this request's KV or state; the engine serves on
+                if not isinstance(e, (KVTransferError, InvalidRequest)):
+                    log.exception("taking over request %s failed", handoff.request_id)
                 self.waiting.popleft()
+                self.seen.append(handoff.request_id)
                 self.send(RequestFailed(handoff.request_id, 500, f"the hand-off to the decode engine failed: {e}"))
                 self.to_prefill.send(encode(HandoffDone(handoff.request_id, False, str(e))))
                 continue
             self.waiting.popleft()
+            self.seen.append(handoff.request_id)
             self.in_flight.add(handoff.request_id)
             self.send(TakenOver(handoff.request_id))
             self.to_prefill.send(encode(HandoffDone(handoff.request_id, True)))

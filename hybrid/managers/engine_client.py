@@ -170,21 +170,21 @@ class EngineClient:
                 if queue is not None:
                     queue.put_nowait(EngineError(msg.message, msg.status))
             elif isinstance(msg, messages.TakenOver):
-                if msg.request_id in self._location:
+                queue, decode = self._queues.get(msg.request_id), self.engines.get("decode", EngineState("down"))
+                if queue is not None and decode.status == "ready":
                     self._location[msg.request_id] = "decode"
-                else:
-                    await self._abort(msg.request_id)  # failed here meanwhile (its prefill engine died)
+                else:  # failed here meanwhile, or taken by a decode engine already known to be gone
+                    if queue is not None:
+                        queue.put_nowait(EngineError(decode.describe(), 503))
+                    await self._abort(msg.request_id)
             elif msg.role not in self.engines:
                 log.error("ignoring a message from a %s engine, which this daemon does not run", msg.role)
                 continue
             else:
                 await self._engine_message(msg, self.engines[msg.role])
-            role = getattr(msg, "role", None)
+            role = getattr(msg, "role", None)  # per-request messages do not say which engine sent them; stats do
             if role in self.engines:
                 self.engines[role].last_seen = time.monotonic()
-            elif isinstance(msg, (messages.TokenDelta, messages.RequestFailed, messages.TakenOver)):
-                for state in self.engines.values():
-                    state.last_seen = time.monotonic()
 
     async def _engine_message(self, msg, state: EngineState) -> None:
         if isinstance(msg, messages.EngineStats):

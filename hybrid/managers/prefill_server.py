@@ -12,8 +12,9 @@ import logging
 
 import zmq
 
-from hybrid.disaggregation.handoff import SequenceHandoff, export
-from hybrid.disaggregation.kv_transport import KVTransport, transport_for
+from hybrid.disaggregation.engine_handoff import export
+from hybrid.disaggregation.handoff import SequenceHandoff
+from hybrid.disaggregation.kv_transport import KVTransferError, KVTransport, transport_for
 from hybrid.managers.daemon_config import DaemonConfig
 from hybrid.managers.engine_server import EngineServer
 from hybrid.managers.messages import AbortRequest, DecodeReady, HandoffDone, ToEngine, encode
@@ -48,7 +49,11 @@ class PrefillServer(EngineServer):
             if rid not in self.in_flight:  # dropped by the api meanwhile
                 self.engine.abort(rid)
                 continue
-            handoff = export(self.engine, rid, self.transport)
+            try:
+                handoff = export(self.engine, rid, self.transport)
+            except (OSError, KVTransferError) as e:  # e.g. /dev/shm too small for this KV
+                self.fail(rid, 503, f"the prefilled KV could not be handed to the decode engine: {e}")
+                continue
             self.offered[rid] = handoff
             self.to_decode.send(encode(handoff))
 
@@ -65,17 +70,24 @@ class PrefillServer(EngineServer):
                 log.error("the decode engine could not take request %s over: %s", msg.request_id, msg.message)
                 self.engine.abort(msg.request_id)
         elif isinstance(msg, DecodeReady):
-            restarted = self.decode_pid is not None and msg.pid != self.decode_pid
-            self.decode_pid = msg.pid
-            if restarted and self.offered:  # a first start gets the offers queued for it
-                log.warning("offering %d hand-offs again to the restarted decode engine (pid %d)", len(self.offered),
-                            msg.pid)
+            # Also on what may be its first start: this engine may have restarted since, and the decode engine
+            # drops offers it has already seen.
+            if msg.pid != self.decode_pid and self.offered:
+                log.warning("offering %d hand-offs again to the decode engine (pid %d)", len(self.offered), msg.pid)
                 for handoff in self.offered.values():
                     self.to_decode.send(encode(handoff))
+            self.decode_pid = msg.pid
         else:
             if isinstance(msg, AbortRequest) and msg.request_id in self.offered:
                 self.transport.drop(self.offered.pop(msg.request_id).kv)
             super().handle(msg)
+
+    def fail_all(self, status: int, message: str) -> None:
+        """Offered requests may live in the decode engine already, which does not need this engine's experts: they
+        are failed only when this engine stops."""
+        for rid in list(self.in_flight):
+            if self.stopping or rid not in self.offered:
+                self.fail(rid, status, message)
 
     def fail(self, request_id: str, status: int, message: str) -> None:
         if request_id in self.offered:
