@@ -9,14 +9,21 @@ ticket is dropped; the receiver synchronizes before returning, so the sender may
 
 from __future__ import annotations
 
-import math
-
 import msgspec
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 from hybrid.disaggregation.handoff import KVTicket
-from hybrid.disaggregation.kv_transport import KVTransferError, KVTransport, gather, pool_layout, scatter
+from hybrid.disaggregation.kv_transport import (
+    KVTransferError,
+    KVTransport,
+    gather,
+    pack,
+    packed_nbytes,
+    pool_layout,
+    scatter,
+    unpack,
+)
 from hybrid.mem_cache.kv_pool import KVPool
 
 
@@ -61,10 +68,10 @@ class CudaIpcKVTransport(KVTransport):
         self._next = 0
 
     def put(self, pool: KVPool, block_ids: list[int]) -> KVTicket:
-        tensors = gather(pool, block_ids)
-        if not tensors[0].is_cuda:
+        if not pool.caches[0][0].is_cuda:
             raise KVTransferError("the cuda-ipc transport carries KV pools on CUDA devices; use shm for the CPU")
-        flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors])
+        flat = torch.empty(packed_nbytes(pool, len(block_ids)), dtype=torch.uint8, device=pool.caches[0][0].device)
+        pack(gather(pool, block_ids), flat)
         self._next += 1
         name = str(self._next)
         self.held[name] = flat
@@ -72,20 +79,14 @@ class CudaIpcKVTransport(KVTransport):
 
     def get(self, ticket: KVTicket, pool: KVPool, block_ids: list[int]) -> None:
         self.check(ticket, pool, block_ids)
-        caches = [cache for layer in pool.caches for cache in layer]
-        sizes = [ticket.num_blocks * math.prod(c.shape[1:]) * c.element_size() for c in caches]
         try:
             flat = open_shared(ticket.handle)
         except (RuntimeError, msgspec.DecodeError) as e:
             raise KVTransferError(f"cannot open the KV shared by the prefill engine: {e}") from None
-        if flat.numel() < sum(sizes):
+        if flat.numel() < packed_nbytes(pool, ticket.num_blocks):
             raise KVTransferError("the shared KV is smaller than its ticket says")
-        tensors, offset = [], 0
-        for cache, n in zip(caches, sizes):
-            tensors.append(flat[offset:offset + n].view(cache.dtype).view(ticket.num_blocks, *cache.shape[1:]))
-            offset += n
-        scatter(pool, block_ids, tensors)
-        torch.cuda.synchronize(caches[0].device)
+        scatter(pool, block_ids, unpack(flat, pool, ticket.num_blocks))
+        torch.cuda.synchronize(pool.caches[0][0].device)
 
     def drop(self, ticket: KVTicket) -> None:
         self.held.pop(ticket.name, None)

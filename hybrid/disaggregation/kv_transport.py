@@ -54,16 +54,44 @@ class KVTransport(ABC):
             raise KVTransferError(f"the ticket holds {ticket.num_blocks} blocks, {len(block_ids)} were given")
 
 
+def cache_tensors(pool: KVPool) -> list[torch.Tensor]:
+    """Every cache tensor of the pool, layer by layer: the order a ticket's KV is kept in."""
+    return [cache for layer in pool.caches for cache in layer]
+
+
 def gather(pool: KVPool, block_ids: list[int]) -> list[torch.Tensor]:
     index = torch.tensor(block_ids, dtype=torch.long, device=pool.caches[0][0].device)
-    return [cache.index_select(0, index) for layer in pool.caches for cache in layer]
+    return [cache.index_select(0, index) for cache in cache_tensors(pool)]
 
 
 def scatter(pool: KVPool, block_ids: list[int], tensors: list[torch.Tensor]) -> None:
     index = torch.tensor(block_ids, dtype=torch.long, device=pool.caches[0][0].device)
-    caches = [cache for layer in pool.caches for cache in layer]
-    for cache, src in zip(caches, tensors, strict=True):
+    for cache, src in zip(cache_tensors(pool), tensors, strict=True):
         cache.index_copy_(0, index, src.to(cache.device, non_blocking=True))
+
+
+def packed_nbytes(pool: KVPool, num_blocks: int) -> int:
+    """Bytes of num_blocks blocks of every cache tensor, packed one after another."""
+    return sum(num_blocks * c[0].numel() * c.element_size() for c in cache_tensors(pool))
+
+
+def pack(tensors: list[torch.Tensor], flat: torch.Tensor) -> None:
+    """Copies gathered blocks into a uint8 buffer, one tensor after another."""
+    offset = 0
+    for t in tensors:
+        n = t.numel() * t.element_size()
+        flat[offset:offset + n].view(t.dtype).view(t.shape).copy_(t)
+        offset += n
+
+
+def unpack(flat: torch.Tensor, pool: KVPool, num_blocks: int) -> list[torch.Tensor]:
+    """Views of a packed uint8 buffer as num_blocks blocks of each of the pool's cache tensors (pack's inverse)."""
+    views, offset = [], 0
+    for cache in cache_tensors(pool):
+        n = num_blocks * cache[0].numel() * cache.element_size()
+        views.append(flat[offset:offset + n].view(cache.dtype).view(num_blocks, *cache.shape[1:]))
+        offset += n
+    return views
 
 
 class LocalKVTransport(KVTransport):

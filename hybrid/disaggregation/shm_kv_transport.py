@@ -7,7 +7,6 @@ sender that died are removed by the next transport made on the machine (their pi
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import tempfile
@@ -17,7 +16,16 @@ import psutil
 import torch
 
 from hybrid.disaggregation.handoff import KVTicket
-from hybrid.disaggregation.kv_transport import KVTransferError, KVTransport, gather, pool_layout, scatter
+from hybrid.disaggregation.kv_transport import (
+    KVTransferError,
+    KVTransport,
+    gather,
+    pack,
+    packed_nbytes,
+    pool_layout,
+    scatter,
+    unpack,
+)
 from hybrid.mem_cache.kv_pool import KVPool
 
 SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
@@ -50,8 +58,7 @@ class SharedMemoryKVTransport(KVTransport):
         return self.directory / name
 
     def put(self, pool: KVPool, block_ids: list[int]) -> KVTicket:
-        tensors = gather(pool, block_ids)
-        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        nbytes = packed_nbytes(pool, len(block_ids))
         self._next += 1
         name = f"{PREFIX}{os.getpid()}-{self._next}"
         path = self._path(name)
@@ -64,30 +71,20 @@ class SharedMemoryKVTransport(KVTransport):
         finally:
             os.close(fd)
         self.held.add(name)
-        mapped = torch.from_file(str(path), shared=True, size=max(nbytes, 1), dtype=torch.uint8)
-        offset = 0
-        for t in tensors:
-            n = t.numel() * t.element_size()
-            mapped[offset:offset + n].view(t.dtype).view(t.shape).copy_(t)
-            offset += n
+        pack(gather(pool, block_ids), torch.from_file(str(path), shared=True, size=max(nbytes, 1), dtype=torch.uint8))
         return KVTicket(self.name, name, len(block_ids), pool_layout(pool))
 
     def get(self, ticket: KVTicket, pool: KVPool, block_ids: list[int]) -> None:
         self.check(ticket, pool, block_ids)
         path = self._path(ticket.name)
-        caches = [cache for layer in pool.caches for cache in layer]
-        sizes = [ticket.num_blocks * math.prod(c.shape[1:]) * c.element_size() for c in caches]
+        nbytes = packed_nbytes(pool, ticket.num_blocks)
         try:
-            if path.stat().st_size < sum(sizes):
+            if path.stat().st_size < nbytes:
                 raise KVTransferError(f"the KV file {path} is shorter than its ticket says")
-            mapped = torch.from_file(str(path), shared=True, size=max(sum(sizes), 1), dtype=torch.uint8)
+            mapped = torch.from_file(str(path), shared=True, size=max(nbytes, 1), dtype=torch.uint8)
         except FileNotFoundError:
             raise KVTransferError(f"the KV file {path} is gone") from None
-        tensors, offset = [], 0
-        for cache, n in zip(caches, sizes):
-            tensors.append(mapped[offset:offset + n].view(cache.dtype).view(ticket.num_blocks, *cache.shape[1:]))
-            offset += n
-        scatter(pool, block_ids, tensors)
+        scatter(pool, block_ids, unpack(mapped, pool, ticket.num_blocks))
 
     def drop(self, ticket: KVTicket) -> None:
         if ticket.name in self.held:
