@@ -44,7 +44,7 @@ class Pair:
                 while self.waiting and take_over(self.decode, self.waiting[0], self.transport):
                     h = self.waiting.popleft()
                     self.transport.drop(h.kv)
-                    self.prefill.release(h.request_id)
+                    self.prefill.abort(h.request_id)
 
     def busy(self) -> bool:
         return bool(self.prefill.has_unfinished() or self.prefill.prefilled or self.decode.has_unfinished())

@@ -37,7 +37,7 @@ def restore(h: SequenceHandoff) -> Sequence:
 
 def export(engine: LLMEngine, request_id: str, transport: KVTransport) -> SequenceHandoff:
     """A sequence the prefill engine has parked, with its KV put into the transport; it stays parked (holding
-    its blocks) until engine.release."""
+    its blocks) until engine.abort."""
     seq = engine.prefilled[request_id]
     blocks = seq.block_table[:-(-seq.num_computed_tokens // engine.config.block_size)]
     return snapshot(seq, transport.put(engine.runner.kv_pool, blocks))

@@ -1,7 +1,8 @@
 """The engine loop: admits requests, schedules a batch, runs the model, samples, detokenizes, finishes.
 
 Disaggregated (EngineConfig.role), a prefill engine parks each sequence once its first token is sampled, holding
-its KV, until `release` forgets it; a decode engine `adopt`s such sequences (hybrid/disaggregation/handoff.py).
+its KV, until another engine has taken it over and `abort` forgets it here (its blocks go back, the prefix cache
+keeps them); a decode engine `adopt`s such sequences (hybrid/disaggregation/engine_handoff.py).
 """
 
 from __future__ import annotations
@@ -88,13 +89,15 @@ class LLMEngine:
         seq = Sequence(request_id, ids, params)
         self.seqs[seq.request_id] = seq
         if self.tokenizer is not None:
-            self.detok[seq.request_id] = IncrementalDetokenizer(self.tokenizer.backend, params.stop,
-                                                            params.skip_special_tokens)
+            self.detok[seq.request_id] = self._detokenizer(params)
         if params.grammar is None:
             self.scheduler.add(seq)
         else:
             self.compiling[request_id] = (seq, self._compiler.submit(self._matcher, params.grammar))
         return seq.request_id
+
+    def _detokenizer(self, params: SamplingParams) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self.tokenizer.backend, params.stop, params.skip_special_tokens)
 
     def _matcher(self, grammar: str) -> GrammarMatcher:
         """Runs on the compiler thread, the only one that creates the backend."""
@@ -175,14 +178,6 @@ class LLMEngine:
                     self.prefilled[seq.request_id] = seq
         return outputs
 
-    def release(self, request_id: str) -> None:
-        """Forgets a parked sequence another engine has taken over, freeing its blocks (the prefix cache keeps
-        them)."""
-        seq = self.prefilled.pop(request_id)
-        self.seqs.pop(request_id, None)
-        self.detok.pop(request_id, None)
-        self.scheduler.finish(seq)
-
     def adopt(self, seq: Sequence, fill_kv: Callable[[list[int]], None]) -> bool:
         """Continues a sequence another engine computed its first num_computed_tokens of: gives it blocks, has
         fill_kv write their KV, and replays its completion into a fresh detokenizer and grammar matcher. False
@@ -202,7 +197,7 @@ class LLMEngine:
             self.scheduler.blocks.release(seq)
             raise
         if self.tokenizer is not None:
-            detok = IncrementalDetokenizer(self.tokenizer.backend, seq.params.stop, seq.params.skip_special_tokens)
+            detok = self._detokenizer(seq.params)
             for token in seq.completion_ids:
                 detok.step(token)
                 detok.take_delta(False)

@@ -64,11 +64,9 @@ class PrefillServer(EngineServer):
                 return
             self.transport.drop(handoff.kv)
             self.in_flight.discard(msg.request_id)
-            if msg.ok:
-                self.engine.release(msg.request_id)
-            else:
+            if not msg.ok:
                 log.error("the decode engine could not take request %s over: %s", msg.request_id, msg.message)
-                self.engine.abort(msg.request_id)
+            self.engine.abort(msg.request_id)  # taken or failed over there: either way it is done here
         elif isinstance(msg, DecodeReady):
             # Also on what may be its first start: this engine may have restarted since, and the decode engine
             # drops offers it has already seen.
