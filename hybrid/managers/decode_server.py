@@ -12,13 +12,10 @@ import logging
 import os
 from collections import deque
 
-import zmq
-
 from hybrid.disaggregation.engine_handoff import take_over
 from hybrid.disaggregation.handoff import SequenceHandoff
-from hybrid.disaggregation.kv_transport import KVTransferError, KVTransport, transport_for
+from hybrid.disaggregation.kv_transport import KVTransferError
 from hybrid.managers.daemon_config import DaemonConfig
-from hybrid.managers.engine_server import EngineServer
 from hybrid.managers.messages import (
     AbortRequest,
     DecodeReady,
@@ -26,8 +23,8 @@ from hybrid.managers.messages import (
     RequestFailed,
     TakenOver,
     ToEngine,
-    encode,
 )
+from hybrid.managers.paired_server import PairedEngineServer
 from hybrid.request_checks import InvalidRequest
 
 log = logging.getLogger("hybridd.decode")
@@ -35,22 +32,17 @@ log = logging.getLogger("hybridd.decode")
 SEEN_IDS = 4096
 
 
-class DecodeServer(EngineServer):
-    role = "decode"
+class DecodeServer(PairedEngineServer):
+    role, peer_role, peer_linger_ms = "decode", "prefill", 1000  # HandoffDone frees the prefill engine's KV
 
     def __init__(self, config: DaemonConfig):
         super().__init__(config)
-        self.to_prefill = self._ctx.socket(zmq.PUSH)
-        self.to_prefill.setsockopt(zmq.LINGER, 1000)
-        self.to_prefill.connect(config.paths.engine_in)
-        self.transport: KVTransport | None = None  # made in load(): it depends on the KV pool's device
         self.waiting: deque[SequenceHandoff] = deque()
         self.seen: deque[str] = deque(maxlen=SEEN_IDS)  # request ids taken over or failed: offers to drop
 
     def load(self) -> None:
         super().load()
-        self.transport = transport_for(self.engine.runner.device)
-        self.to_prefill.send(encode(DecodeReady(os.getpid())))
+        self.send_peer(DecodeReady(os.getpid()))
 
     def handoffs(self) -> int:
         return len(self.waiting)
@@ -77,16 +69,10 @@ class DecodeServer(EngineServer):
                 self.waiting.popleft()
                 self.seen.append(handoff.request_id)
                 self.send(RequestFailed(handoff.request_id, 500, f"the hand-off to the decode engine failed: {e}"))
-                self.to_prefill.send(encode(HandoffDone(handoff.request_id, False, str(e))))
+                self.send_peer(HandoffDone(handoff.request_id, False, str(e)))
                 continue
             self.waiting.popleft()
             self.seen.append(handoff.request_id)
             self.in_flight.add(handoff.request_id)
             self.send(TakenOver(handoff.request_id))
-            self.to_prefill.send(encode(HandoffDone(handoff.request_id, True)))
-
-    def close(self) -> None:
-        if self.transport is not None:
-            self.transport.close()
-        self.to_prefill.close()
-        super().close()
+            self.send_peer(HandoffDone(handoff.request_id, True))

@@ -10,34 +10,23 @@ from __future__ import annotations
 
 import logging
 
-import zmq
-
 from hybrid.disaggregation.engine_handoff import export
 from hybrid.disaggregation.handoff import SequenceHandoff
-from hybrid.disaggregation.kv_transport import KVTransferError, KVTransport, transport_for
+from hybrid.disaggregation.kv_transport import KVTransferError
 from hybrid.managers.daemon_config import DaemonConfig
-from hybrid.managers.engine_server import EngineServer
-from hybrid.managers.messages import AbortRequest, DecodeReady, HandoffDone, ToEngine, encode
+from hybrid.managers.messages import AbortRequest, DecodeReady, HandoffDone, ToEngine
+from hybrid.managers.paired_server import PairedEngineServer
 
 log = logging.getLogger("hybridd.prefill")
 
 
-class PrefillServer(EngineServer):
-    role = "prefill"
+class PrefillServer(PairedEngineServer):
+    role, peer_role, peer_linger_ms = "prefill", "decode", 0  # offers are sent again to a decode engine that restarts
 
     def __init__(self, config: DaemonConfig):
         super().__init__(config)
-        self.to_decode = self._ctx.socket(zmq.PUSH)
-        self.to_decode.setsockopt(zmq.LINGER, 0)
-        self.to_decode.connect(config.paths.decode_in)
-        self.transport: KVTransport | None = None  # made in load(): it depends on the KV pool's device
         self.offered: dict[str, SequenceHandoff] = {}
         self.decode_pid: int | None = None
-
-    def load(self) -> None:
-        super().load()
-        self.transport = transport_for(self.engine.runner.device)
-        log.info("KV hand-off by %s", self.transport.name)
 
     def handoffs(self) -> int:
         return len(self.engine.prefilled)
@@ -55,7 +44,7 @@ class PrefillServer(EngineServer):
                 self.fail(rid, 503, f"the prefilled KV could not be handed to the decode engine: {e}")
                 continue
             self.offered[rid] = handoff
-            self.to_decode.send(encode(handoff))
+            self.send_peer(handoff)
 
     def handle(self, msg: ToEngine) -> None:
         if isinstance(msg, HandoffDone):
@@ -73,7 +62,7 @@ class PrefillServer(EngineServer):
             if msg.pid != self.decode_pid and self.offered:
                 log.warning("offering %d hand-offs again to the decode engine (pid %d)", len(self.offered), msg.pid)
                 for handoff in self.offered.values():
-                    self.to_decode.send(encode(handoff))
+                    self.send_peer(handoff)
             self.decode_pid = msg.pid
         else:
             if isinstance(msg, AbortRequest) and msg.request_id in self.offered:
@@ -91,9 +80,3 @@ class PrefillServer(EngineServer):
         if request_id in self.offered:
             self.transport.drop(self.offered.pop(request_id).kv)
         super().fail(request_id, status, message)
-
-    def close(self) -> None:
-        if self.transport is not None:
-            self.transport.close()
-        self.to_decode.close()
-        super().close()
