@@ -15,7 +15,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import psutil
 import zmq
@@ -57,16 +57,24 @@ class EngineState:
 STATUS_ORDER = ("down", "starting", "loading", "ready")  # the pair is as far as its least advanced engine
 
 
+@dataclass
+class Stream:
+    """One request in flight: where its deltas and errors go, the engine it lives in, and its token order (the
+    index of the next completion token to deliver, and deltas that arrived ahead of their turn)."""
+
+    role: str
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    next_token: int = 0
+    held: dict[int, messages.TokenDelta] = field(default_factory=dict)
+
+
 class EngineClient:
     def __init__(self, inboxes: dict[str, str], engine_out: str, hang_timeout_s: float = 120.0):
         """inboxes: each engine role's address, the one taking new requests first."""
         self.inboxes, self.engine_out, self.hang_timeout_s = inboxes, engine_out, hang_timeout_s
         self.roles = list(inboxes)
         self.engines = {role: EngineState() for role in self.roles}
-        self._queues: dict[str, asyncio.Queue] = {}
-        self._location: dict[str, str] = {}  # request id -> the role it lives in
-        self._next: dict[str, int] = {}  # request id -> index of the next completion token to deliver
-        self._held: dict[str, dict[int, messages.TokenDelta]] = {}  # deltas that arrived ahead of their turn
+        self._streams: dict[str, Stream] = {}
         self._tasks: list[asyncio.Task] = []
 
     async def start(self) -> None:
@@ -121,39 +129,34 @@ class EngineClient:
         """Yields TokenDelta messages until the one with finished=True; aborts the request if the caller stops."""
         if not self.ready:
             raise EngineError(self.state.describe())
-        if request_id in self._queues:
+        if request_id in self._streams:
             raise EngineError(f"request id {request_id!r} is already in flight", 400)
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = queue
-        self._location[request_id], self._next[request_id], self._held[request_id] = self.roles[0], 0, {}
+        stream = self._streams[request_id] = Stream(self.roles[0])
         finished = False
         try:
             await self._send(messages.AddRequest(request_id, prompt_ids, params))
             while not finished:
-                msg = await queue.get()
+                msg = await stream.queue.get()
                 if isinstance(msg, EngineError):
                     finished = True
                     raise msg
                 finished = msg.finished
                 yield msg
         finally:
-            for d in (self._queues, self._location, self._next, self._held):
-                d.pop(request_id, None)
+            self._streams.pop(request_id, None)
             if not finished:
                 await self._abort(request_id)
 
     def _deliver(self, msg: messages.TokenDelta) -> None:
         """Queues a request's delta in token order, holding one that arrived before its predecessor."""
-        queue, held = self._queues.get(msg.request_id), self._held.get(msg.request_id)
-        if queue is None or held is None:
-            return
+        stream = self._streams.get(msg.request_id)
         start = msg.completion_tokens - len(msg.token_ids)
-        if start < self._next[msg.request_id]:
-            return  # already delivered
-        held[start] = msg
-        while (delta := held.pop(self._next[msg.request_id], None)) is not None:
-            queue.put_nowait(delta)
-            self._next[msg.request_id] += len(delta.token_ids)
+        if stream is None or start < stream.next_token:
+            return  # dropped by its caller, or already delivered
+        stream.held[start] = msg
+        while (delta := stream.held.pop(stream.next_token, None)) is not None:
+            stream.queue.put_nowait(delta)
+            stream.next_token += len(delta.token_ids)
 
     async def _receive(self) -> None:
         while True:
@@ -166,16 +169,15 @@ class EngineClient:
             if isinstance(msg, messages.TokenDelta):
                 self._deliver(msg)
             elif isinstance(msg, messages.RequestFailed):
-                queue = self._queues.get(msg.request_id)
-                if queue is not None:
-                    queue.put_nowait(EngineError(msg.message, msg.status))
+                if (stream := self._streams.get(msg.request_id)) is not None:
+                    stream.queue.put_nowait(EngineError(msg.message, msg.status))
             elif isinstance(msg, messages.TakenOver):
-                queue, decode = self._queues.get(msg.request_id), self.engines.get("decode", EngineState("down"))
-                if queue is not None and decode.status == "ready":
-                    self._location[msg.request_id] = "decode"
+                stream, decode = self._streams.get(msg.request_id), self.engines.get("decode", EngineState("down"))
+                if stream is not None and decode.status == "ready":
+                    stream.role = "decode"
                 else:  # failed here meanwhile, or taken by a decode engine already known to be gone
-                    if queue is not None:
-                        queue.put_nowait(EngineError(decode.describe(), 503))
+                    if stream is not None:
+                        stream.queue.put_nowait(EngineError(decode.describe(), 503))
                     await self._abort(msg.request_id)
             elif msg.role not in self.engines:
                 log.error("ignoring a message from a %s engine, which this daemon does not run", msg.role)
@@ -237,6 +239,6 @@ class EngineClient:
         self._fail_all(EngineError(reason, 503), role)
 
     def _fail_all(self, error: EngineError, role: str | None = None) -> None:
-        for rid, queue in self._queues.items():
-            if role is None or self._location.get(rid) == role:
-                queue.put_nowait(error)
+        for stream in self._streams.values():
+            if role is None or stream.role == role:
+                stream.queue.put_nowait(error)
