@@ -12,6 +12,7 @@ setup(
         Pybind11Extension(
             "cpu_kernels._C",
             sources=[
+                "cpu_kernels/csrc/all_reduce.cpp",
                 "cpu_kernels/csrc/amx.cpp",
                 "cpu_kernels/csrc/attention.cpp",
                 "cpu_kernels/csrc/binding.cpp",

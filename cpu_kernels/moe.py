@@ -193,6 +193,11 @@ def runner(num_threads: int | None = None) -> _C.MoeRunner:
     return pool
 
 
+def pool_started() -> bool:
+    """Whether this process has started a kernel thread pool (its cores are then fixed)."""
+    return bool(_pools)
+
+
 def set_pool_spin(spin_us: int) -> None:
     """How long idle workers of this process's pools, present and future, poll before sleeping."""
     global _spin_us

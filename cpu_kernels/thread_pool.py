@@ -33,6 +33,14 @@ POOL_SPIN_US = int(os.environ.get("HYBRIDD_POOL_SPIN_US", "2000"))
 SHARED_CORE_SPIN_US = 50
 
 
+def restrict_cpus(cpus: list[int]) -> None:
+    """Confines this process, and the kernel pool it has not started yet, to `cpus` (a parallel rank's NUMA
+    node): the pool lays its threads over ALLOWED_CPUS at its first call."""
+    global ALLOWED_CPUS
+    os.sched_setaffinity(0, cpus)
+    ALLOWED_CPUS = sorted(os.sched_getaffinity(0))
+
+
 def unpin_child() -> None:
     """preexec_fn for processes started from a thread the pool pinned: give them every allowed core back."""
     os.sched_setaffinity(0, ALLOWED_CPUS)

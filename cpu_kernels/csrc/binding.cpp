@@ -2,6 +2,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "all_reduce.h"
 #include "amx.h"
 #include "attention.h"
 #include "moe.h"
@@ -18,6 +19,7 @@ using hybridd::Format;
 using hybridd::Isa;
 using hybridd::MoeRunner;
 using hybridd::PackedMatrices;
+using hybridd::ShmGroup;
 using hybridd::SlotOffsets;
 using hybridd::SlotServer;
 
@@ -247,4 +249,24 @@ PYBIND11_MODULE(_C, m) {
       .def("stop", &SlotServer::stop)
       .def_property_readonly("calls", &SlotServer::calls)
       .def_property_readonly("busy_s", &SlotServer::busy_s);
+
+  py::class_<ShmGroup>(m, "ShmGroup")
+      .def(py::init([](uintptr_t base, int world, int rank, int64_t capacity, int spin_us) {
+             return ShmGroup{reinterpret_cast<uint8_t*>(base), world, rank, capacity, spin_us};
+           }),
+           py::arg("base"), py::arg("world"), py::arg("rank"), py::arg("capacity"), py::arg("spin_us"));
+  m.def(
+      "shm_all_reduce",
+      [](const ShmGroup& g, int64_t seq, uintptr_t data, int64_t numel, bool bf16, int64_t timeout_us) {
+        return hybridd::shm_all_reduce(g, seq, as<void>(data), numel, bf16, timeout_us);
+      },
+      py::call_guard<py::gil_scoped_release>());
+  m.def(
+      "shm_broadcast_send",
+      [](const ShmGroup& g, int64_t seq, uintptr_t bytes, int64_t length, int64_t timeout_us) {
+        return hybridd::shm_broadcast_send(g, seq, as<const void>(bytes), length, timeout_us);
+      },
+      py::call_guard<py::gil_scoped_release>());
+  m.def("shm_broadcast_wait", &hybridd::shm_broadcast_wait, py::call_guard<py::gil_scoped_release>());
+  m.def("shm_buffer", &hybridd::shm_buffer);
 }

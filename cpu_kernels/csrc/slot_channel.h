@@ -14,6 +14,7 @@
 #include <string>
 
 #include "moe.h"
+#include "shm_sync.h"
 
 namespace hybridd {
 

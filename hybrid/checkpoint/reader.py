@@ -9,6 +9,7 @@ import torch
 from safetensors import safe_open
 
 from hybrid.checkpoint.fp8 import dequantize_block_fp8
+from hybrid.checkpoint.shard import Shard
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -93,8 +94,12 @@ class CheckpointReader:
                                   f"the config implies {tuple(shape)}")
         return t
 
-    def weight(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """A tensor of the given shape in `dtype`; fp8 weights are dequantized with their `_scale_inv` sibling."""
+    def weight(self, name: str, shape: tuple[int, ...], dtype: torch.dtype,
+               shard: Shard | None = None) -> torch.Tensor:
+        """A tensor of the given shape in `dtype` (its `shard` of a tensor of the full shape, if given); fp8
+        weights are dequantized with their `_scale_inv` sibling."""
+        if shard is not None:
+            return shard.of(self.weight(name, shard.full_shape(shape), dtype)).contiguous()
         t = self.checked(name, shape)
         if t.dtype == torch.float8_e4m3fn:
             scale_name = f"{name}_scale_inv"
@@ -106,3 +111,14 @@ class CheckpointReader:
             except ValueError as e:
                 raise CheckpointError(f"{self.file_of(scale_name)}: tensor {scale_name!r}: {e}") from e
         return t.to(dtype)
+
+    def fp8_shard(self, name: str, shape: tuple[int, ...],
+                  shard: Shard | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """fp8 weight `name` (local `shape`, its `shard` of the full tensor if given) with the block scales it is
+        computed with, kept fp8; None where the shard cuts scale blocks so that no block grid of its own fits."""
+        if shard is None:
+            return self.checked(name, shape), self.get(f"{name}_scale_inv")
+        scales = shard.block_scales(self.get(f"{name}_scale_inv"), self.fp8_block[shard.dim])
+        if scales is None:
+            return None
+        return shard.of(self.checked(name, shard.full_shape(shape))).contiguous(), scales.contiguous()

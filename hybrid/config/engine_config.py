@@ -46,6 +46,9 @@ class EngineConfig:
     expert_profile: str | None = None
     enable_prefix_caching: bool = True
     role: str = "both"
+    tp: int = 1
+    pp: int = 1
+    all_reduce: str = "auto"
 
     def __post_init__(self) -> None:
         if isinstance(self.overlap, bool):
@@ -101,6 +104,24 @@ class EngineConfig:
             raise ConfigError("enforce_eager turns off the hybrid path's decode graphs: use it with --gpus")
         if self.gpu_experts < 0:
             raise ConfigError("gpu_experts must be >= 0")
+        self._parallel()
+
+    def _parallel(self) -> None:
+        """--tp / --pp: CPU-only ranks (hybrid/distributed/), each with its experts in its own process."""
+        if self.tp < 1 or self.pp < 1:
+            raise ConfigError(f"tp and pp must be >= 1, got tp={self.tp} pp={self.pp}")
+        if self.all_reduce not in ("auto", "shm", "gloo"):
+            raise ConfigError(f"all_reduce must be auto, shm or gloo, got {self.all_reduce!r}")
+        if self.tp * self.pp == 1:
+            return
+        if self.gpus is not None:
+            raise ConfigError("--tp / --pp split a CPU-only run over NUMA nodes and machines; with --gpus use one "
+                              "rank (SmallEP is the multi-GPU path)")
+        if self.experts != "inline":
+            raise ConfigError("--tp / --pp ranks compute their experts in their own process: use experts=inline")
+        if self.role != "both":
+            raise ConfigError("--tp / --pp run one engine per rank group; prefill/decode disaggregation is not "
+                              "combined with them")
 
     def _hybrid(self) -> None:
         """--gpus: attention, KV cache and dense layers on the device (torch + Triton attention), routed

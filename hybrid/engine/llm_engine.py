@@ -140,9 +140,10 @@ class LLMEngine:
             self.detok.pop(request_id, None)
 
     def close(self) -> None:
-        """Disconnects from (and stops, if this engine started it) the expert process."""
+        """Disconnects from (and stops, if this engine started it) the expert process, and the other ranks of a
+        parallel run."""
         self._compiler.shutdown(wait=False, cancel_futures=True)
-        self.runner.experts.close()
+        self.runner.close()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self.compiling)

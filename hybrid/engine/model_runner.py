@@ -1,6 +1,8 @@
 """Loads a model onto its device, owns its KV pool and runs one scheduled batch to next-token logits.
 
-The runner builds itself in named steps: threads, experts, attention backend, model, KV pool, decode graphs.
+The runner builds itself in named steps: parallel run, threads, experts, attention backend, model, KV pool,
+decode graphs. In a parallel run (--tp / --pp) every rank builds a runner over its part of the model; the driver's
+steps run on all of them (hybrid/engine/stage_executor.py), the others `follow`.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from hybrid.model_loader.loader import load_model
 from hybrid.models.causal_lm import CausalLM
 
 if TYPE_CHECKING:
+    from hybrid.distributed.launcher import ParallelRun
+    from hybrid.engine.stage_executor import StageExecutor
     from hybrid.graphs.decode_graphs import DecodeGraphs
 
 
@@ -39,12 +43,30 @@ class ModelRunner:
         self.overlap = engine_config.hybrid and engine_config.overlap != "off"
         self.overlap_policy = OverlapPolicy(engine_config.overlap if self.overlap else "off")
         reader = CheckpointReader(model_config.model_dir, model_config.fp8_block)
+        self.parallel = self.init_parallel()
+        self.shard = None if self.parallel is None else self.parallel.state.model_shard(model_config.num_hidden_layers)
         self.init_threads()
         self.experts = self.init_experts(reader, experts)
         self.attention = self.init_attention()
         self.model = self.init_model(reader)
         self.kv_pool = self.init_kv_pool()
         self.graphs = self.init_graphs()
+        self.executor = self.init_executor()
+
+    def init_parallel(self) -> ParallelRun | None:
+        if self.engine_config.tp * self.engine_config.pp == 1:
+            return None
+        from hybrid.distributed.launcher import ParallelRun
+
+        return ParallelRun.join(self.engine_config)
+
+    def init_executor(self) -> StageExecutor | None:
+        if self.parallel is None:
+            return None
+        from hybrid.engine.stage_executor import StageExecutor
+
+        return StageExecutor(self.parallel.state, self.model.model, self.kv_pool.caches, self.attention,
+                             self.config.hidden_size, self.dtype, self.device)
 
     def init_threads(self) -> None:
         if self.engine_config.backend != "cpu":
@@ -58,13 +80,13 @@ class ModelRunner:
             set_pool_spin(SHARED_CORE_SPIN_US)  # the expert process computes on these cores between calls
 
     def init_experts(self, reader: CheckpointReader, given: Experts | None) -> Experts:
-        return build_experts(self.engine_config, self.config, reader, self.dtype, self.device, given)
+        return build_experts(self.engine_config, self.config, reader, self.dtype, self.device, given, self.shard)
 
     def init_attention(self) -> AttentionBackend:
         return create_attention_backend(self.engine_config.attention, self.device, self.engine_config.num_threads)
 
     def init_model(self, reader: CheckpointReader) -> CausalLM:
-        return load_model(self.config, self.engine_config, reader, self.experts, self.dtype, self.device)
+        return load_model(self.config, self.engine_config, reader, self.experts, self.dtype, self.device, self.shard)
 
     @property
     def uses_graphs(self) -> bool:
@@ -78,8 +100,9 @@ class ModelRunner:
         per_token = KVPool.bytes_per_token(token_shapes, layers, self.dtype)
         self.max_model_len, num_blocks = self.engine_config.resolve(self.config, per_token)
         # Graph replays point their padding rows at one extra block that the block manager never hands out.
+        held = None if self.shard is None or self.shard.layers is None else self.shard.layers
         return KVPool(token_shapes, layers, num_blocks, self.block_size, self.dtype, self.device,
-                      extra_blocks=1 if self.uses_graphs else 0)
+                      extra_blocks=1 if self.uses_graphs else 0, held_layers=held)
 
     def init_graphs(self) -> DecodeGraphs | None:
         if not self.uses_graphs:
@@ -132,6 +155,8 @@ class ModelRunner:
         return logits
 
     def _execute(self, batch: list[ScheduledSeq], all_logits: bool, split: bool) -> torch.Tensor:
+        if self.executor is not None:
+            return self._execute_parallel(batch, all_logits)
         if split:
             half = len(batch) // 2
             a, b = self.host_batch(batch[:half]), self.host_batch(batch[half:])
@@ -151,3 +176,29 @@ class ModelRunner:
         if not all_logits:
             hidden = hidden[host.sample_rows]
         return self.model.compute_logits(hidden).float()
+
+    def _execute_parallel(self, batch: list[ScheduledSeq], all_logits: bool) -> torch.Tensor:
+        """The step on every rank: with pipeline stages, as one micro-batch per stage (of whole sequences)."""
+        parts = min(self.engine_config.pp, len(batch))
+        size = -(-len(batch) // parts)
+        hosts = [self.host_batch(batch[i:i + size]) for i in range(0, len(batch), size)]
+        hidden = self.executor.run(hosts)
+        if not all_logits:
+            rows, offset = [], 0
+            for host in hosts:
+                rows.extend(offset + r for r in host.sample_rows)
+                offset += len(host.ids)
+            hidden = hidden[rows]
+        return self.model.compute_logits(hidden).float()
+
+    def follow(self) -> None:
+        """A rank other than the driver: runs the driver's steps until it closes."""
+        self.executor.follow()
+
+    def close(self) -> None:
+        """Stops the other ranks (driver) and releases the experts."""
+        if self.parallel is not None:
+            if self.parallel.state.info.driver:
+                self.executor.stop()
+            self.parallel.close()
+        self.experts.close()

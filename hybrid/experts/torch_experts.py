@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from hybrid.checkpoint.reader import CheckpointReader
 from hybrid.config import ModelConfig
 from hybrid.experts.base import Experts, expert_weight_name
+from hybrid.experts.kernel_experts import intermediate_shard
 
 
 class TorchExperts(Experts):
@@ -18,16 +19,24 @@ class TorchExperts(Experts):
         self.w13, self.w2 = w13, w2
 
     @classmethod
-    def load(cls, reader: CheckpointReader, config: ModelConfig, dtype: torch.dtype) -> "TorchExperts":
-        h, i, n = config.hidden_size, config.moe_intermediate_size, config.num_experts
+    def load(cls, reader: CheckpointReader, config: ModelConfig, dtype: torch.dtype, layers: list[int] | None = None,
+             features: range | None = None) -> "TorchExperts":
+        """The experts of `layers` (default: every MoE layer), only their intermediate `features` if given."""
+        h, n = config.hidden_size, config.num_experts
+        i = config.moe_intermediate_size if features is None else len(features)
+        shard = {proj: None if features is None else intermediate_shard(config, features.start, i, proj)
+                 for proj in ("gate_proj", "up_proj", "down_proj")}
         w13, w2 = {}, {}
-        for layer in config.moe_layers:
+        for layer in config.moe_layers if layers is None else layers:
             gate_up = torch.empty(n, 2 * i, h, dtype=dtype)
             down = torch.empty(n, h, i, dtype=dtype)
             for e in range(n):
-                gate_up[e, :i] = reader.weight(expert_weight_name(layer, e, "gate_proj"), (i, h), dtype)
-                gate_up[e, i:] = reader.weight(expert_weight_name(layer, e, "up_proj"), (i, h), dtype)
-                down[e] = reader.weight(expert_weight_name(layer, e, "down_proj"), (h, i), dtype)
+                def weight(proj: str, shape: tuple[int, int]) -> torch.Tensor:
+                    return reader.weight(expert_weight_name(layer, e, proj), shape, dtype, shard[proj])
+
+                gate_up[e, :i] = weight("gate_proj", (i, h))
+                gate_up[e, i:] = weight("up_proj", (i, h))
+                down[e] = weight("down_proj", (h, i))
             w13[layer], w2[layer] = gate_up, down
         return cls(w13, w2)
 

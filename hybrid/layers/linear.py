@@ -6,17 +6,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybrid.checkpoint.shard import Shard
+from hybrid.distributed.tensor_parallel import TensorParallel
 from hybrid.layers.parameter import empty_param
 
 
 class Linear(nn.Module):
     """y = x @ W^T without bias; W is [out_features, in_features] as in the checkpoint. After `use_kernel`,
-    the weight lives packed for the CPU kernels instead (cpu_kernels.linear.PackedLinear)."""
+    the weight lives packed for the CPU kernels instead (cpu_kernels.linear.PackedLinear). A tensor-parallel
+    linear holds its `shard` of the checkpoint weight (in / out features are the shard's)."""
 
-    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype):
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, shard: Shard | None = None):
         super().__init__()
         self.weight = empty_param(out_features, in_features, dtype=dtype)
         self.out_features = out_features
+        self.shard = shard
         self.packed = None
 
     def use_kernel(self, packed) -> None:
@@ -29,6 +33,24 @@ class Linear(nn.Module):
 
             return linear(self.packed, x)
         return F.linear(x, self.weight)
+
+
+def column_parallel(in_features: int, out_features: int, dtype: torch.dtype, tp: TensorParallel, unit: int = 1,
+                    what: str = "output features") -> Linear:
+    """This rank's rows of the weight: its share of the outputs, in whole `unit`s (a head's rows)."""
+    if tp.size == 1:
+        return Linear(in_features, out_features, dtype)
+    start, count = tp.split(out_features // unit, what)
+    return Linear(in_features, count * unit, dtype, Shard(0, start * unit, count * unit, out_features))
+
+
+def row_parallel(in_features: int, out_features: int, dtype: torch.dtype, tp: TensorParallel, unit: int = 1,
+                 what: str = "input features") -> Linear:
+    """This rank's columns of the weight: its share of the inputs (the output is a partial sum to all-reduce)."""
+    if tp.size == 1:
+        return Linear(in_features, out_features, dtype)
+    start, count = tp.split(in_features // unit, what)
+    return Linear(count * unit, out_features, dtype, Shard(1, start * unit, count * unit, in_features))
 
 
 class SharedInputLinears:

@@ -10,16 +10,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hybrid.distributed.tensor_parallel import TensorParallel
 from hybrid.experts.base import Experts
 
 
 class RoutedMoe(nn.Module):
     """out = routed(x) [+ shared_experts(x)]. `gate(x)` returns (topk ids, topk weights); subclasses set
-    `gate` and, where the model has them, `shared_experts` (their checkpoint names)."""
+    `gate` and, where the model has them, `shared_experts` (their checkpoint names). Tensor-parallel, the routed
+    and shared outputs are partial sums over each rank's share of the experts' features, summed once in combine."""
 
-    def __init__(self, layer: int, experts: Experts):
+    def __init__(self, layer: int, experts: Experts, tp: TensorParallel | None = None):
         super().__init__()
         self.layer, self.experts = layer, experts
+        self.tp = tp or TensorParallel()
         self.gate: nn.Module | None = None
         self.shared_experts: nn.Module | None = None
 
@@ -31,6 +34,5 @@ class RoutedMoe(nn.Module):
         """What the device computes for this block besides routing: the shared experts' output, if any."""
         return None if self.shared_experts is None else self.shared_experts(x)
 
-    @staticmethod
-    def combine(routed: torch.Tensor, device_out: torch.Tensor | None) -> torch.Tensor:
-        return routed if device_out is None else routed + device_out
+    def combine(self, routed: torch.Tensor, device_out: torch.Tensor | None) -> torch.Tensor:
+        return self.tp.all_reduce(routed if device_out is None else routed + device_out)

@@ -7,32 +7,39 @@ from __future__ import annotations
 import torch
 
 from hybrid.checkpoint.reader import CheckpointReader
+from hybrid.checkpoint.shard import Shard
 from hybrid.layers.linear import Linear, shared_input_groups
 
 # kv_b_proj stays a torch weight: MLA's absorbed decode reads it as per-head matrices.
 UNPACKED_LINEARS = ("kv_b_proj",)
 
 
-def _pack_stacked(reader: CheckpointReader, parts: list[tuple[str, tuple[int, ...]]], fmt: str):
-    """One PackedLinear of the weights `parts` (checkpoint name, shape) stacked along their outputs, or None
-    where fp8 block scales cannot be stacked with them (a part before the last ends inside a scale block, or
-    fp8 parts beside others)."""
+Part = tuple[str, tuple[int, ...], Shard | None]
+
+
+def _pack_stacked(reader: CheckpointReader, parts: list[Part], fmt: str):
+    """One PackedLinear of the weights `parts` (checkpoint name, local shape, tensor-parallel shard) stacked along
+    their outputs, or None where fp8 block scales cannot be stacked with them (a part before the last ends inside
+    a scale block, or fp8 parts beside others). An fp8 shard that cuts scale blocks is packed from bf16."""
     from cpu_kernels.linear import PackedLinear
 
     def stacked(tensors: list[torch.Tensor]) -> torch.Tensor:
         return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
 
-    fp8 = [fmt in ("auto", "fp8") and reader.is_fp8(name) for name, _ in parts]
+    fp8 = [fmt in ("auto", "fp8") and reader.is_fp8(name) for name, _, _ in parts]
     if all(fp8):
-        if any(shape[0] % reader.fp8_block[0] for _, shape in parts[:-1]):
+        if any(shape[0] % reader.fp8_block[0] for _, shape, _ in parts[:-1]):
             return None
-        return PackedLinear.pack(stacked([reader.checked(name, shape) for name, shape in parts]), "fp8",
-                                 stacked([reader.get(f"{name}_scale_inv") for name, _ in parts]),
-                                 block=reader.fp8_block)
-    if any(fp8):
+        kept = [reader.fp8_shard(name, shape, shard) for name, shape, shard in parts]
+        if all(k is not None for k in kept):
+            return PackedLinear.pack(stacked([w for w, _ in kept]), "fp8", stacked([s for _, s in kept]),
+                                     block=reader.fp8_block)
+        if len(parts) > 1:
+            return None
+    elif any(fp8):
         return None
-    weight = stacked([reader.weight(name, shape, torch.bfloat16) for name, shape in parts])
-    return PackedLinear.pack(weight, "bf16" if fmt == "auto" else fmt)
+    weight = stacked([reader.weight(name, shape, torch.bfloat16, shard) for name, shape, shard in parts])
+    return PackedLinear.pack(weight, "bf16" if fmt == "auto" or all(fp8) else fmt)
 
 
 def pack_dense_linears(model: torch.nn.Module, reader: CheckpointReader, fmt: str = "auto",
@@ -43,7 +50,7 @@ def pack_dense_linears(model: torch.nn.Module, reader: CheckpointReader, fmt: st
     names = {id(module): name for name, module in model.named_modules()}
     stacked = set()
     for group in shared_input_groups(model):
-        parts = [(f"{names[id(m)]}.weight", tuple(m.weight.shape)) for m in group.linears]
+        parts = [(f"{names[id(m)]}.weight", tuple(m.weight.shape), m.shard) for m in group.linears]
         packed = _pack_stacked(reader, parts, fmt)
         if packed is not None:
             group.use_kernel(packed)
@@ -55,4 +62,4 @@ def pack_dense_linears(model: torch.nn.Module, reader: CheckpointReader, fmt: st
         wname = f"{name}.weight"
         if wname not in reader and name == "lm_head" and tied_embeddings:
             wname = "model.embed_tokens.weight"
-        module.use_kernel(_pack_stacked(reader, [(wname, tuple(module.weight.shape))], fmt))
+        module.use_kernel(_pack_stacked(reader, [(wname, tuple(module.weight.shape), module.shard)], fmt))

@@ -8,6 +8,7 @@ import torch
 
 from hybrid.checkpoint.reader import CheckpointReader
 from hybrid.config import EngineConfig, ModelConfig
+from hybrid.distributed.tensor_parallel import ModelShard
 from hybrid.experts.base import Experts
 from hybrid.layers.norm import RMSNorm
 from hybrid.layers.rotary_embedding import RotaryEmbedding
@@ -20,17 +21,21 @@ KERNEL_MODULES = (RMSNorm, RotaryEmbedding, SoftmaxTopKRouter, GroupedSigmoidRou
 
 
 def load_weights(module: torch.nn.Module, reader: CheckpointReader, tied_embeddings: bool = False) -> None:
-    """Fills every parameter of `module` from the checkpoint tensor of the same name, checking shapes."""
-    for name, param in module.named_parameters():
-        source = name
-        if name == "lm_head.weight" and name not in reader and tied_embeddings:
-            source = "model.embed_tokens.weight"
-        param.data = reader.weight(source, tuple(param.shape), param.dtype)
+    """Fills every parameter of `module` from the checkpoint tensor of the same name (a tensor-parallel linear's
+    from its shard of it), checking shapes."""
+    for prefix, owner in module.named_modules():
+        for pname, param in owner.named_parameters(recurse=False):
+            name = f"{prefix}.{pname}" if prefix else pname
+            source = name
+            if name == "lm_head.weight" and name not in reader and tied_embeddings:
+                source = "model.embed_tokens.weight"
+            shard = getattr(owner, "shard", None) if pname == "weight" else None
+            param.data = reader.weight(source, tuple(param.shape), param.dtype, shard)
 
 
 def load_model(model_config: ModelConfig, engine_config: EngineConfig, reader: CheckpointReader, experts: Experts,
-               dtype: torch.dtype, device: torch.device) -> CausalLM:
-    model = build_model(model_config, experts, dtype)
+               dtype: torch.dtype, device: torch.device, shard: ModelShard | None = None) -> CausalLM:
+    model = build_model(model_config, experts, dtype, shard)
     if engine_config.backend == "cpu":
         pack_dense_linears(model, reader, engine_config.dense_format, model_config.tie_word_embeddings)
         for module in model.modules():

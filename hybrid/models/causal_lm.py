@@ -1,4 +1,9 @@
-"""The decoder-only causal LM skeleton both architectures share: embeddings, layers, final norm, lm_head."""
+"""The decoder-only causal LM skeleton both architectures share: embeddings, layers, final norm, lm_head.
+
+A rank of a parallel run builds only its part (`ModelShard`): its pipeline stage's layers (the others are
+`MissingLayer`s without weights), the embedding on the first stage, the final norm on the last, lm_head on the
+driving rank; and within each layer its tensor-parallel share.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ import torch
 from torch import nn
 
 from hybrid.config import ModelConfig
+from hybrid.distributed.tensor_parallel import ModelShard
 from hybrid.experts.base import Experts
 from hybrid.layers.forward_batch import ForwardBatch
 from hybrid.layers.linear import Linear
@@ -37,14 +43,21 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+class MissingLayer(nn.Module):
+    """A decoder layer another pipeline stage runs: no weights here."""
+
+
 def decoder_layers(cfg: ModelConfig, experts: Experts, dtype: torch.dtype, attention: type[nn.Module],
-                   moe: type[nn.Module]) -> list[DecoderLayer]:
-    """One DecoderLayer per layer: `attention`, and `moe` on MoE layers or a dense GatedMLP elsewhere."""
+                   moe: type[nn.Module], shard: ModelShard) -> list[nn.Module]:
+    """One DecoderLayer per layer of this rank's stage: `attention`, and `moe` on MoE layers or a dense GatedMLP
+    elsewhere; a MissingLayer for the other stages' layers."""
     rope = RotaryEmbedding(cfg.rope)
+    tp = shard.tp
     return [
-        DecoderLayer(cfg, attention(cfg, i, rope, dtype),
-                     moe(cfg, i, experts, dtype) if i in cfg.moe_layers
-                     else GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype), dtype)
+        DecoderLayer(cfg, attention(cfg, i, rope, dtype, tp),
+                     moe(cfg, i, experts, dtype, tp) if i in cfg.moe_layers
+                     else GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype, tp), dtype)
+        if shard.has_layer(i) else MissingLayer()
         for i in range(cfg.num_hidden_layers)
     ]
 
@@ -53,19 +66,23 @@ class CausalLMBody(nn.Module):
     """embed_tokens -> decoder layers -> norm, named as in the checkpoint (`model.*`), run as MoE stages and a
     tail (hybrid/models/segments.py)."""
 
-    def __init__(self, cfg: ModelConfig, layers: list[nn.Module], dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, layers: list[nn.Module], dtype: torch.dtype, shard: ModelShard):
         super().__init__()
-        self.embed_tokens = nn.Module()
-        self.embed_tokens.weight = empty_param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        if shard.embeds:
+            self.embed_tokens = nn.Module()
+            self.embed_tokens.weight = empty_param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.stages, self.tail = split_stages(list(self.layers), self.norm)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype) if shard.final_norm else nn.Identity()
+        self.stages, self.tail = split_stages([m for m in self.layers if not isinstance(m, MissingLayer)], self.norm)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens.weight[input_ids]
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        x = self.embed(input_ids)
+        return self.forward_layers(self.embed(input_ids), batch)
+
+    def forward_layers(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """This rank's layers (and the final norm on the last stage) over hidden states x."""
         for stage in self.stages:
             x = stage.begin(x, batch)()
         return self.tail(x, batch)
@@ -91,11 +108,12 @@ class CausalLMBody(nn.Module):
 class CausalLM(nn.Module):
     """A decoder stack plus lm_head. Subclasses build the layers."""
 
-    def __init__(self, cfg: ModelConfig, layers: list[nn.Module], dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, layers: list[nn.Module], dtype: torch.dtype, shard: ModelShard):
         super().__init__()
-        self.config = cfg
-        self.model = CausalLMBody(cfg, layers, dtype)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype)
+        self.config, self.shard = cfg, shard
+        self.model = CausalLMBody(cfg, layers, dtype, shard)
+        if shard.logits:
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype)
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         return self.model(input_ids, batch)
@@ -104,7 +122,5 @@ class CausalLM(nn.Module):
         return self.lm_head(hidden)
 
     def kv_cache_shapes(self, num_blocks: int, block_size: int) -> list[tuple[int, ...]]:
-        """Shapes of the cache tensors of one layer."""
-        cfg = self.config
-        shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-        return [shape, shape]
+        """Shapes of the cache tensors of one layer (this rank's share of them)."""
+        raise NotImplementedError

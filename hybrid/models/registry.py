@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from hybrid.config import ModelConfig
+from hybrid.distributed.tensor_parallel import ModelShard
 from hybrid.experts.base import Experts
 from hybrid.models.causal_lm import CausalLM
 from hybrid.models.deepseek_v3 import DeepseekV3ForCausalLM
@@ -16,5 +17,6 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
 }
 
 
-def build_model(cfg: ModelConfig, experts: Experts, dtype: torch.dtype) -> CausalLM:
-    return MODEL_CLASSES[cfg.model_type](cfg, experts, dtype)
+def build_model(cfg: ModelConfig, experts: Experts, dtype: torch.dtype, shard: ModelShard | None = None) -> CausalLM:
+    """The model, or the part of it `shard` says this rank holds."""
+    return MODEL_CLASSES[cfg.model_type](cfg, experts, dtype, shard or ModelShard())

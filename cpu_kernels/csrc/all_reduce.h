@@ -1,0 +1,37 @@
+// Collectives between the ranks of one machine over one shared mapping, with lock-free flags (no locks, no
+// system calls unless a rank sleeps waiting).
+//
+// The mapping is [world flag lines of 64 bytes: seq, sleepers | 2 x world data buffers of `capacity` bytes].
+// Every rank runs the same sequence of operations, numbered 1, 2, ...; operation k uses the buffers of parity
+// k % 2. A rank publishes k in its flag once it has written its part of operation k (or, with nothing to write,
+// on entering it), which also says it has finished reading operation k - 1. So before writing for operation k a
+// rank waits until every flag reaches k - 1: nobody still reads the buffers of operation k - 2.
+#pragma once
+
+#include <cstdint>
+
+namespace hybridd {
+
+struct ShmGroup {
+  uint8_t* base = nullptr;
+  int world = 0;
+  int rank = 0;
+  int64_t capacity = 0;
+  int spin_us = 0;
+};
+
+// Sums `numel` elements of `data` (float32 when !bf16, else bfloat16, summed in float32 and rounded once) over
+// the ranks into `data` on every rank, adding in rank order so that every rank gets the same bits. False when a
+// peer does not arrive within timeout_us.
+bool shm_all_reduce(const ShmGroup& g, int64_t seq, void* data, int64_t numel, bool bf16, int64_t timeout_us);
+
+// Root: writes [int64 length | bytes] for operation `seq` and publishes it (after waiting, at most timeout_us,
+// for every rank to be done with operation seq - 2's buffers).
+bool shm_broadcast_send(const ShmGroup& g, int64_t seq, const void* bytes, int64_t length, int64_t timeout_us);
+// Other ranks: publishes `seq` (entered), then waits at most timeout_us for the root's; the payload is then at
+// shm_buffer(g, seq, root). May be called again after a timeout.
+bool shm_broadcast_wait(const ShmGroup& g, int64_t seq, int root, int64_t timeout_us);
+// Offset of `rank`'s buffer for operation `seq` from the mapping's base.
+int64_t shm_buffer(const ShmGroup& g, int64_t seq, int rank);
+
+}  // namespace hybridd

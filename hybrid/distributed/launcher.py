@@ -1,0 +1,78 @@
+"""Joins a parallel run: under torchrun every rank is started by it; otherwise the driving engine starts the
+other ranks of a one-machine run itself (`python -m hybrid.engine.follower`), as torchrun would, and each
+rank confines itself to its cores before its kernel pool starts."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import subprocess
+import sys
+
+from hybrid.config import EngineConfig
+from hybrid.distributed.parallel_state import ParallelState
+from hybrid.distributed.placement import rank_cpus
+
+
+def under_torchrun() -> bool:
+    return "WORLD_SIZE" in os.environ and "RANK" in os.environ
+
+
+def engine_config_json(config: EngineConfig) -> str:
+    return json.dumps({k: str(v) if isinstance(v, os.PathLike) else v for k, v in dataclasses.asdict(config).items()})
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _confine(local_rank: int, local_world: int) -> None:
+    from cpu_kernels.moe import pool_started
+    from cpu_kernels.thread_pool import restrict_cpus
+
+    if not pool_started():  # an engine in a process that already ran kernels keeps the cores it has
+        restrict_cpus(rank_cpus(local_rank, local_world))
+
+
+class ParallelRun:
+    """This process's ParallelState, and the follower processes it started (driver of a local run)."""
+
+    def __init__(self, state: ParallelState, followers: list[subprocess.Popen]):
+        self.state, self.followers = state, followers
+
+    @classmethod
+    def join(cls, config: EngineConfig) -> "ParallelRun":
+        world = config.tp * config.pp
+        if under_torchrun():
+            _confine(int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+            return cls(ParallelState.join(config.tp, config.pp, config.all_reduce), [])
+        port = _free_port()
+        followers = [cls._spawn(config, rank, world, port) for rank in range(1, world)]
+        try:
+            _confine(0, world)
+            state = ParallelState.join(config.tp, config.pp, config.all_reduce, f"tcp://127.0.0.1:{port}", rank=0)
+        except BaseException:
+            for p in followers:
+                p.kill()
+            raise
+        return cls(state, followers)
+
+    @staticmethod
+    def _spawn(config: EngineConfig, rank: int, world: int, port: int) -> subprocess.Popen:
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                   LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        return subprocess.Popen([sys.executable, "-m", "hybrid.engine.follower", engine_config_json(config)],
+                                env=env)
+
+    def close(self) -> None:
+        self.state.close()
+        for p in self.followers:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()

@@ -1,0 +1,100 @@
+"""Collectives between the ranks of one machine over a shared mapping with lock-free flags (the C++ side is
+cpu_kernels/csrc/all_reduce.cpp): no gloo and no system call on the hot path.
+
+The group's first rank creates the file under /dev/shm (O_EXCL, mode 0600) and hands its name to the others
+through torch.distributed; once every rank has mapped it the file is unlinked, so nothing is left behind when a
+rank dies. A tensor larger than a buffer is reduced in pieces.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import secrets
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from hybrid.distributed.communicator import CommunicationError, Communicator
+
+SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
+FLAG_LINE = 64
+# Per rank and parity: one decode step's hidden states for hundreds of rows, or a step message of a long prefill.
+DEFAULT_CAPACITY = 8 << 20
+SPIN_US = 2000
+# A peer that has not reached the same collective by then is dead or stuck (they run the same step).
+TIMEOUT_S = 300.0
+POLL_S = 1.0
+
+
+class ShmCommunicator(Communicator):
+    name = "shm"
+
+    def __init__(self, group: dist.ProcessGroup | None, ranks: list[int], capacity: int = DEFAULT_CAPACITY,
+                 alive: Callable[[], bool] = lambda: True):
+        from cpu_kernels import _C
+
+        self.rank, self.world = ranks.index(dist.get_rank()), len(ranks)
+        self.capacity, self.alive = capacity, alive
+        size = len(ranks) * FLAG_LINE + 2 * len(ranks) * capacity
+        names: list[str | None] = [None]
+        if self.rank == 0:
+            names = [f"{SHM_DIR}/hybridd-tp-{os.getuid()}-{os.getpid()}-{secrets.token_hex(4)}"]
+            fd = os.open(names[0], os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            os.posix_fallocate(fd, 0, size)
+        dist.broadcast_object_list(names, src=ranks[0], group=group)
+        if self.rank != 0:
+            fd = os.open(names[0], os.O_RDWR)
+        try:
+            self.map = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        dist.barrier(group=group)
+        if self.rank == 0:
+            os.unlink(names[0])
+        self.buffer = torch.frombuffer(self.map, dtype=torch.uint8)
+        self.group = _C.ShmGroup(self.buffer.data_ptr(), self.world, self.rank, capacity, SPIN_US)
+        self._C = _C
+        self.seq = 0
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        if t.dtype not in (torch.float32, torch.bfloat16) or not t.is_contiguous() or t.device.type != "cpu":
+            raise CommunicationError(f"the shared-memory all-reduce sums contiguous float32 / bfloat16 CPU tensors, "
+                                     f"got {t.dtype} on {t.device}")
+        flat = t.view(-1)
+        step = self.capacity // t.element_size()
+        for start in range(0, flat.numel(), step):
+            piece = flat[start:start + step]
+            self.seq += 1
+            if not self._C.shm_all_reduce(self.group, self.seq, piece.data_ptr(), piece.numel(),
+                                          t.dtype == torch.bfloat16, int(TIMEOUT_S * 1e6)):
+                raise CommunicationError(f"tensor-parallel rank {self.rank}: a peer did not reach all-reduce "
+                                         f"{self.seq} within {TIMEOUT_S:.0f} s")
+        return t
+
+    def broadcast(self, payload: bytes | None, root: int = 0) -> bytes:
+        self.seq += 1
+        if self.rank == root:
+            if len(payload) + 8 > self.capacity:
+                raise CommunicationError(f"a {len(payload)}-byte message does not fit the {self.capacity}-byte "
+                                         "shared-memory buffer")
+            data = torch.frombuffer(bytearray(payload or b"\0"), dtype=torch.uint8)
+            if not self._C.shm_broadcast_send(self.group, self.seq, data.data_ptr(), len(payload),
+                                              int(TIMEOUT_S * 1e6)):
+                raise CommunicationError(f"tensor-parallel rank {self.rank}: a peer did not finish operation "
+                                         f"{self.seq - 2} within {TIMEOUT_S:.0f} s")
+            return payload
+        # The root may be idle for hours (no requests): wait in slices and give up only if it is gone.
+        while not self._C.shm_broadcast_wait(self.group, self.seq, root, int(POLL_S * 1e6)):
+            if not self.alive():
+                raise CommunicationError(f"tensor-parallel rank {self.rank}: the driving rank is gone")
+        offset = self._C.shm_buffer(self.group, self.seq, root)
+        length = int(self.buffer[offset:offset + 8].view(torch.int64))
+        return bytes(self.map[offset + 8:offset + 8 + length])
+
+    def close(self) -> None:
+        self.buffer = None
+        with contextlib.suppress(BufferError):  # a tensor view still alive: the mapping goes with the process
+            self.map.close()
