@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from hybrid.cli.engine_args import add_engine_args, engine_kwargs, explain_gpus, parse_gpus
+from hybrid.cli.engine_args import add_engine_args, engine_kwargs, explain_gpus, follower_rank, parse_gpus
 from hybrid.managers.supervisor import DaemonError
 
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -16,7 +16,7 @@ DEFAULT_URL = "http://127.0.0.1:8000"
 def register(sub) -> None:
     st = sub.add_parser("start", help="start the daemon (OpenAI API, web chat page, /metrics) in the background")
     add_engine_args(st)
-    st.set_defaults(experts="process")
+    st.set_defaults(experts=None)
     dev = st.add_mutually_exclusive_group()
     dev.add_argument("--gpus", type=parse_gpus, help="CUDA devices: the first runs attention, KV cache and "
                      "dense layers; routed experts stay on the CPU (e.g. 0 or 0,1)")
@@ -117,6 +117,18 @@ def cmd_start(a: argparse.Namespace) -> int:
     from hybrid.tokenizer import MissingTokenizer, Tokenizer
 
     model = str(Path(a.model).resolve()) if a.model else str(DEFAULT_MODEL_DIR)
+    # The daemon's experts run in the expert process, except that tensor-parallel / pipeline ranks each compute
+    # their own share in their process.
+    a.experts = a.experts or ("inline" if a.tp * a.pp > 1 else "process")
+    if follower_rank():
+        from hybrid.config import EngineConfig
+        from hybrid.engine.follower import follow
+
+        follow(EngineConfig(model=model, **engine_kwargs(a)))
+        return 0
+    from hybrid.distributed.launcher import under_torchrun
+
+    a.foreground = a.foreground or under_torchrun()  # torchrun keeps the ranks' lifetimes together
     ModelConfig.from_dir(model)
     try:
         Tokenizer(model)
@@ -186,7 +198,8 @@ def cmd_status(a: argparse.Namespace) -> int:
     rows = [
         ("model", f"{s['model']} ({info.get('architecture', '?')}, context {info.get('max_model_len', '?')})"),
         ("state", s["status"] + (f": {s['reason']}" if s["reason"] else "")),
-        ("mode", info.get("mode", "?")), ("devices", ", ".join(info.get("devices", []))),
+        ("mode", info.get("mode", "?") + _parallel_text(info.get("parallel"))),
+        ("devices", ", ".join(info.get("devices", []))),
         ("kernel path", info.get("kernel_path", "?")),
         ("experts", f"{info.get('experts', '?')}" + (f" (pid {info['expert_pid']})" if info.get("expert_pid") else "")),
         ("KV cache", f"{used}/{total} blocks ({used / total:.0%})" if total else "?"),
@@ -204,6 +217,13 @@ def cmd_status(a: argparse.Namespace) -> int:
         t.add_row(k, str(v))
     Console().print(t)
     return 0
+
+
+def _parallel_text(parallel: dict | None) -> str:
+    if not parallel:
+        return ""
+    reduce = f", all-reduce over {parallel['all_reduce']}" if parallel.get("all_reduce") else ""
+    return f" (--tp {parallel['tp']} --pp {parallel['pp']}{reduce})"
 
 
 def _prefix_cache_row(stats: dict) -> str:

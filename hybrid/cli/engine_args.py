@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -36,6 +37,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-experts", type=int, default=0, help="with --gpus: keep the N most used experts of each "
                    "layer on the GPU (from --expert-profile, else from routing counts collected while serving)")
     p.add_argument("--expert-profile", help="routing-frequency profile JSON {layer: [count per expert]}")
+    p.add_argument("--tp", type=int, default=1, help="CPU-only: tensor-parallel ranks, one per NUMA node (or per "
+                   "group of cores in HYBRIDD_NUMA_NODES), summing over shared memory")
+    p.add_argument("--pp", type=int, default=1, help="CPU-only: pipeline stages (machines, under torchrun), layers "
+                   "split evenly")
+    p.add_argument("--all-reduce", default="auto", choices=["auto", "shm", "gloo"],
+                   help="with --tp: how ranks sum (auto: shared memory on one machine, gloo across machines)")
     p.add_argument("--no-prefix-cache", action="store_true", help="prefill every prompt whole instead of reusing "
                    "the KV blocks of a prefix computed before (a chat's history)")
 
@@ -57,7 +64,15 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
                 dense_format=a.dense_format, num_threads=a.threads, expert_pack=a.expert_pack, experts=a.experts,
                 expert_server=a.expert_server, gpus=getattr(a, "gpus", None), attn_device=a.attn_device,
                 overlap=a.overlap, enforce_eager=a.enforce_eager, gpu_experts=a.gpu_experts,
-                expert_profile=a.expert_profile, enable_prefix_caching=not a.no_prefix_cache)
+                expert_profile=a.expert_profile, enable_prefix_caching=not a.no_prefix_cache, tp=a.tp, pp=a.pp,
+                all_reduce=a.all_reduce)
+
+
+def follower_rank() -> bool:
+    """Whether torchrun started this process as a rank other than the driving one (rank 0)."""
+    from hybrid.distributed.launcher import under_torchrun
+
+    return under_torchrun() and int(os.environ["RANK"]) != 0
 
 
 def explain_gpus(gpus: list[int] | None) -> None:

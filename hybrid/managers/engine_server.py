@@ -130,7 +130,15 @@ class EngineServer:
             attention=e.config.attention, overlap=e.config.overlap if e.config.hybrid else "off",
             backend=e.config.backend,
             kernel_path=self.kernel_path(), experts=e.config.experts, expert_pid=self.expert_pid(),
+            parallel=self.parallel(),
         )
+
+    def parallel(self) -> dict | None:
+        run = self.engine.runner.parallel
+        if run is None:
+            return None
+        comm = run.state.tp_comm
+        return {"tp": self.engine.config.tp, "pp": self.engine.config.pp, "all_reduce": comm.name if comm else None}
 
     def kernel_path(self) -> str:
         from cpu_kernels.moe import kernel_isa_name

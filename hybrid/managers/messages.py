@@ -62,6 +62,7 @@ class EngineInfo(msgspec.Struct):
     kernel_path: str
     experts: str
     expert_pid: int | None
+    parallel: dict | None = None  # tp, pp and all_reduce (shm / gloo) of a parallel run
 
 
 class Progress(msgspec.Struct, tag="progress"):

@@ -1,0 +1,131 @@
+"""CPU-only scale-out: tensor-parallel ranks (--tp, two one-core "NUMA nodes" here), pipeline stages (--pp, under
+torchrun) and both give transformers' greedy tokens; the shared-memory collectives give gloo's bits."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import TINY_PRESETS, prompt_ids
+from daemon_harness import Daemon, free_port, openai_client
+from test_models_vs_transformers import reference
+
+from hybrid import LLM, SamplingParams
+from hybrid.distributed.parallel_state import stage_layers
+from hybrid.models.causal_lm import MissingLayer
+
+HERE = Path(__file__).resolve().parent
+NEW_TOKENS = 16
+
+
+def torchrun(nproc: int, *args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env or os.environ.copy())
+
+
+def greedy_reference(model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
+    ref = reference(model_dir)
+    with torch.no_grad():
+        return [ref.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                             do_sample=False)[0, len(p):].tolist() for p in prompts]
+
+
+def test_shm_collectives_give_gloos_bits(tmp_path):
+    out = tmp_path / "checked"
+    r = torchrun(2, str(HERE / "collectives_worker.py"), env={**os.environ, "COLLECTIVES_OUT": str(out)})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert out.read_text() == "29"  # every shape x dtype x buffer size, and every broadcast, compared
+
+
+@pytest.fixture
+def two_nodes(monkeypatch):
+    """Two one-core NUMA nodes; the test process's kernel pool is started first, so the driving rank (this
+    process) keeps the cores it has and only the follower is confined to its node."""
+    from cpu_kernels.moe import runner
+
+    runner()
+    monkeypatch.setenv("HYBRIDD_NUMA_NODES", "0;1")
+
+
+@pytest.mark.parametrize("preset", TINY_PRESETS)
+def test_tp2_gives_transformers_greedy_tokens(model_dirs, preset, two_nodes):
+    # Prompts of different lengths in flight at once: steps mix prefill chunks and decode rows.
+    prompts = [prompt_ids(n, seed=n) for n in (5, 40, 17)]
+    expected = greedy_reference(model_dirs[preset], prompts)
+    llm = LLM(model_dirs[preset], dtype="float32", tp=2, max_num_batched_tokens=32)
+    try:
+        model = llm.engine.runner.model
+        cfg = llm.engine.model_config
+        attn = model.model.layers[1].self_attn
+        assert attn.num_heads == cfg.num_attention_heads // 2
+        experts = llm.engine.runner.experts.layers[cfg.moe_layers[0]]
+        assert experts.inter == cfg.moe_intermediate_size // 2
+        if "fp8" in preset:  # the halves start on / lie inside 128-blocks: fp8 with the checkpoint's scales
+            assert experts.fmt.name == "FP8"
+        out = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
+    finally:
+        llm.close()
+    assert [o.token_ids for o in out] == expected
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-deepseek-v3"])
+def test_pp2_runs_micro_batches_and_gives_transformers_greedy_tokens(model_dirs, preset, two_nodes):
+    prompts = [prompt_ids(n, seed=n) for n in (5, 40, 17, 9)]
+    expected = greedy_reference(model_dirs[preset], prompts)
+    llm = LLM(model_dirs[preset], dtype="float32", pp=2, max_num_batched_tokens=32)
+    try:
+        layers = llm.engine.runner.model.model.layers
+        held = stage_layers(len(layers), 2, 0)
+        assert [not isinstance(m, MissingLayer) for m in layers] == [i in held for i in range(len(layers))]
+        out = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
+    finally:
+        llm.close()
+    assert [o.token_ids for o in out] == expected
+
+
+@pytest.mark.parametrize("tp,pp", [(1, 2), (2, 2)])
+@pytest.mark.parametrize("preset", TINY_PRESETS)
+def test_generate_under_torchrun_gives_transformers_greedy_tokens(model_dirs, preset, tp, pp):
+    ids = prompt_ids(23, seed=7)
+    (expected,) = greedy_reference(model_dirs[preset], [ids])
+    r = torchrun(tp * pp, "-m", "hybrid.cli", "generate", "--model", str(model_dirs[preset]), "--dtype", "float32",
+                 "--tp", str(tp), "--pp", str(pp), "--prompt-ids", ",".join(map(str, ids)), "--max-tokens",
+                 str(NEW_TOKENS), "--temperature", "0", "--ignore-eos", "--json")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    results = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    assert len(results) == 1  # only the driving rank answers
+    assert results[0]["token_ids"] == expected
+
+
+def test_start_under_torchrun_serves_the_openai_client(tmp_path):
+    d = Daemon(tmp_path / "home", free_port())
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "hybrid.cli",
+           "start", "--tp", "2", "--port", str(d.port), "--kv-cache-gb", "0.25"]
+    proc = subprocess.Popen(cmd, env={**d.env, "HYBRIDD_NUMA_NODES": "0;1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        d.wait_healthy(240)
+        client = openai_client(d)
+        chunks = list(client.chat.completions.create(
+            model="default_model", messages=[{"role": "user", "content": "hello"}], max_tokens=12, temperature=0,
+            stream=True))
+        streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        whole = client.chat.completions.create(model="default_model", messages=[{"role": "user", "content": "hello"}],
+                                               max_tokens=12, temperature=0)
+        assert streamed and streamed == whole.choices[0].message.content
+        assert d.status()["info"]["parallel"] == {"tp": 2, "pp": 1, "all_reduce": "shm"}
+        assert d.stop().returncode == 0
+        proc.wait(timeout=120)
+        assert proc.returncode == 0, proc.stdout.read()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            time.sleep(1)
+        if proc.stdout:
+            proc.stdout.close()
