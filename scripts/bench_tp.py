@@ -36,9 +36,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from cpu_kernels.moe import kernel_isa_name  # noqa: E402
 from make_tiny_model import make_model  # noqa: E402
 from membw import BandwidthProbe  # noqa: E402
+
+from cpu_kernels.moe import kernel_isa_name  # noqa: E402
 
 SIZES = [(1, 2048), (1, 7168), (8, 7168), (64, 7168), (512, 7168)]
 

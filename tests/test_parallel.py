@@ -129,3 +129,23 @@ def test_start_under_torchrun_serves_the_openai_client(tmp_path):
             time.sleep(1)
         if proc.stdout:
             proc.stdout.close()
+
+
+def test_start_with_tp2_runs_its_follower_and_stops_it(tmp_path, monkeypatch):
+    import psutil
+
+    monkeypatch.setenv("HYBRIDD_NUMA_NODES", "0;1")
+    d = Daemon(tmp_path / "home", free_port())
+    d.start("--tp", "2")
+    try:
+        status = d.status()
+        assert status["info"]["parallel"] == {"tp": 2, "pp": 1, "all_reduce": "shm"}
+        engine = psutil.Process(status["engine_pid"])
+        (follower,) = [c for c in engine.children() if "hybrid.engine.follower" in " ".join(c.cmdline())]
+        assert follower.cpu_affinity() == [1] and engine.cpu_affinity() == [0]
+        reply = openai_client(d).completions.create(model="default_model", prompt="hi", max_tokens=8,
+                                                    temperature=0)
+        assert reply.usage.completion_tokens == 8
+    finally:
+        assert d.stop().returncode == 0
+    follower.wait(timeout=30)
