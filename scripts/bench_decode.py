@@ -8,6 +8,7 @@ runs of each run's fraction of the mean of the probes either side: the machine's
     python scripts/bench_decode.py --preset moonlight --layers 3
     python scripts/bench_decode.py --model /path/to/checkpoint
     python scripts/bench_decode.py --prompt-len 4096 --attention torch   # long context, torch attention
+    python scripts/bench_decode.py --breakdown              # and where a decode step's time goes
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from make_tiny_model import make_model  # noqa: E402
 from membw import BandwidthProbe, interleaved  # noqa: E402
+from step_breakdown import breakdown  # noqa: E402
 
 from cpu_kernels.moe import kernel_isa_name  # noqa: E402
 from hybrid import LLM, SamplingParams  # noqa: E402
@@ -72,6 +74,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--breakdown", action="store_true", help="also split a decode step into kernels, torch ops "
+                    "and Python")
     ap.add_argument("--json", help="also write the results to this file")
     a = ap.parse_args()
     console = Console()
@@ -131,6 +135,18 @@ def main() -> None:
     t.add_row("effective GB/s in decode", f"{res['effective_gbps']:.1f}")
     t.add_row("[bold]decode / roofline", f"[bold]{res['decode_fraction_of_roofline']:.3f}")
     console.print(t)
+    if a.breakdown:
+        prompt = torch.randint(10, vocab, (a.prompt_len,), generator=gen).tolist()
+        split = breakdown(llm.engine, prompt, a.decode_tokens,
+                          lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+        res["breakdown_s"] = split
+        step = split.pop("step")
+        t = Table(title=f"one decode step ({step * 1e3:.2f} ms), {a.threads} threads")
+        for col in ("part", "ms", "share"):
+            t.add_column(col, justify="right" if col != "part" else "left")
+        for part, s in split.items():
+            t.add_row(part, f"{s * 1e3:.3f}", f"{s / step:.1%}")
+        console.print(t)
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=2))
 

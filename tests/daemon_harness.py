@@ -42,8 +42,11 @@ class Daemon:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def cli(self, *args: str, timeout: float = 120, stdin: str | None = None) -> subprocess.CompletedProcess:
+        from cpu_kernels.thread_pool import unpin_child
+
+        # unpin_child: as from a shell, with every core (a test that ran kernels has its thread pinned to one)
         return subprocess.run([sys.executable, "-m", "hybrid.cli.main", *args], env=self.env, capture_output=True,
-                              text=True, timeout=timeout, input=stdin)
+                              text=True, timeout=timeout, input=stdin, preexec_fn=unpin_child)
 
     def start(self, *extra: str) -> None:
         args = ["start", "--port", str(self.port), "--kv-cache-gb", "0.25", *extra]

@@ -16,6 +16,7 @@ from conftest import TINY_PRESETS, prompt_ids
 from daemon_harness import Daemon, free_port, openai_client
 from test_models_vs_transformers import reference
 
+from cpu_kernels.thread_pool import unpin_child
 from hybrid import LLM, SamplingParams
 from hybrid.distributed.parallel_state import stage_layers
 from hybrid.models.causal_lm import MissingLayer
@@ -26,7 +27,8 @@ NEW_TOKENS = 16
 
 def torchrun(nproc: int, *args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env or os.environ.copy())
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env or os.environ.copy(),
+                          preexec_fn=unpin_child)
 
 
 def greedy_reference(model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
@@ -74,6 +76,19 @@ def test_tp2_gives_transformers_greedy_tokens(model_dirs, preset, two_nodes):
     assert [o.token_ids for o in out] == expected
 
 
+def test_tp2_over_gloo_gives_the_same_tokens(model_dirs, two_nodes):
+    """--all-reduce gloo: the reference and the fallback for ranks on different machines."""
+    prompts = [prompt_ids(n, seed=n) for n in (5, 40)]
+    expected = greedy_reference(model_dirs["tiny-deepseek-v3"], prompts)
+    llm = LLM(model_dirs["tiny-deepseek-v3"], dtype="float32", tp=2, all_reduce="gloo", max_num_batched_tokens=32)
+    try:
+        assert llm.engine.runner.parallel.state.tp_comm.name == "gloo"
+        out = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
+    finally:
+        llm.close()
+    assert [o.token_ids for o in out] == expected
+
+
 @pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-deepseek-v3"])
 def test_pp2_runs_micro_batches_and_gives_transformers_greedy_tokens(model_dirs, preset, two_nodes):
     prompts = [prompt_ids(n, seed=n) for n in (5, 40, 17, 9)]
@@ -108,7 +123,7 @@ def test_start_under_torchrun_serves_the_openai_client(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "hybrid.cli",
            "start", "--tp", "2", "--port", str(d.port), "--kv-cache-gb", "0.25"]
     proc = subprocess.Popen(cmd, env={**d.env, "HYBRIDD_NUMA_NODES": "0;1"}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True, preexec_fn=unpin_child)
     try:
         d.wait_healthy(240)
         client = openai_client(d)

@@ -65,8 +65,11 @@ class ParallelRun:
     def _spawn(config: EngineConfig, rank: int, world: int, port: int) -> subprocess.Popen:
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                    LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        from cpu_kernels.thread_pool import unpin_child
+
+        # unpin_child: a thread the kernel pool pinned would hand its one core down to the follower
         return subprocess.Popen([sys.executable, "-m", "hybrid.engine.follower", engine_config_json(config)],
-                                env=env)
+                                env=env, preexec_fn=unpin_child)
 
     def close(self) -> None:
         self.state.close()
