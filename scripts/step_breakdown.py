@@ -21,14 +21,16 @@ KERNELS = {
 }
 
 
-def _decode_steps(engine, prompt: list[int], steps: int, params) -> float:
-    """Seconds of `steps` decode steps of one request (after its prefill)."""
+def _decode_steps(engine, prompt: list[int], steps: int, params, window: list[bool]) -> float:
+    """Seconds of `steps` decode steps of one request (after its prefill); window[0] is set while they run."""
     engine.add_request(prompt, params)
     engine.step()
+    window[0] = True
     start = time.perf_counter()
     for _ in range(steps):
         engine.step()
     wall = time.perf_counter() - start
+    window[0] = False
     while engine.has_unfinished():
         engine.step()
     return wall
@@ -37,6 +39,7 @@ def _decode_steps(engine, prompt: list[int], steps: int, params) -> float:
 def breakdown(engine, prompt: list[int], steps: int, make_params: Callable[[int], object]) -> dict[str, float]:
     """Seconds per decode step by category, and the step itself ("step")."""
     spent: dict[str, float] = defaultdict(float)
+    window = [False]
     patched = []
     for category, places in KERNELS.items():
         for module_name, attr in places:
@@ -48,17 +51,23 @@ def breakdown(engine, prompt: list[int], steps: int, make_params: Callable[[int]
                 try:
                     return _fn(*args, **kwargs)
                 finally:
-                    spent[_cat] += time.perf_counter() - t
+                    if window[0]:
+                        spent[_cat] += time.perf_counter() - t
 
             setattr(module, attr, timed)
             patched.append((module, attr, fn))
     try:
-        wall = _decode_steps(engine, prompt, steps, make_params(steps + 2))
+        wall = _decode_steps(engine, prompt, steps, make_params(steps + 2), window)
     finally:
         for module, attr, fn in patched:
             setattr(module, attr, fn)
+    engine.add_request(prompt, make_params(steps + 2))
+    engine.step()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        _decode_steps(engine, prompt, steps, make_params(steps + 2))
+        for _ in range(steps):
+            engine.step()
+    while engine.has_unfinished():
+        engine.step()
     torch_ops = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key.startswith("aten::")) * 1e-6
     out = {k: v / steps for k, v in spent.items()}
     out["torch small ops (aten, profiled)"] = torch_ops / steps
