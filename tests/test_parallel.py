@@ -89,6 +89,17 @@ def test_tp2_over_gloo_gives_the_same_tokens(model_dirs, two_nodes):
     assert [o.token_ids for o in out] == expected
 
 
+def test_a_tp_that_does_not_divide_the_heads_is_refused_and_leaves_no_rank_behind(model_dirs, two_nodes):
+    import psutil
+
+    from hybrid.config import ConfigError
+
+    with pytest.raises(ConfigError, match="--tp 3 must divide the model's "):
+        LLM(model_dirs["tiny-qwen3-moe"], dtype="float32", tp=3)
+    children = psutil.Process().children(recursive=True)
+    assert not [c for c in children if "hybrid.engine.follower" in " ".join(c.cmdline())]
+
+
 @pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-deepseek-v3"])
 def test_pp2_runs_micro_batches_and_gives_transformers_greedy_tokens(model_dirs, preset, two_nodes):
     prompts = [prompt_ids(n, seed=n) for n in (5, 40, 17, 9)]

@@ -71,6 +71,13 @@ class ParallelRun:
         return subprocess.Popen([sys.executable, "-m", "hybrid.engine.follower", engine_config_json(config)],
                                 env=env, preexec_fn=unpin_child)
 
+    def abort(self) -> None:
+        """Ends the run without telling the other ranks (this rank failed to build its part)."""
+        for p in self.followers:
+            p.kill()
+            p.wait()
+        self.state.close()
+
     def close(self) -> None:
         self.state.close()
         for p in self.followers:

@@ -44,14 +44,20 @@ class ModelRunner:
         self.overlap_policy = OverlapPolicy(engine_config.overlap if self.overlap else "off")
         reader = CheckpointReader(model_config.model_dir, model_config.fp8_block)
         self.parallel = self.init_parallel()
-        self.shard = None if self.parallel is None else self.parallel.state.model_shard(model_config.num_hidden_layers)
-        self.init_threads()
-        self.experts = self.init_experts(reader, experts)
-        self.attention = self.init_attention()
-        self.model = self.init_model(reader)
-        self.kv_pool = self.init_kv_pool()
-        self.graphs = self.init_graphs()
-        self.executor = self.init_executor()
+        try:
+            self.shard = None if self.parallel is None else \
+                self.parallel.state.model_shard(model_config.num_hidden_layers)
+            self.init_threads()
+            self.experts = self.init_experts(reader, experts)
+            self.attention = self.init_attention()
+            self.model = self.init_model(reader)
+            self.kv_pool = self.init_kv_pool()
+            self.graphs = self.init_graphs()
+            self.executor = self.init_executor()
+        except BaseException:
+            if self.parallel is not None:
+                self.parallel.abort()
+            raise
 
     def init_parallel(self) -> ParallelRun | None:
         if self.engine_config.tp * self.engine_config.pp == 1:
