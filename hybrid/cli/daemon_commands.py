@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from hybrid.cli.engine_args import add_engine_args, engine_kwargs, explain_gpus, follower_rank, parse_gpus
+from hybrid.cli.engine_args import add_engine_args, engine_kwargs, explain_gpus, follow_if_not_rank0, parse_gpus
 from hybrid.managers.supervisor import DaemonError
 
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -120,11 +120,7 @@ def cmd_start(a: argparse.Namespace) -> int:
     # The daemon's experts run in the expert process, except that tensor-parallel / pipeline ranks each compute
     # their own share in their process.
     a.experts = a.experts or ("inline" if a.tp * a.pp > 1 else "process")
-    if follower_rank():
-        from hybrid.config import EngineConfig
-        from hybrid.engine.follower import follow
-
-        follow(EngineConfig(model=model, **engine_kwargs(a)))
+    if follow_if_not_rank0(a, model):
         return 0
     from hybrid.distributed.launcher import under_torchrun
 

@@ -68,11 +68,18 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
                 all_reduce=a.all_reduce)
 
 
-def follower_rank() -> bool:
-    """Whether torchrun started this process as a rank other than the driving one (rank 0)."""
+def follow_if_not_rank0(a: argparse.Namespace, model) -> bool:
+    """Under torchrun, a rank other than the driving one (rank 0) runs the driver's steps here until it stops,
+    instead of the command; True when it did."""
     from hybrid.distributed.launcher import under_torchrun
 
-    return under_torchrun() and int(os.environ["RANK"]) != 0
+    if not under_torchrun() or int(os.environ["RANK"]) == 0:
+        return False
+    from hybrid.config import EngineConfig
+    from hybrid.engine.follower import follow
+
+    follow(EngineConfig(model=model, **engine_kwargs(a)))
+    return True
 
 
 def explain_gpus(gpus: list[int] | None) -> None:

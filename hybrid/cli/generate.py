@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from hybrid.cli.engine_args import add_engine_args, engine_kwargs, explain_gpus, follower_rank, parse_gpus
+from hybrid.cli.engine_args import add_engine_args, engine_kwargs, explain_gpus, follow_if_not_rank0, parse_gpus
 from hybrid.sampling_params import SamplingParams
 from hybrid.tokenizer import TokenizerError
 
@@ -41,16 +41,11 @@ def _parse_ids(text: str) -> list[int]:
 def cmd_generate(a: argparse.Namespace) -> int:
     import torch
 
-    from hybrid.llm import LLM
+    from hybrid.llm import DEFAULT_MODEL_DIR, LLM
 
     if a.threads and a.backend == "torch":
         torch.set_num_threads(a.threads)
-    if follower_rank():
-        from hybrid.config import EngineConfig
-        from hybrid.engine.follower import follow
-        from hybrid.llm import DEFAULT_MODEL_DIR
-
-        follow(EngineConfig(model=a.model or DEFAULT_MODEL_DIR, **engine_kwargs(a)))
+    if follow_if_not_rank0(a, a.model or DEFAULT_MODEL_DIR):
         return 0
     llm = LLM(a.model, **engine_kwargs(a))
     explain_gpus(a.gpus)

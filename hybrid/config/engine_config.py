@@ -112,7 +112,7 @@ class EngineConfig:
             raise ConfigError(f"tp and pp must be >= 1, got tp={self.tp} pp={self.pp}")
         if self.all_reduce not in ("auto", "shm", "gloo"):
             raise ConfigError(f"all_reduce must be auto, shm or gloo, got {self.all_reduce!r}")
-        if self.tp * self.pp == 1:
+        if self.world_size == 1:
             return
         if self.gpus is not None:
             raise ConfigError("--tp / --pp split a CPU-only run over NUMA nodes and machines; with --gpus use one "
@@ -137,6 +137,11 @@ class EngineConfig:
         self.device, self.backend, self.experts = device, "torch", "process"
         if self.attention == "auto":
             self.attention = "triton"
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of a parallel run (--tp x --pp); 1 without one."""
+        return self.tp * self.pp
 
     @property
     def hybrid(self) -> bool:

@@ -46,7 +46,7 @@ class ParallelRun:
 
     @classmethod
     def join(cls, config: EngineConfig) -> "ParallelRun":
-        world = config.tp * config.pp
+        world = config.world_size
         if under_torchrun():
             _confine(int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", world)))
             return cls(ParallelState.join(config.tp, config.pp, config.all_reduce), [])

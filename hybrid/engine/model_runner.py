@@ -60,7 +60,7 @@ class ModelRunner:
             raise
 
     def init_parallel(self) -> ParallelRun | None:
-        if self.engine_config.tp * self.engine_config.pp == 1:
+        if self.engine_config.world_size == 1:
             return None
         from hybrid.distributed.launcher import ParallelRun
 
@@ -106,7 +106,7 @@ class ModelRunner:
         per_token = KVPool.bytes_per_token(token_shapes, layers, self.dtype)
         self.max_model_len, num_blocks = self.engine_config.resolve(self.config, per_token)
         # Graph replays point their padding rows at one extra block that the block manager never hands out.
-        held = None if self.shard is None or self.shard.layers is None else self.shard.layers
+        held = self.shard.layers if self.shard else None
         return KVPool(token_shapes, layers, num_blocks, self.block_size, self.dtype, self.device,
                       extra_blocks=1 if self.uses_graphs else 0, held_layers=held)
 
