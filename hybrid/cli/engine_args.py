@@ -37,6 +37,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-experts", type=int, default=0, help="with --gpus: keep the N most used experts of each "
                    "layer on the GPU (from --expert-profile, else from routing counts collected while serving)")
     p.add_argument("--expert-profile", help="routing-frequency profile JSON {layer: [count per expert]}")
+    p.add_argument("--slp-threshold", default="auto", help="with --gpus: prefills of at least N tokens stream their "
+                   "experts to the GPU (SLP); auto (default) picks from measured bandwidth and expert throughput; off "
+                   "never streams")
+    p.add_argument("--slp-max-tokens", type=int, help="with --gpus: the most tokens of one streamed pass (default: "
+                   "what the device memory holds); longer prompts stream in pieces of this size")
+    p.add_argument("--slp-copy", default="auto", choices=["auto", "register", "bounce"],
+                   help="with --gpus: stream from the expert pack registered with CUDA (register) or through pinned "
+                   "bounce buffers (bounce); auto registers and falls back")
     p.add_argument("--tp", type=int, default=1, help="CPU-only: tensor-parallel ranks, one per NUMA node (or per "
                    "group of cores in HYBRIDD_NUMA_NODES), summing over shared memory")
     p.add_argument("--pp", type=int, default=1, help="CPU-only: pipeline stages (machines, under torchrun), layers "
@@ -65,7 +73,8 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
                 expert_server=a.expert_server, gpus=getattr(a, "gpus", None), attn_device=a.attn_device,
                 overlap=a.overlap, enforce_eager=a.enforce_eager, gpu_experts=a.gpu_experts,
                 expert_profile=a.expert_profile, enable_prefix_caching=not a.no_prefix_cache, tp=a.tp, pp=a.pp,
-                all_reduce=a.all_reduce)
+                all_reduce=a.all_reduce, slp_threshold=a.slp_threshold, slp_max_tokens=a.slp_max_tokens,
+                slp_copy=a.slp_copy)
 
 
 def follow_if_not_rank0(a: argparse.Namespace, model) -> bool:

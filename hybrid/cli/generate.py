@@ -83,7 +83,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
         print(json.dumps({
             "token_ids": final.token_ids, "text": final.text, "prompt_tokens": len(final.prompt_token_ids),
             "ttft_s": final.ttft_s, "tpot_s": final.tpot_s, "finish_reason": final.finish_reason,
-            "cached_tokens": final.num_cached_tokens,
+            "cached_tokens": final.num_cached_tokens, "streamed_bytes": final.streamed_bytes,
         }))
     else:
         sys.stdout.write("\n")

@@ -49,6 +49,9 @@ class EngineConfig:
     tp: int = 1
     pp: int = 1
     all_reduce: str = "auto"
+    slp_threshold: str | int = "auto"
+    slp_max_tokens: int | None = None
+    slp_copy: str = "auto"
 
     def __post_init__(self) -> None:
         if isinstance(self.overlap, bool):
@@ -105,6 +108,29 @@ class EngineConfig:
         if self.gpu_experts < 0:
             raise ConfigError("gpu_experts must be >= 0")
         self._parallel()
+        self._streamed_prefill()
+
+    def _streamed_prefill(self) -> None:
+        """--slp-threshold / --slp-max-tokens / --slp-copy: long prefills streaming their experts to the device."""
+        from hybrid.experts.slp_policy import parse_threshold
+
+        try:
+            self.slp_threshold = parse_threshold(self.slp_threshold)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if self.slp_copy not in ("auto", "register", "bounce"):
+            raise ConfigError(f"slp_copy must be auto, register or bounce, got {self.slp_copy!r}")
+        if self.slp_max_tokens is not None and self.slp_max_tokens < 1:
+            raise ConfigError("slp_max_tokens must be >= 1")
+        if self.gpus is None and (isinstance(self.slp_threshold, int) or self.slp_max_tokens is not None
+                                  or self.slp_copy != "auto"):
+            raise ConfigError("streamed prefill (--slp-threshold N, --slp-max-tokens, --slp-copy) streams experts to "
+                              "a GPU: use it with --gpus (--attn-device cpu plays the GPU on the CPU)")
+
+    @property
+    def streams_prefill(self) -> bool:
+        """Whether long prefills may stream their experts to the device (the hybrid path unless turned off)."""
+        return self.gpus is not None and self.slp_threshold != "off"
 
     def _parallel(self) -> None:
         """--tp / --pp: CPU-only ranks (hybrid/distributed/), each with its experts in its own process."""

@@ -16,7 +16,7 @@ def snapshot(seq: Sequence, kv: KVTicket) -> SequenceHandoff:
     return SequenceHandoff(
         request_id=seq.request_id, token_ids=list(seq.token_ids), num_prompt_tokens=seq.num_prompt_tokens,
         num_computed_tokens=seq.num_computed_tokens, params=seq.params, kv=kv, generator_state=state,
-        num_cached_tokens=seq.num_cached_tokens, num_preemptions=seq.num_preemptions,
+        num_cached_tokens=seq.num_cached_tokens, streamed_bytes=seq.streamed_bytes, num_preemptions=seq.num_preemptions,
         arrival_time=seq.arrival_time, first_token_time=seq.first_token_time, closing=seq.closing,
         logprobs=list(seq.logprobs), prompt_logprobs=list(seq.prompt_logprobs))
 
@@ -30,6 +30,7 @@ def restore(h: SequenceHandoff) -> Sequence:
         seq.generator = torch.Generator()
         seq.generator.set_state(torch.frombuffer(bytearray(h.generator_state), dtype=torch.uint8))
     seq.num_cached_tokens, seq.num_preemptions = h.num_cached_tokens, h.num_preemptions
+    seq.streamed_bytes = h.streamed_bytes
     seq.arrival_time, seq.first_token_time, seq.closing = h.arrival_time, h.first_token_time, h.closing
     seq.logprobs, seq.prompt_logprobs = list(h.logprobs), list(h.prompt_logprobs)
     return seq

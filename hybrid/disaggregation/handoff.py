@@ -35,6 +35,7 @@ class SequenceHandoff(msgspec.Struct, tag="handoff"):
     kv: KVTicket
     generator_state: bytes | None = None
     num_cached_tokens: int = 0
+    streamed_bytes: int = 0
     num_preemptions: int = 0
     arrival_time: float = 0.0
     first_token_time: float | None = None

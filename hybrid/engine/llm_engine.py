@@ -19,7 +19,7 @@ from hybrid.engine.detokenizer import IncrementalDetokenizer
 from hybrid.engine.model_runner import ModelRunner
 from hybrid.engine.outputs import RequestOutput
 from hybrid.engine.sampler import Sample, Sampler, token_logprobs
-from hybrid.engine.scheduler import ScheduledSeq, Scheduler
+from hybrid.engine.scheduler import ScheduledSeq, Scheduler, prefilling
 from hybrid.engine.sequence import Sequence, SequenceStatus
 from hybrid.experts.base import Experts
 from hybrid.experts.process.client import ExpertServerError
@@ -54,7 +54,7 @@ class LLMEngine:
                                       config.expert_format, config.dense_format))).encode()
             prefix_cache = BlockHashCache(config.block_size, salt)
         self.scheduler = Scheduler(BlockManager(self.runner.kv_pool.num_blocks, config.block_size, prefix_cache),
-                                   config.max_num_seqs, config.max_num_batched_tokens)
+                                   config.max_num_seqs, config.max_num_batched_tokens, self.runner.long_prefill)
         self.sampler = Sampler()
         self.eos_ids = set(self.model_config.eos_token_ids)
         self.seqs: dict[str, Sequence] = {}
@@ -169,6 +169,9 @@ class LLMEngine:
             log.exception("a step of %d requests failed; failing them and serving on", len(batch))
             return failed + [self._fail(item.seq, f"the engine failed while running this request: "
                                         f"{type(e).__name__}: {e}") for item in batch]
+        for item in batch:
+            if self.runner.step_streamed_bytes and prefilling(item.seq):
+                item.seq.streamed_bytes += self.runner.step_streamed_bytes
         self.scheduler.advance(batch)
         outputs = failed + [self._advance(seq, s) if s.token is not None else self._fail(seq, s.error)
                             for seq, s in zip(sampling, samples)]
@@ -275,7 +278,7 @@ class LLMEngine:
             token_ids=seq.completion_ids, text=detok.text if detok else "", new_token_ids=new_ids,
             new_text=detok.take_delta(seq.is_finished) if detok else "", finished=seq.is_finished,
             finish_reason=seq.finish_reason, ttft_s=ttft, tpot_s=tpot, num_preemptions=seq.num_preemptions,
-            num_cached_tokens=seq.num_cached_tokens,
+            num_cached_tokens=seq.num_cached_tokens, streamed_bytes=seq.streamed_bytes,
         )
 
     def generate(self, prompts: list[str | list[int]],

@@ -15,7 +15,7 @@ import torch
 from hybrid.checkpoint.reader import CheckpointReader
 from hybrid.config import ConfigError, EngineConfig, ModelConfig
 from hybrid.engine.overlap_policy import OverlapPolicy
-from hybrid.engine.scheduler import ScheduledSeq
+from hybrid.engine.scheduler import ScheduledSeq, prefilling
 from hybrid.experts.base import Experts
 from hybrid.experts.loader import build_experts
 from hybrid.layers.attention.backend import AttentionBackend
@@ -44,6 +44,7 @@ class ModelRunner:
         self.overlap_policy = OverlapPolicy(engine_config.overlap if self.overlap else "off")
         reader = CheckpointReader(model_config.model_dir, model_config.fp8_block)
         self.parallel = self.init_parallel()
+        self.step_streamed_bytes = 0
         try:
             self.shard = None if self.parallel is None else \
                 self.parallel.state.model_shard(model_config.num_hidden_layers)
@@ -87,6 +88,11 @@ class ModelRunner:
 
     def init_experts(self, reader: CheckpointReader, given: Experts | None) -> Experts:
         return build_experts(self.engine_config, self.config, reader, self.dtype, self.device, given, self.shard)
+
+    def long_prefill(self) -> tuple[int, int] | None:
+        """(fewest, most) tokens of a prefill that streams its experts in one pass; None when none would."""
+        window = getattr(self.experts, "window", None)
+        return None if window is None else window()
 
     def init_attention(self) -> AttentionBackend:
         return create_attention_backend(self.engine_config.attention, self.device, self.engine_config.num_threads)
@@ -161,6 +167,17 @@ class ModelRunner:
         return logits
 
     def _execute(self, batch: list[ScheduledSeq], all_logits: bool, split: bool) -> torch.Tensor:
+        """The step, with the experts told what kind of pass it is; `step_streamed_bytes` is what it streamed."""
+        before = self.experts.streamed_bytes
+        longest = max((item.num_tokens for item in batch if prefilling(item.seq)), default=0)
+        self.experts.begin_pass(sum(item.num_tokens for item in batch), longest)
+        try:
+            return self._run(batch, all_logits, split)
+        finally:
+            self.experts.end_pass()
+            self.step_streamed_bytes = self.experts.streamed_bytes - before
+
+    def _run(self, batch: list[ScheduledSeq], all_logits: bool, split: bool) -> torch.Tensor:
         if self.executor is not None:
             return self._execute_parallel(batch, all_logits)
         if split:

@@ -30,6 +30,7 @@ class RequestOutput:
     tpot_s: float | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    streamed_bytes: int = 0  # expert bytes streamed to the device for this request's prefill (SLP)
     error: str | None = None  # why a request with finish_reason "error" failed
     error_status: int = 500  # 400 when the request itself was at fault (a grammar that does not compile)
     logprobs: list[TokenLogprob] | None = None  # one per completion token, when the request asked for logprobs

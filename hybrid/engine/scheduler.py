@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from hybrid.engine.sequence import Sequence, SequenceStatus
@@ -22,16 +23,27 @@ class ScheduledSeq:
         return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
 
 
+def prefilling(seq: Sequence) -> bool:
+    """Whether the sequence's next tokens are prompt (or recomputed) tokens rather than one decode token."""
+    return seq.num_tokens - seq.num_computed_tokens > 1 or seq.num_completion_tokens == 0
+
+
 class Scheduler:
     """Each step first advances running sequences (decodes and unfinished prompt chunks), oldest first,
     then admits waiting ones, within a token budget; an admitted sequence starts after the longest prefix the
     block manager's prefix cache holds. When the KV pool cannot hold a running sequence's
     next tokens, the most recently admitted sequence is preempted: its blocks are freed and it is
-    recomputed from its prompt and generated tokens when readmitted."""
+    recomputed from its prompt and generated tokens when readmitted.
 
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    With streamed prefill, `long_prefill()` gives (min tokens, max tokens): one prompt per step with at least min
+    tokens left to prefill runs up to max of them at once, past the step's token budget (a streamed pass costs the
+    same copy of every layer's experts however many tokens share it; chunking it would repeat that copy)."""
+
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 long_prefill: Callable[[], tuple[int, int] | None] | None = None):
         self.blocks = block_manager
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.long_prefill = long_prefill or (lambda: None)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -86,10 +98,20 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         batch: list[ScheduledSeq] = []
         preempted = False
+        window = self.long_prefill()
+
+        def tokens(seq: Sequence) -> int:
+            nonlocal window
+            left = seq.num_tokens - seq.num_computed_tokens
+            if window is not None and left >= window[0] and prefilling(seq):
+                n, window = min(left, window[1]), None
+                return n
+            return min(left, budget)
+
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = tokens(seq)
             target = seq.num_computed_tokens + n
             while not self.blocks.can_grow(seq, target) and self.running[-1] is not seq:
                 self._preempt(self.running[-1])
@@ -100,13 +122,13 @@ class Scheduler:
                 break
             self.blocks.grow(seq, target)
             batch.append(ScheduledSeq(seq, n))
-            budget -= n
+            budget -= min(n, budget)
             i += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             seq = self.waiting[0]
             # prompt logprobs need every prompt position's logits, so such a prompt is computed whole
             cached = self.blocks.match_prefix(seq) if seq.params.prompt_logprobs is None else 0
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = tokens(seq)
             if not self.blocks.can_grow(seq, seq.num_computed_tokens + n):
                 self.blocks.release(seq)  # gives back what match_prefix took
                 break
@@ -119,5 +141,5 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.append(ScheduledSeq(seq, n))
-            budget -= n
+            budget -= min(n, budget)
         return batch

@@ -32,6 +32,7 @@ class Sequence:
         self.block_hashes: list[bytes] = []  # chained hashes of full blocks of token_ids, made as needed
         self.num_indexed_blocks = 0  # leading blocks of block_table already in the prefix cache
         self.num_cached_tokens = 0  # prompt tokens whose KV came from the prefix cache at first admission
+        self.streamed_bytes = 0  # expert bytes streamed to the device by the passes that prefilled it
         self.finish_reason: str | None = None
         self.num_preemptions = 0
         self.arrival_time = time.perf_counter()

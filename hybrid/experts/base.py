@@ -36,5 +36,17 @@ class Experts(ABC):
         out = self.forward(layer, hidden_states, topk_ids, topk_weights)
         return lambda: out
 
+    def begin_pass(self, num_tokens: int, longest_prefill: int) -> None:
+        """Called before each forward step with its token count and its longest prefill chunk (0 for a decode-only
+        step): an implementation that picks where a step's experts run (streamed prefill) picks here."""
+
+    def end_pass(self) -> None:
+        """Called after each forward step."""
+
+    @property
+    def streamed_bytes(self) -> int:
+        """Expert bytes streamed to the device so far (streamed prefill; 0 for the others)."""
+        return 0
+
     def close(self) -> None:
         """Releases what the implementation holds outside this process (nothing for in-process experts)."""

@@ -11,6 +11,7 @@ from hybrid.distributed.tensor_parallel import ModelShard
 from hybrid.experts.base import Experts
 from hybrid.experts.kernel_experts import KernelExperts
 from hybrid.experts.torch_experts import TorchExperts
+from hybrid.triton_env import prepare_triton
 
 
 def load_experts(backend: str, reader: CheckpointReader, config: ModelConfig, dtype: torch.dtype,
@@ -57,4 +58,9 @@ def build_experts(engine: EngineConfig, model: ModelConfig, reader: CheckpointRe
         from hybrid.experts.hot_experts import HotExperts
 
         experts = HotExperts(experts, reader, model, dtype, device, engine.gpu_experts, engine.expert_profile)
+    if engine.streams_prefill and given is None:
+        prepare_triton(device)
+        from hybrid.experts.streamed_experts import streamed_experts
+
+        experts = streamed_experts(engine, model, experts, dtype, device)
     return experts

@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from hybrid.layers.attention.backend import AttentionBackend
+from hybrid.triton_env import prepare_triton
 
 
 def create_attention_backend(name: str, device: torch.device, num_threads: int | None = None) -> AttentionBackend:
     if name == "triton":
-        if device.type == "cpu":
-            # Triton kernels reach CPU tensors only through its interpreter, read when kernels are defined.
-            os.environ.setdefault("TRITON_INTERPRET", "1")
+        prepare_triton(device)
         from hybrid.layers.attention.triton_backend import TritonAttention
 
         return TritonAttention()

@@ -1,0 +1,96 @@
+"""When a prefill streams its experts to the device (SLP) instead of running them on the CPU, from measured rates.
+
+Per MoE layer and pass of T tokens, the CPU costs T * cpu_s (its measured seconds per token and layer), streaming
+costs max(layer_bytes / h2d, T * device_s): the copy of layer L + 1 overlaps the compute of layer L, so a pass is
+bound by the slower of the two. Streaming wins from T* = layer_bytes / (h2d * cpu_s) tokens on, if the device's
+per-token cost is below the CPU's (else never). `auto` starts from probes taken when the engine starts and follows
+the times of the passes it serves; a number forces the threshold; `off` never streams.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+EMA = 0.3  # weight of a new measurement in a rate
+
+
+@dataclass
+class SlpRates:
+    """Measured rates: host->device bytes/s, and seconds per token and MoE layer of the device's and the CPU's
+    expert computation; layer_bytes is what one layer streams."""
+
+    h2d_bytes_per_s: float
+    device_s_per_token: float
+    cpu_s_per_token: float
+    layer_bytes: int
+
+    def __post_init__(self) -> None:
+        if self.h2d_bytes_per_s <= 0 or self.layer_bytes <= 0:
+            raise ValueError("SLP rates need a positive bandwidth and layer size")
+
+    def stream_s(self, tokens: int) -> float:
+        return max(self.layer_bytes / self.h2d_bytes_per_s, tokens * self.device_s_per_token)
+
+    def cpu_s(self, tokens: int) -> float:
+        return tokens * self.cpu_s_per_token
+
+    def crossover(self) -> int | None:
+        """The fewest tokens per pass for which streaming is faster, None when it never is."""
+        if self.device_s_per_token >= self.cpu_s_per_token:
+            return None
+        return max(1, math.ceil(self.layer_bytes / (self.h2d_bytes_per_s * self.cpu_s_per_token)))
+
+
+@dataclass
+class SlpPolicy:
+    """threshold: "auto", "off" or a token count (as --slp-threshold takes it)."""
+
+    threshold: str | int = "auto"
+    rates: SlpRates | None = None
+    measured: dict[str, int] = field(default_factory=lambda: {"cpu": 0, "device": 0})
+
+    def __post_init__(self) -> None:
+        self.threshold = parse_threshold(self.threshold)
+
+    @property
+    def enabled(self) -> bool:
+        return self.threshold != "off"
+
+    def min_tokens(self) -> int | None:
+        """The tokens from which a pass streams now (None: none does)."""
+        if self.threshold == "off":
+            return None
+        if self.threshold != "auto":
+            return int(self.threshold)
+        return None if self.rates is None else self.rates.crossover()
+
+    def streams(self, tokens: int) -> bool:
+        low = self.min_tokens()
+        return low is not None and tokens >= low
+
+    def record(self, side: str, tokens: int, seconds_per_layer: float) -> None:
+        """Follows a measured pass: side "cpu" or "device", its tokens and its mean seconds per MoE layer (for the
+        device, its compute only; the copy is measured by the bandwidth probe)."""
+        if self.rates is None or tokens <= 0:
+            return
+        attr = "cpu_s_per_token" if side == "cpu" else "device_s_per_token"
+        rate = seconds_per_layer / tokens
+        old = getattr(self.rates, attr)
+        setattr(self.rates, attr, rate if self.measured[side] == 0 else (1 - EMA) * old + EMA * rate)
+        self.measured[side] += 1
+
+
+def parse_threshold(value: str | int) -> str | int:
+    """'auto', 'off' or a positive token count; anything else is refused naming the value."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 1:
+            raise ValueError(f"slp_threshold must be auto, off or a token count >= 1, got {value}")
+        return value
+    text = str(value).strip().lower()
+    if text in ("auto", "off"):
+        return text
+    try:
+        return parse_threshold(int(text))
+    except ValueError:
+        raise ValueError(f"slp_threshold must be auto, off or a token count >= 1, got {value!r}") from None

@@ -1,0 +1,248 @@
+"""Stream-loading prefill (SLP): a pass of many tokens runs its routed experts on the device, each layer's experts
+streamed from the mapped pack while the previous piece computes; other passes go to the CPU experts.
+
+The model runs a step layer by layer over all its tokens, so a long prompt scheduled as one step (the scheduler
+gives it up to --slp-max-tokens at once) is already the layer-outer pass SLP needs: this class only decides, per
+step (`begin_pass`), where that step's routed experts run, and for a streamed step issues layer L + 1's first copy
+before layer L computes. Passes with few tokens copy only the experts their tokens route to (known once the layer
+has routed, so that copy is not overlapped); passes long enough that nearly every expert is routed stream whole
+layers ahead. With SmallEP each rank owns a share of every layer's experts (`owned`) and streams only those; the
+partial sums are added by the caller's all-reduce.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from gpu.fused_moe import fused_moe
+from hybrid.experts.base import Experts
+from hybrid.experts.expert_stream import ExpertStream, Piece, device_expert_bytes
+from hybrid.experts.slp_policy import SlpPolicy, SlpRates
+
+log = logging.getLogger(__name__)
+
+WHOLE_LAYER_COVERAGE = 0.9  # expected share of experts routed from which a pass streams whole layers ahead
+PROBE_TOKENS = 16
+
+
+@dataclass
+class SlpStats:
+    passes: int = 0
+    streamed_bytes: int = 0
+    seconds: float = 0.0  # wall time of streamed passes: bytes / seconds is the streaming rate they achieved
+    tokens: int = 0
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.streamed_bytes / self.seconds / 1e9 if self.seconds else 0.0
+
+
+class StreamedExperts(Experts):
+    def __init__(self, cpu: Experts, stream: ExpertStream, policy: SlpPolicy, moe_layers: list[int], top_k: int,
+                 owned: list[int] | None = None, max_pass_tokens: int = 8192):
+        self.cpu, self.stream, self.policy, self.max_pass_tokens = cpu, stream, policy, max_pass_tokens
+        self.moe_layers, self.top_k = list(moe_layers), top_k
+        self.owned = list(range(stream.num_experts)) if owned is None else list(owned)
+        self.stats = SlpStats()
+        self._streaming = False
+        self._ahead = False
+        self._queued: dict[int, list] = {}
+        self._pass_start = 0.0
+        self._pass_tokens = 0
+
+    def window(self) -> tuple[int, int] | None:
+        """(fewest, most) prefill tokens of one streamed pass now; None while no prefill would stream."""
+        low = self.policy.min_tokens()
+        return None if low is None else (low, max(low, self.max_pass_tokens))
+
+    @property
+    def streaming(self) -> bool:
+        return self._streaming
+
+    @property
+    def streamed_bytes(self) -> int:
+        return self.stats.streamed_bytes
+
+    def begin_pass(self, num_tokens: int, longest_prefill: int) -> None:
+        self._finish_pass()
+        self._streaming = self.policy.streams(longest_prefill)
+        if not self._streaming:
+            return
+        coverage = 1 - (1 - self.top_k / self.stream.num_experts) ** num_tokens
+        self._ahead = coverage >= WHOLE_LAYER_COVERAGE
+        self._pass_start, self._pass_tokens = time.perf_counter(), num_tokens
+        self.stats.passes += 1
+        self.stats.tokens += num_tokens
+        self._queued = {}
+        if self._ahead:
+            self._prefetch(self.moe_layers[0])
+
+    def _prefetch(self, layer: int) -> None:
+        pieces = self.stream.pieces(layer, self.owned)
+        self._queued[layer] = [(pieces[0], self.stream.start(pieces[0]))] + [(p, None) for p in pieces[1:]]
+
+    def _next_layer(self, layer: int) -> int | None:
+        i = self.moe_layers.index(layer) + 1
+        return self.moe_layers[i] if i < len(self.moe_layers) else None
+
+    def forward(self, layer: int, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
+                topk_weights: torch.Tensor) -> torch.Tensor:
+        return self.submit(layer, hidden_states, topk_ids, topk_weights)()
+
+    def submit(self, layer: int, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
+               topk_weights: torch.Tensor) -> Callable[[], torch.Tensor]:
+        if not self._streaming:
+            return self._on_cpu(layer, hidden_states, topk_ids, topk_weights)
+        if self._ahead:
+            queue = self._queued.pop(layer, None)
+            if queue is None:  # a layer the pass skipped to (never in a full forward): stream it now
+                self._prefetch(layer)
+                queue = self._queued.pop(layer)
+        else:
+            used = sorted(set(torch.unique(topk_ids[topk_ids >= 0]).tolist()) & set(self.owned))
+            pieces = self.stream.pieces(layer, used)
+            queue = [(pieces[0], self.stream.start(pieces[0]))] + [(p, None) for p in pieces[1:]] if pieces else []
+        out = torch.zeros_like(hidden_states)
+        following = self._next_layer(layer)
+        for i, (piece, buf) in enumerate(queue):
+            if buf is None:
+                buf = self.stream.start(piece)
+            weights = self.stream.ready(buf)
+            if i + 1 < len(queue):
+                nxt, _ = queue[i + 1]
+                queue[i + 1] = (nxt, self.stream.start(nxt))
+            elif self._ahead and following is not None:
+                self._prefetch(following)
+            out += fused_moe(weights, hidden_states, topk_ids, topk_weights)
+            self.stream.release(buf)
+            self.stats.streamed_bytes += piece.nbytes
+        return lambda: out
+
+    def _on_cpu(self, layer: int, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
+                topk_weights: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """The CPU experts' call; prefill-sized ones are timed, so `auto` follows what the CPU really does."""
+        tokens = hidden_states.shape[0]
+        start = time.perf_counter()
+        pending = self.cpu.submit(layer, hidden_states, topk_ids, topk_weights)
+        if tokens < PROBE_TOKENS:
+            return pending
+
+        def wait() -> torch.Tensor:
+            out = pending()
+            self.policy.record("cpu", tokens, time.perf_counter() - start)
+            return out
+        return wait
+
+    def _finish_pass(self) -> None:
+        if not self._streaming:
+            return
+        if self.stream.cuda:
+            torch.cuda.synchronize(self.stream.device)
+        self.stats.seconds += time.perf_counter() - self._pass_start
+        self._streaming = False
+
+    def end_pass(self) -> None:
+        """Closes the bookkeeping of the current streamed pass (its time counts toward the reported GB/s)."""
+        self._finish_pass()
+
+    def close(self) -> None:
+        self.stream.close()
+        self.cpu.close()
+
+
+def probe_rates(cpu: Experts, stream: ExpertStream, hidden: int, top_k: int, layer: int, dtype: torch.dtype,
+                owned: list[int]) -> SlpRates:
+    """Measures what `auto` decides from: one layer's copy to the device (bytes/s), and the device's and the CPU's
+    seconds per token for that layer's experts at PROBE_TOKENS tokens."""
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(PROBE_TOKENS, hidden, generator=g) * 0.1).to(dtype)
+    ids = torch.stack([torch.randperm(stream.num_experts, generator=g)[:top_k] for _ in range(PROBE_TOKENS)])
+    weights = torch.full((PROBE_TOKENS, top_k), 1.0 / top_k)
+    sync = (lambda: torch.cuda.synchronize(stream.device)) if stream.cuda else (lambda: None)
+    pieces = stream.pieces(layer, owned)
+    start = time.perf_counter()
+    for piece in pieces:
+        stream.release(stream.start(piece))
+    sync()
+    copy_s = time.perf_counter() - start
+    layer_bytes = sum(p.nbytes for p in pieces)
+    dx, di, dw = (t.to(stream.device) for t in (x, ids, weights))
+    used = sorted(set(ids.flatten().tolist()) & set(owned))
+    buf = stream.start(Piece(layer, used[:stream.piece_experts], 0))
+    w = stream.ready(buf)
+    fused_moe(w, dx, di, dw)  # compiles (or, interpreted, warms) the kernels
+    sync()
+    start = time.perf_counter()
+    fused_moe(w, dx, di, dw)
+    sync()
+    device_s = (time.perf_counter() - start) / PROBE_TOKENS
+    stream.release(buf)
+    cpu.forward(layer, x, ids, weights)
+    start = time.perf_counter()
+    cpu.forward(layer, x, ids, weights)
+    cpu_s = (time.perf_counter() - start) / PROBE_TOKENS
+    rates = SlpRates(layer_bytes / max(copy_s, 1e-9), device_s, cpu_s, layer_bytes)
+    log.info("streamed prefill: %.2f GB/s to the device, %.1f us/token on the device vs %.1f us/token on the CPU "
+             "per MoE layer; streaming from %s tokens", rates.h2d_bytes_per_s / 1e9, device_s * 1e6, cpu_s * 1e6,
+             rates.crossover() or "never")
+    return rates
+
+
+DEVICE_MEMORY_SHARE = 0.4  # of the device memory free when the experts are set up, what the two buffers may take
+ACTIVATION_SHARE = 0.5  # of the device memory free then, what one pass's activations may take
+CPU_DEVICE_PASS_TOKENS = 8192
+
+
+def max_pass_tokens(device: torch.device, model, dtype: torch.dtype, piece_bytes: int) -> int:
+    """The most tokens one streamed pass holds on the device: its activations at one layer (hidden states and
+    their copies, attention's projections, the experts' intermediate and per-pair float32 outputs) in what is left
+    of the device's memory once the expert buffers are taken."""
+    if device.type != "cuda":
+        return CPU_DEVICE_PASS_TOKENS
+    item = torch.finfo(dtype).bits // 8
+    k, h = model.num_experts_per_tok, model.hidden_size
+    per_token = 16 * h * item + k * (model.moe_intermediate_size * item + 4 * h + 8)
+    free, _ = torch.cuda.mem_get_info(device)
+    return max(1, int((free - 2 * piece_bytes) * ACTIVATION_SHARE) // per_token)
+
+
+def piece_experts(device: torch.device, expert_bytes: int, num_experts: int) -> int:
+    """Experts per streamed piece: a whole layer where two of them fit the device's share, else what does."""
+    if device.type != "cuda":
+        return num_experts
+    free, _ = torch.cuda.mem_get_info(device)
+    return max(1, min(num_experts, int(free * DEVICE_MEMORY_SHARE) // (2 * expert_bytes)))
+
+
+def streamed_experts(engine, model, cpu: Experts, dtype: torch.dtype, device: torch.device) -> Experts:
+    """`cpu` behind streamed prefill, mapping the same pack the expert process serves (packed before it started).
+    Without a pack to map (an expert process attached by address, no --expert-pack) prefill stays on the CPU."""
+    from hybrid.experts.kernel_experts import default_expert_format
+    from hybrid.experts.pack import PackError, default_pack_dir, load_pack
+
+    fmt = default_expert_format(model) if engine.expert_format == "auto" else engine.expert_format
+    if engine.expert_server is not None and engine.expert_pack is None:
+        if isinstance(engine.slp_threshold, int):
+            raise PackError("streamed prefill maps the expert pack: with --expert-server pass --expert-pack too")
+        log.warning("streamed prefill is off: an expert process attached by address, and no --expert-pack to map")
+        return cpu
+    pack = load_pack(engine.expert_pack or default_pack_dir(model.model_dir, fmt), model, fmt)
+    first = next(iter(pack.values()))
+    stream = ExpertStream(pack, device, piece_experts(device, device_expert_bytes(first), first.num_experts),
+                          engine.slp_copy)
+    pass_tokens = engine.slp_max_tokens or max_pass_tokens(device, model, dtype,
+                                                           stream.piece_experts * stream.expert_bytes)
+    policy = SlpPolicy(engine.slp_threshold)
+    owned = list(range(first.num_experts))
+    if policy.threshold == "auto":
+        policy.rates = probe_rates(cpu, stream, model.hidden_size, model.num_experts_per_tok, model.moe_layers[0],
+                                   dtype, owned)
+    log.info("streamed prefill: %s copy, pieces of %d experts (%.1f MB), passes of up to %d tokens, threshold %s",
+             stream.copy, stream.piece_experts, stream.piece_experts * stream.expert_bytes / 1e6, pass_tokens,
+             policy.min_tokens() if policy.min_tokens() is not None else "never")
+    return StreamedExperts(cpu, stream, policy, model.moe_layers, model.num_experts_per_tok, owned, pass_tokens)
