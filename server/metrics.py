@@ -42,6 +42,12 @@ class Metrics:
                               "the decode engine (counted by each side)", by_role, registry=self.registry)
         self.kv_usage = Gauge("hybridd_kv_cache_usage_ratio", "Share of KV-cache blocks in use", by_role,
                               registry=self.registry)
+        self.slp_passes = Gauge("hybridd_slp_passes", "Prefill passes that streamed their experts to the device",
+                                by_role, registry=self.registry)
+        self.slp_bytes = Gauge("hybridd_slp_streamed_bytes", "Expert bytes streamed to the device by prefill passes",
+                               by_role, registry=self.registry)
+        self.slp_rate = Gauge("hybridd_slp_streamed_gb_per_s", "Streamed expert bytes per second of streamed passes",
+                              by_role, registry=self.registry)
         self.engine_up = Gauge("hybridd_engine_up", "1 while the engine is ready", labels,
                                registry=self.registry).labels(model)
 
@@ -58,4 +64,8 @@ class Metrics:
                 self.waiting.labels(self.model, role).set(stats.waiting)
                 self.handoffs.labels(self.model, role).set(stats.handoffs)
                 self.kv_usage.labels(self.model, role).set(stats.kv_blocks_used / max(stats.kv_blocks_total, 1))
+                if stats.slp is not None:
+                    self.slp_passes.labels(self.model, role).set(stats.slp["passes"])
+                    self.slp_bytes.labels(self.model, role).set(stats.slp["streamed_bytes"])
+                    self.slp_rate.labels(self.model, role).set(stats.slp["gb_per_s"])
         return generate_latest(self.registry)

@@ -11,6 +11,7 @@ import signal
 import threading
 import time
 
+import httpx
 import openai
 import psutil
 import pytest
@@ -200,16 +201,26 @@ def test_a_pair_on_one_gpu_hands_kv_over_by_cuda_ipc(tmp_path):
 
 
 def test_a_hybrid_pair_with_the_cpu_as_device(tmp_path):
-    """`--disagg --gpus 0 --attn-device cpu`: two hybrid engines (Triton attention interpreted, an expert process
-    each) stream one engine's tokens."""
+    """`--disagg --gpus 0 --attn-device cpu --slp-threshold 1`: two hybrid engines (Triton attention interpreted, an
+    expert process each) stream one engine's tokens; the prefill engine streams its experts (SLP) and says so in
+    /status and /metrics."""
     d = Daemon(tmp_path / "home", free_port())
-    d.start("--disagg", "--gpus", "0", "--attn-device", "cpu", "--dtype", "float32")
+    d.start("--disagg", "--gpus", "0", "--attn-device", "cpu", "--dtype", "float32", "--slp-threshold", "1")
     try:
         messages = [{"role": "user", "content": PROMPTS[0]}]
         streamed = "".join(c.choices[0].delta.content or "" for c in openai_client(d).chat.completions.create(
             model=MODEL, messages=messages, max_tokens=24, temperature=0, stream=True,
             extra_body={"ignore_eos": True}) if c.choices)
         assert d.status()["info"]["mode"] == "hybrid"
+        deadline = time.monotonic() + 10
+        while not (slp := d.status()["engines"]["prefill"]["stats"].get("slp") or {}).get("passes"):
+            assert time.monotonic() < deadline, d.status()
+            time.sleep(0.2)
+        assert slp["streamed_bytes"] > 0 and slp["threshold"] == 1
+        assert d.status()["engines"]["decode"]["stats"].get("slp") is None
+        metrics = httpx.get(f"{d.url}/metrics", headers=d.headers).text.splitlines()
+        assert any(line.startswith("hybridd_slp_passes{") and 'role="prefill"' in line and float(line.split()[-1]) > 0
+                   for line in metrics)
     finally:
         d.stop()
     llm = LLM(dtype="float32", gpus=[0], attn_device="cpu")

@@ -91,7 +91,7 @@ def test_hot_experts_on_the_device(any_model, tmp_path):
         want = greedy(cpu, prompts)
     finally:
         cpu.close()
-    hybrid = LLM(model, dtype="float32", gpus=[0], attn_device="cpu", gpu_experts=3)
+    hybrid = LLM(model, dtype="float32", gpus=[0], attn_device="cpu", gpu_experts=3, slp_threshold="off")
     hot = hybrid.engine.runner.experts
     hot.warmup_tokens = 16
     try:
@@ -101,7 +101,8 @@ def test_hot_experts_on_the_device(any_model, tmp_path):
         hot.save_profile(profile)
     finally:
         hybrid.close()
-    again = LLM(model, dtype="float32", gpus=[0], attn_device="cpu", gpu_experts=3, expert_profile=str(profile))
+    again = LLM(model, dtype="float32", gpus=[0], attn_device="cpu", gpu_experts=3, expert_profile=str(profile),
+                slp_threshold="off")
     try:
         assert set(again.engine.runner.experts.layers) == set(hot.layers)
         assert greedy(again, prompts) == want
@@ -118,7 +119,7 @@ def test_hybrid_cli_matches_cpu_only(model_dirs):
                          timeout=300)
     assert cpu.returncode == 0 and hyb.returncode == 0, cpu.stderr + hyb.stderr
     assert json.loads(hyb.stdout)["token_ids"] == json.loads(cpu.stdout)["token_ids"]
-    assert "reserved for streamed prefill" in hyb.stderr
+    assert "reserved for SmallEP" in hyb.stderr
 
 
 def test_gpus_without_cuda_is_one_clear_line(model_dirs):

@@ -200,6 +200,7 @@ def cmd_status(a: argparse.Namespace) -> int:
         ("experts", f"{info.get('experts', '?')}" + (f" (pid {info['expert_pid']})" if info.get("expert_pid") else "")),
         ("KV cache", f"{used}/{total} blocks ({used / total:.0%})" if total else "?"),
         ("prefix cache", _prefix_cache_row(stats)),
+        ("streamed prefill", _slp_row(stats.get("slp"))),
         ("requests", f"{stats.get('running', 0)} running, {stats.get('waiting', 0)} waiting, "
                      f"{s['pending']}/{s['max_pending']} admitted"),
         ("recent tokens/s", f"{stats.get('tokens_per_s', 0.0):.1f}"),
@@ -220,6 +221,14 @@ def _parallel_text(parallel: dict | None) -> str:
         return ""
     reduce = f", all-reduce over {parallel['all_reduce']}" if parallel.get("all_reduce") else ""
     return f" (--tp {parallel['tp']} --pp {parallel['pp']}{reduce})"
+
+
+def _slp_row(slp: dict | None) -> str:
+    if slp is None:
+        return "off"
+    threshold = f"from {slp['threshold']} tokens" if slp["threshold"] is not None else "never (CPU experts are faster)"
+    return (f"{threshold}; {slp['passes']} passes, {slp['tokens']} tokens, {slp['streamed_bytes'] / 1e9:.2f} GB "
+            f"streamed at {slp['gb_per_s']:.2f} GB/s")
 
 
 def _prefix_cache_row(stats: dict) -> str:

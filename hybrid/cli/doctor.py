@@ -58,7 +58,8 @@ def check_gpus(d: Diagnosis) -> None:
     for i in range(torch.cuda.device_count()):
         p = torch.cuda.get_device_properties(i)
         d.add(f"GPU {i}", f"{p.name}, {p.total_memory / 2**30:.1f} GiB")
-    d.advice.append("the GPU hybrid path is not built yet: hybridd serves with --cpu-only")
+    d.advice.append("serve with the GPU: hybridd start --gpus 0 (attention and dense layers on GPU 0, routed experts "
+                    "on the CPU, long prefills streaming their experts to the GPU)")
 
 
 def check_memory(d: Diagnosis) -> None:

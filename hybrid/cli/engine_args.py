@@ -94,5 +94,5 @@ def follow_if_not_rank0(a: argparse.Namespace, model) -> bool:
 def explain_gpus(gpus: list[int] | None) -> None:
     if gpus and len(gpus) > 1:
         print(f"hybridd: GPU {gpus[0]} runs attention, the KV cache and the dense layers; GPU(s) "
-              f"{','.join(map(str, gpus[1:]))} are reserved for streamed prefill (SLP), which is not built yet, "
-              "and stay idle for now", file=sys.stderr)
+              f"{','.join(map(str, gpus[1:]))} are reserved for SmallEP (GPUs splitting the streamed experts), which "
+              "is not built yet, and stay idle for now", file=sys.stderr)

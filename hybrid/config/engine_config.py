@@ -130,7 +130,7 @@ class EngineConfig:
     @property
     def streams_prefill(self) -> bool:
         """Whether long prefills may stream their experts to the device (the hybrid path unless turned off)."""
-        return self.gpus is not None and self.slp_threshold != "off"
+        return self.gpus is not None and self.slp_threshold != "off" and self.role != "decode"
 
     def _parallel(self) -> None:
         """--tp / --pp: CPU-only ranks (hybrid/distributed/), each with its experts in its own process."""

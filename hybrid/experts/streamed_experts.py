@@ -45,7 +45,7 @@ class SlpStats:
 class StreamedExperts(Experts):
     def __init__(self, cpu: Experts, stream: ExpertStream, policy: SlpPolicy, moe_layers: list[int], top_k: int,
                  owned: list[int] | None = None, max_pass_tokens: int = 8192):
-        self.cpu, self.stream, self.policy, self.max_pass_tokens = cpu, stream, policy, max_pass_tokens
+        self.remote, self.stream, self.policy, self.max_pass_tokens = cpu, stream, policy, max_pass_tokens
         self.moe_layers, self.top_k = list(moe_layers), top_k
         self.owned = list(range(stream.num_experts)) if owned is None else list(owned)
         self.stats = SlpStats()
@@ -128,7 +128,7 @@ class StreamedExperts(Experts):
         """The CPU experts' call; prefill-sized ones are timed, so `auto` follows what the CPU really does."""
         tokens = hidden_states.shape[0]
         start = time.perf_counter()
-        pending = self.cpu.submit(layer, hidden_states, topk_ids, topk_weights)
+        pending = self.remote.submit(layer, hidden_states, topk_ids, topk_weights)
         if tokens < PROBE_TOKENS:
             return pending
 
@@ -152,7 +152,7 @@ class StreamedExperts(Experts):
 
     def close(self) -> None:
         self.stream.close()
-        self.cpu.close()
+        self.remote.close()
 
 
 def probe_rates(cpu: Experts, stream: ExpertStream, hidden: int, top_k: int, layer: int, dtype: torch.dtype,

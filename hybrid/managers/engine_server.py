@@ -160,7 +160,18 @@ class EngineServer:
                            tokens_per_s=sum(n for _, n in self._generated) / RATE_WINDOW_S,
                            expert_pid=self.expert_pid(), kv_blocks_cached=bm.num_cached,
                            prefix_cache=bm.cache is not None, prefix_queried_tokens=e.scheduler.queried_tokens,
-                           prefix_hit_tokens=e.scheduler.hit_tokens, role=self.role, handoffs=self.handoffs())
+                           prefix_hit_tokens=e.scheduler.hit_tokens, role=self.role, handoffs=self.handoffs(),
+                           slp=self.slp())
+
+    def slp(self) -> dict | None:
+        """Streamed prefill's use so far, when this engine streams."""
+        experts = self.engine.runner.experts
+        stats = getattr(experts, "stats", None)
+        if stats is None:
+            return None
+        window = experts.window()
+        return {"threshold": window[0] if window else None, "passes": stats.passes, "tokens": stats.tokens,
+                "streamed_bytes": stats.streamed_bytes, "seconds": stats.seconds, "gb_per_s": stats.gb_per_s}
 
     def handoffs(self) -> int:
         return 0
@@ -172,7 +183,8 @@ class EngineServer:
     def process_experts(self) -> ProcessExperts | None:
         """The expert process's client, also when hot experts on the device wrap it."""
         experts = self.engine.runner.experts
-        experts = getattr(experts, "remote", experts)
+        while not isinstance(experts, ProcessExperts) and hasattr(experts, "remote"):
+            experts = experts.remote  # hot experts and streamed prefill wrap it
         return experts if isinstance(experts, ProcessExperts) else None
 
     def receive(self, raw: bytes) -> None:
