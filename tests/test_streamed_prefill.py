@@ -207,3 +207,26 @@ def test_generate_json_reports_streamed_bytes(model_dirs, tmp_path):
     cmd[-1] = "off"
     assert json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True, env=env).stdout)[
         "streamed_bytes"] == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("copy", ["register", "bounce"])
+def test_streamed_prefill_on_cuda_matches_cpu_only(model_dirs, copy):
+    """The CUDA path: experts copied on a copy stream (DMA from the registered pack, or through pinned bounce
+    buffers), compiled kernels, events between the streams. Checked against CPU-only mode, which the test above
+    checks against transformers."""
+    model = model_dirs["tiny-deepseek-v3-fp8"]
+    prompts = [prompt_ids(23, seed=2), prompt_ids(40, seed=4)]
+    cpu = LLM(model, dtype="float32")
+    try:
+        want = [o.token_ids for o in greedy(cpu, prompts)]
+    finally:
+        cpu.close()
+    llm = LLM(model, dtype="float32", gpus=[0], slp_threshold=1, slp_max_tokens=16, slp_copy=copy,
+              max_num_batched_tokens=16)
+    try:
+        assert llm.engine.runner.experts.stream.copy == copy
+        outs = greedy(llm, prompts)
+    finally:
+        llm.close()
+    assert [o.token_ids for o in outs] == want and all(o.streamed_bytes > 0 for o in outs)
