@@ -109,18 +109,24 @@ def _weight_tile(data, scales, e, n, k0, k, n_mask, TILE: tl.constexpr, FMT: tl.
 
 
 @triton.jit
+def _block(block_rows, block_expert, slot, pid_m, num_rows, BLOCK_M: tl.constexpr):
+    """Block pid_m's expert id (-1: an unused block), its place in the buffer, its pair rows and which are live."""
+    expert = tl.load(block_expert + pid_m)
+    e = tl.load(slot + tl.maximum(expert, 0))
+    rows = tl.load(block_rows + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    return expert, e, rows, (rows >= 0) & (rows < num_rows)
+
+
+@triton.jit
 def _gate_up_kernel(x, block_rows, block_expert, slot, data, scales, inter, s_x, s_i, num_rows, H, INTER, KP, TILES,
                     SCALE_COLS, TOPK: tl.constexpr, FMT: tl.constexpr, TILE: tl.constexpr,
                     BLOCK_K_SCALE: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    expert = tl.load(block_expert + pid_m)
+    expert, e, rows, live = _block(block_rows, block_expert, slot, pid_m, num_rows, BLOCK_M)
     if expert < 0:
         return
-    e = tl.load(slot + expert)
-    rows = tl.load(block_rows + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    live = (rows >= 0) & (rows < num_rows)
     tok = tl.where(live, rows // TOPK, 0).to(tl.int64)
     f = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     f_mask = f < INTER
@@ -160,12 +166,9 @@ def _down_kernel(inter, block_rows, block_expert, slot, data, scales, topk_weigh
                  UPCAST: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    expert = tl.load(block_expert + pid_m)
+    expert, e, rows, live = _block(block_rows, block_expert, slot, pid_m, num_rows, BLOCK_M)
     if expert < 0:
         return
-    e = tl.load(slot + expert)
-    rows = tl.load(block_rows + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    live = (rows >= 0) & (rows < num_rows)
     in_rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < H

@@ -30,15 +30,19 @@ def greedy(llm: LLM, prompts: list[list[int]]):
     return llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
 
 
+def cpu_only(model, prompts: list[list[int]]) -> list[list[int]]:
+    cpu = LLM(model, dtype="float32")
+    try:
+        return [o.token_ids for o in greedy(cpu, prompts)]
+    finally:
+        cpu.close()
+
+
 def test_every_prefill_streams_and_matches(any_model):
     """--slp-threshold 1: every prefill streams, a 40-token prompt in passes of at most 16 tokens, three requests
     in flight, so decode rows of the earlier ones ride along in later streamed passes."""
     prompts = [prompt_ids(23, seed=2), prompt_ids(9, seed=3), prompt_ids(40, seed=4)]
-    cpu = LLM(any_model, dtype="float32")
-    try:
-        want = [o.token_ids for o in greedy(cpu, prompts)]
-    finally:
-        cpu.close()
+    want = cpu_only(any_model, prompts)
     ref = reference(any_model)
     with torch.no_grad():
         assert want == [ref.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
@@ -91,11 +95,7 @@ def test_pieces_smaller_than_a_layer_and_routed_only_copies(model_dirs):
     experts its token routes to. Both give CPU-only mode's tokens."""
     model = model_dirs["tiny-qwen3-moe"]
     prompts = [prompt_ids(30, seed=7), prompt_ids(1, seed=8)]
-    cpu = LLM(model, dtype="float32")
-    try:
-        want = [o.token_ids for o in greedy(cpu, prompts)]
-    finally:
-        cpu.close()
+    want = cpu_only(model, prompts)
     llm = LLM(model, dtype="float32", gpus=[0], attn_device="cpu", slp_threshold=1)
     experts = llm.engine.runner.experts
     experts.stream.piece_experts = 3
@@ -217,11 +217,7 @@ def test_streamed_prefill_on_cuda_matches_cpu_only(model_dirs, copy):
     checks against transformers."""
     model = model_dirs["tiny-deepseek-v3-fp8"]
     prompts = [prompt_ids(23, seed=2), prompt_ids(40, seed=4)]
-    cpu = LLM(model, dtype="float32")
-    try:
-        want = [o.token_ids for o in greedy(cpu, prompts)]
-    finally:
-        cpu.close()
+    want = cpu_only(model, prompts)
     llm = LLM(model, dtype="float32", gpus=[0], slp_threshold=1, slp_max_tokens=16, slp_copy=copy,
               max_num_batched_tokens=16)
     try:
