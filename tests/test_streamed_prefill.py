@@ -16,9 +16,10 @@ from test_models_vs_transformers import reference
 
 from hybrid import LLM, SamplingParams
 from hybrid.config import ConfigError, EngineConfig, ModelConfig
+from hybrid.config.engine_config import parse_slp_threshold
 from hybrid.engine.scheduler import Scheduler
 from hybrid.engine.sequence import Sequence
-from hybrid.experts.slp_policy import SlpPolicy, SlpRates, parse_threshold
+from hybrid.experts.slp_policy import SlpPolicy, SlpRates
 from hybrid.mem_cache.block_manager import BlockManager
 
 pytest.importorskip("triton")
@@ -159,7 +160,7 @@ def test_crossover_from_rates():
 @pytest.mark.parametrize("bad", ["0", "-3", "fast", "1.5", 0])
 def test_bad_thresholds_are_refused(bad):
     with pytest.raises(ValueError, match="slp_threshold must be auto, off or a token count"):
-        parse_threshold(bad)
+        parse_slp_threshold(bad)
 
 
 def test_slp_flags_need_gpus(model_dirs):

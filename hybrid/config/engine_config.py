@@ -112,10 +112,8 @@ class EngineConfig:
 
     def _streamed_prefill(self) -> None:
         """--slp-threshold / --slp-max-tokens / --slp-copy: long prefills streaming their experts to the device."""
-        from hybrid.experts.slp_policy import parse_threshold
-
         try:
-            self.slp_threshold = parse_threshold(self.slp_threshold)
+            self.slp_threshold = parse_slp_threshold(self.slp_threshold)
         except ValueError as e:
             raise ConfigError(str(e)) from None
         if self.slp_copy not in ("auto", "register", "bounce"):
@@ -192,3 +190,18 @@ class EngineConfig:
                 )
             max_len = blocks * self.block_size
         return max_len, blocks
+
+
+def parse_slp_threshold(value: str | int) -> str | int:
+    """'auto', 'off' or a positive token count; anything else is refused naming the value."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 1:
+            raise ValueError(f"slp_threshold must be auto, off or a token count >= 1, got {value}")
+        return value
+    text = str(value).strip().lower()
+    if text in ("auto", "off"):
+        return text
+    try:
+        return parse_slp_threshold(int(text))
+    except ValueError:
+        raise ValueError(f"slp_threshold must be auto, off or a token count >= 1, got {value!r}") from None

@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from hybrid.config.engine_config import parse_slp_threshold
+
 EMA = 0.3  # weight of a new measurement in a rate
 
 
@@ -51,7 +53,7 @@ class SlpPolicy:
     measured: dict[str, int] = field(default_factory=lambda: {"cpu": 0, "device": 0})
 
     def __post_init__(self) -> None:
-        self.threshold = parse_threshold(self.threshold)
+        self.threshold = parse_slp_threshold(self.threshold)
 
     @property
     def enabled(self) -> bool:
@@ -79,18 +81,3 @@ class SlpPolicy:
         old = getattr(self.rates, attr)
         setattr(self.rates, attr, rate if self.measured[side] == 0 else (1 - EMA) * old + EMA * rate)
         self.measured[side] += 1
-
-
-def parse_threshold(value: str | int) -> str | int:
-    """'auto', 'off' or a positive token count; anything else is refused naming the value."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        if value < 1:
-            raise ValueError(f"slp_threshold must be auto, off or a token count >= 1, got {value}")
-        return value
-    text = str(value).strip().lower()
-    if text in ("auto", "off"):
-        return text
-    try:
-        return parse_threshold(int(text))
-    except ValueError:
-        raise ValueError(f"slp_threshold must be auto, off or a token count >= 1, got {value!r}") from None
