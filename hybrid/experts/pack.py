@@ -52,6 +52,14 @@ def default_pack_dir(model_dir: str | Path, fmt: str) -> Path:
     return hybridd_home() / "packs" / f"{model_dir.name}-{model_fingerprint(model_dir)[:8]}-{fmt}"
 
 
+def engine_pack(config: ModelConfig, expert_format: str | None = None,
+                pack_dir: str | Path | None = None) -> tuple[str, Path]:
+    """(format, directory) of the pack an engine's experts come from: the asked format (None or "auto": the
+    checkpoint's), in the given directory or the default one for that format."""
+    fmt = default_expert_format(config) if expert_format in (None, "auto") else expert_format
+    return fmt, Path(pack_dir) if pack_dir else default_pack_dir(config.model_dir, fmt)
+
+
 def read_index(pack_dir: str | Path) -> dict:
     pack_dir = Path(pack_dir)
     index = pack_dir / INDEX_FILE

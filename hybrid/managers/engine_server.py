@@ -90,12 +90,10 @@ class EngineServer:
     def _pack(self, engine_config) -> Path:
         """Writes the expert pack unless a current one exists (one engine at a time: a pair shares it)."""
         from hybrid.config import ModelConfig
-        from hybrid.experts.kernel_experts import default_expert_format
-        from hybrid.experts.pack import default_pack_dir, is_current
+        from hybrid.experts.pack import engine_pack, is_current
 
         model = ModelConfig.from_dir(engine_config.model)
-        fmt = default_expert_format(model) if engine_config.expert_format == "auto" else engine_config.expert_format
-        pack_dir = Path(engine_config.expert_pack or default_pack_dir(engine_config.model, fmt))
+        fmt, pack_dir = engine_pack(model, engine_config.expert_format, engine_config.expert_pack)
         pack_dir.parent.mkdir(parents=True, exist_ok=True)
         with open_private_lock(pack_dir.with_name(pack_dir.name + ".lock")):
             if not is_current(pack_dir, model, fmt):

@@ -50,13 +50,11 @@ def process_experts(model_dir: str | Path, max_tokens: int, max_topk: int, *, co
     """Experts served by the expert process at `control`, or by one started now (packing the experts
     first if no up-to-date pack exists) that lives as long as this engine."""
     from hybrid.config import ModelConfig
-    from hybrid.experts.kernel_experts import default_expert_format
-    from hybrid.experts.pack import default_pack_dir, write_pack
+    from hybrid.experts.pack import engine_pack, write_pack
 
     if control is not None:
         return ProcessExperts(ExpertClient(control, max_tokens, max_topk, timeout_s=timeout_s))
-    fmt = fmt or default_expert_format(ModelConfig.from_dir(model_dir))
-    pack_dir = pack_dir or default_pack_dir(model_dir, fmt)
+    fmt, pack_dir = engine_pack(ModelConfig.from_dir(model_dir), fmt, pack_dir)
 
     def spawn() -> ExpertClient:
         write_pack(model_dir, pack_dir, fmt)
