@@ -256,15 +256,15 @@ def fused_moe(w: DeviceExperts, x: torch.Tensor, topk_ids: torch.Tensor, topk_we
     inter = torch.empty(blocks * block_m, w.inter, dtype=x.dtype, device=x.device)
     pairs = tokens * topk
     d13, s13, tile13, cols13 = _operands(w, w.w13, w.w13_scales)
-    k13 = _k_step(w.fmt, w.block_k, w.group)
+    k_step = _k_step(w.fmt, w.block_k, w.group)
     _gate_up_kernel[(blocks, triton.cdiv(w.inter, block_n))](
         x, block_rows, block_expert, w.slot, d13, s13, inter, x.stride(0), inter.stride(0), pairs, w.hidden, w.inter,
         w.kp13, w.w13.shape[1], cols13, TOPK=topk, FMT=w.fmt, TILE=tile13, BLOCK_K_SCALE=w.block_k, GROUP=w.group,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=k13, UPCAST=upcast)
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=k_step, UPCAST=upcast)
     out = torch.zeros(pairs, w.hidden, dtype=torch.float32, device=x.device)
     d2, s2, tile2, cols2 = _operands(w, w.w2, w.w2_scales)
     _down_kernel[(blocks, triton.cdiv(w.hidden, block_n))](
         inter, block_rows, block_expert, w.slot, d2, s2, weights, out, inter.stride(0), out.stride(0), pairs,
         w.hidden, w.inter, w.kp2, w.w2.shape[1], cols2, FMT=w.fmt, TILE=tile2, BLOCK_K_SCALE=w.block_k,
-        GROUP=w.group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=k13, UPCAST=upcast)
+        GROUP=w.group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=k_step, UPCAST=upcast)
     return out.view(tokens, topk, w.hidden).sum(dim=1).to(x.dtype)

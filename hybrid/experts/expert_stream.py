@@ -71,6 +71,7 @@ class ExpertStream:
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
         self.buffers = [_Buffer(first, self.piece_experts, self.num_experts, device) for _ in range(2)]
         self._next = 0
+        self._registered: list[int] = []
         self.copy = self._choose_copy(copy)
         self._bounce: list[torch.Tensor] = []
         self._bounce_events: list = [None, None]
@@ -91,7 +92,6 @@ class ExpertStream:
 
     def _register(self) -> None:
         cudart = torch.cuda.cudart()
-        self._registered = []
         for packed in self.pack.values():
             spans = [(t.data_ptr(), t.data_ptr() + t.nbytes) for f in FIELDS if (t := getattr(packed, f)) is not None]
             start, end = min(s for s, _ in spans), max(e for _, e in spans)
@@ -110,30 +110,28 @@ class ExpertStream:
         """Issues the copy of `piece` into the next buffer, once the device has read that buffer's last piece."""
         buf = self.buffers[self._next]
         self._next ^= 1
-        packed = self.pack[piece.layer]
+        n, first = len(piece.experts), piece.experts[0]
         ids = torch.tensor(piece.experts)
-        contiguous = piece.experts == list(range(piece.experts[0], piece.experts[0] + len(piece.experts)))
+        # a run of experts is a slice of the mapping (copied from in place), anything else a gathered copy
+        pick = slice(first, first + n) if piece.experts == list(range(first, first + n)) else ids
+        sources = {field: getattr(self.pack[piece.layer], field)[pick] for field in buf.tensors}
+        if self.cuda and buf.filled is not None:
+            buf.filled.synchronize()  # its host slot map may be rewritten only once its last upload is done
+        slot = buf.host_slot if self.cuda else buf.slot
+        slot.fill_(-1)
+        slot[ids] = torch.arange(n, dtype=torch.int32)
         if self.cuda:
-            if buf.filled is not None:
-                buf.filled.synchronize()  # its host slot map may be rewritten only once its last upload is done
-            buf.host_slot.fill_(-1)
-            buf.host_slot[ids] = torch.arange(len(ids), dtype=torch.int32)
             with torch.cuda.stream(self.copy_stream):
                 if buf.free is not None:
                     self.copy_stream.wait_event(buf.free)
                 buf.slot.copy_(buf.host_slot, non_blocking=True)
                 for field, dst in buf.tensors.items():
-                    src = getattr(packed, field)
-                    src = src[piece.experts[0]:piece.experts[0] + len(ids)] if contiguous else src[ids]
-                    self._copy(dst[:len(ids)], src)
+                    self._copy(dst[:n], sources[field])
                 buf.filled = torch.cuda.Event()
                 buf.filled.record(self.copy_stream)
         else:
-            buf.slot.fill_(-1)
-            buf.slot[ids] = torch.arange(len(ids), dtype=torch.int32)
             for field, dst in buf.tensors.items():
-                src = getattr(packed, field)
-                dst[:len(ids)].copy_(src[piece.experts[0]:piece.experts[0] + len(ids)] if contiguous else src[ids])
+                dst[:n].copy_(sources[field])
         buf.piece = piece
         return buf
 
@@ -171,7 +169,7 @@ class ExpertStream:
             buf.free.record(torch.cuda.current_stream(self.device))
 
     def close(self) -> None:
-        if self.cuda and getattr(self, "_registered", None):
+        if self._registered:
             torch.cuda.synchronize(self.device)
             for ptr in self._registered:
                 torch.cuda.cudart().cudaHostUnregister(ptr)

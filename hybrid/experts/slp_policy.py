@@ -55,10 +55,6 @@ class SlpPolicy:
     def __post_init__(self) -> None:
         self.threshold = parse_slp_threshold(self.threshold)
 
-    @property
-    def enabled(self) -> bool:
-        return self.threshold != "off"
-
     def min_tokens(self) -> int | None:
         """The tokens from which a pass streams now (None: none does)."""
         if self.threshold == "off":

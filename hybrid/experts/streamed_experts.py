@@ -53,16 +53,11 @@ class StreamedExperts(Experts):
         self._ahead = False
         self._queued: dict[int, list] = {}
         self._pass_start = 0.0
-        self._pass_tokens = 0
 
     def window(self) -> tuple[int, int] | None:
         """(fewest, most) prefill tokens of one streamed pass now; None while no prefill would stream."""
         low = self.policy.min_tokens()
         return None if low is None else (low, max(low, self.max_pass_tokens))
-
-    @property
-    def streaming(self) -> bool:
-        return self._streaming
 
     @property
     def streamed_bytes(self) -> int:
@@ -75,16 +70,21 @@ class StreamedExperts(Experts):
             return
         coverage = 1 - (1 - self.top_k / self.stream.num_experts) ** num_tokens
         self._ahead = coverage >= WHOLE_LAYER_COVERAGE
-        self._pass_start, self._pass_tokens = time.perf_counter(), num_tokens
+        self._pass_start = time.perf_counter()
         self.stats.passes += 1
         self.stats.tokens += num_tokens
         self._queued = {}
         if self._ahead:
             self._prefetch(self.moe_layers[0])
 
+    def _issue(self, layer: int, experts: list[int]) -> list:
+        """The layer's pieces of `experts`, the first one's copy issued; each next one is issued while the one
+        before it computes."""
+        pieces = self.stream.pieces(layer, experts)
+        return [(p, self.stream.start(p) if i == 0 else None) for i, p in enumerate(pieces)]
+
     def _prefetch(self, layer: int) -> None:
-        pieces = self.stream.pieces(layer, self.owned)
-        self._queued[layer] = [(pieces[0], self.stream.start(pieces[0]))] + [(p, None) for p in pieces[1:]]
+        self._queued[layer] = self._issue(layer, self.owned)
 
     def _next_layer(self, layer: int) -> int | None:
         i = self.moe_layers.index(layer) + 1
@@ -105,13 +105,10 @@ class StreamedExperts(Experts):
                 queue = self._queued.pop(layer)
         else:
             used = sorted(set(torch.unique(topk_ids[topk_ids >= 0]).tolist()) & set(self.owned))
-            pieces = self.stream.pieces(layer, used)
-            queue = [(pieces[0], self.stream.start(pieces[0]))] + [(p, None) for p in pieces[1:]] if pieces else []
+            queue = self._issue(layer, used)
         out = torch.zeros_like(hidden_states)
         following = self._next_layer(layer)
         for i, (piece, buf) in enumerate(queue):
-            if buf is None:
-                buf = self.stream.start(piece)
             weights = self.stream.ready(buf)
             if i + 1 < len(queue):
                 nxt, _ = queue[i + 1]
@@ -222,16 +219,15 @@ def piece_experts(device: torch.device, expert_bytes: int, num_experts: int) -> 
 def streamed_experts(engine, model, cpu: Experts, dtype: torch.dtype, device: torch.device) -> Experts:
     """`cpu` behind streamed prefill, mapping the same pack the expert process serves (packed before it started).
     Without a pack to map (an expert process attached by address, no --expert-pack) prefill stays on the CPU."""
-    from hybrid.experts.kernel_experts import default_expert_format
-    from hybrid.experts.pack import PackError, default_pack_dir, load_pack
+    from hybrid.experts.pack import PackError, engine_pack, load_pack
 
-    fmt = default_expert_format(model) if engine.expert_format == "auto" else engine.expert_format
     if engine.expert_server is not None and engine.expert_pack is None:
         if isinstance(engine.slp_threshold, int):
             raise PackError("streamed prefill maps the expert pack: with --expert-server pass --expert-pack too")
         log.warning("streamed prefill is off: an expert process attached by address, and no --expert-pack to map")
         return cpu
-    pack = load_pack(engine.expert_pack or default_pack_dir(model.model_dir, fmt), model, fmt)
+    fmt, pack_dir = engine_pack(model, engine.expert_format, engine.expert_pack)
+    pack = load_pack(pack_dir, model, fmt)
     first = next(iter(pack.values()))
     stream = ExpertStream(pack, device, piece_experts(device, device_expert_bytes(first), first.num_experts),
                           engine.slp_copy)
