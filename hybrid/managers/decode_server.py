@@ -39,6 +39,7 @@ class DecodeServer(PairedEngineServer):
         super().__init__(config)
         self.waiting: deque[SequenceHandoff] = deque()
         self.seen: deque[str] = deque(maxlen=SEEN_IDS)  # request ids taken over or failed: offers to drop
+        self.blocked: str | None = None  # the first waiting hand-off, once it found no free slot
 
     def load(self) -> None:
         super().load()
@@ -62,6 +63,9 @@ class DecodeServer(PairedEngineServer):
             handoff = self.waiting[0]
             try:
                 if not take_over(self.engine, handoff, self.transport):
+                    if self.blocked != handoff.request_id:
+                        self.blocked = handoff.request_id
+                        self.handoffs_waited += 1
                     return
             except Exception as e:  # this request's KV or state; the engine serves on
                 if not isinstance(e, (KVTransferError, InvalidRequest)):

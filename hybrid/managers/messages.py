@@ -125,6 +125,7 @@ class EngineStats(msgspec.Struct, tag="stats"):
     prefix_hit_tokens: int = 0  # of those, found in the prefix cache
     role: str = "engine"  # engine (both phases), prefill or decode
     handoffs: int = 0  # prefill: sequences waiting for the decode engine; decode: hand-offs waiting for a slot
+    handoffs_waited: int = 0  # decode: hand-offs since start that found no free slot and waited for one
     slp: dict | None = None  # streamed prefill: threshold, passes, tokens, streamed_bytes, seconds, gb_per_s
 
 
