@@ -134,7 +134,7 @@ def cmd_start(a: argparse.Namespace) -> int:
                           served_model_name=a.served_model_name, max_queue=a.max_queue, max_body_mb=a.max_body_mb,
                           engine={k: v for k, v in engine_kwargs(a).items() if v is not None},
                           disagg=a.disagg, prefill_cores=a.prefill_cores)
-    explain_gpus(a.gpus)
+    explain_gpus(a.gpus, a.slp_threshold)
     running = running_daemon(config.paths)
     if running is not None:
         raise DaemonError(f"hybridd is already running (pid {running['pid']}) at {running['url']}; "
@@ -227,8 +227,10 @@ def _slp_row(slp: dict | None) -> str:
     if slp is None:
         return "off"
     threshold = f"from {slp['threshold']} tokens" if slp["threshold"] is not None else "never (CPU experts are faster)"
+    devices = slp.get("devices", 1)
+    over = f" over {devices} devices (SmallEP)" if devices > 1 else ""
     return (f"{threshold}; {slp['passes']} passes, {slp['tokens']} tokens, {slp['streamed_bytes'] / 1e9:.2f} GB "
-            f"streamed at {slp['gb_per_s']:.2f} GB/s")
+            f"streamed{over} at {slp['gb_per_s']:.2f} GB/s")
 
 
 def _prefix_cache_row(stats: dict) -> str:

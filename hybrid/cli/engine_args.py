@@ -91,8 +91,14 @@ def follow_if_not_rank0(a: argparse.Namespace, model) -> bool:
     return True
 
 
-def explain_gpus(gpus: list[int] | None) -> None:
-    if gpus and len(gpus) > 1:
-        print(f"hybridd: GPU {gpus[0]} runs attention, the KV cache and the dense layers; GPU(s) "
-              f"{','.join(map(str, gpus[1:]))} are reserved for SmallEP (GPUs splitting the streamed experts), which "
-              "is not built yet, and stay idle for now", file=sys.stderr)
+def explain_gpus(gpus: list[int] | None, slp_threshold: str) -> None:
+    if not gpus or len(gpus) == 1:
+        return
+    rest = ",".join(map(str, gpus[1:]))
+    if str(slp_threshold).lower() == "off":
+        print(f"hybridd: GPU(s) {rest} stay idle: further GPUs stream and compute a share of the experts of long "
+              "prefills (SmallEP), which --slp-threshold off turns off", file=sys.stderr)
+        return
+    print(f"hybridd: GPU {gpus[0]} runs attention, the KV cache and the dense layers; in streamed prefills GPU "
+          f"{gpus[0]} and GPU(s) {rest} each stream and compute 1/{len(gpus)} of every layer's experts (SmallEP)",
+          file=sys.stderr)

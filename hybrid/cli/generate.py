@@ -48,7 +48,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
     if follow_if_not_rank0(a, a.model or DEFAULT_MODEL_DIR):
         return 0
     llm = LLM(a.model, **engine_kwargs(a))
-    explain_gpus(a.gpus)
+    explain_gpus(a.gpus, a.slp_threshold)
     engine = llm.engine
     if a.prompt_ids is not None:
         if a.chat:

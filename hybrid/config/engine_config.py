@@ -152,6 +152,11 @@ class EngineConfig:
         experts in the expert process. attn_device="cpu" plays the GPU's role on the CPU, same code path."""
         if not self.gpus or any(g < 0 for g in self.gpus):
             raise ConfigError(f"gpus must list CUDA device indices, got {self.gpus}")
+        if len(set(self.gpus)) != len(self.gpus):
+            raise ConfigError(f"gpus lists a device twice: {self.gpus}")
+        if len(self.gpus) > 1 and self.attn_device is None and torch.cuda.is_available() \
+                and max(self.gpus) >= torch.cuda.device_count():
+            raise ConfigError(f"gpus {self.gpus}: torch sees {torch.cuda.device_count()} GPU(s)")
         device = self.attn_device or f"cuda:{self.gpus[0]}"
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError(f"--gpus {','.join(map(str, self.gpus))} needs CUDA, and torch sees no GPU here; "

@@ -1,9 +1,11 @@
 """When a prefill streams its experts to the device (SLP) instead of running them on the CPU, from measured rates.
 
 Per MoE layer and pass of T tokens, the CPU costs T * cpu_s (its measured seconds per token and layer), streaming
-costs max(layer_bytes / h2d, T * device_s): the copy of layer L + 1 overlaps the compute of layer L, so a pass is
-bound by the slower of the two. Streaming wins from T* = layer_bytes / (h2d * cpu_s) tokens on, if the device's
-per-token cost is below the CPU's (else never). `auto` starts from probes taken when the engine starts and follows
+costs max(layer_bytes / h2d, T * (device_s + comm_s)): the copy of layer L + 1 overlaps the compute of layer L, so a
+pass is bound by the slower of the two. With SmallEP, layer_bytes and device_s are one device's share (the devices
+copy and compute side by side) and comm_s is sending a layer's tokens to the other devices and summing their outputs
+back (0 with one device). Streaming wins from T* = layer_bytes / (h2d * cpu_s) tokens on, if the device's per-token
+cost is below the CPU's (else never). `auto` starts from probes taken when the engine starts and follows
 the times of the passes it serves; a number forces the threshold; `off` never streams.
 """
 
@@ -20,26 +22,28 @@ EMA = 0.3  # weight of a new measurement in a rate
 @dataclass
 class SlpRates:
     """Measured rates: host->device bytes/s, and seconds per token and MoE layer of the device's and the CPU's
-    expert computation; layer_bytes is what one layer streams."""
+    expert computation and of SmallEP's exchange between devices; layer_bytes is what one layer streams to a
+    device."""
 
     h2d_bytes_per_s: float
     device_s_per_token: float
     cpu_s_per_token: float
     layer_bytes: int
+    comm_s_per_token: float = 0.0
 
     def __post_init__(self) -> None:
         if self.h2d_bytes_per_s <= 0 or self.layer_bytes <= 0:
             raise ValueError("SLP rates need a positive bandwidth and layer size")
 
     def stream_s(self, tokens: int) -> float:
-        return max(self.layer_bytes / self.h2d_bytes_per_s, tokens * self.device_s_per_token)
+        return max(self.layer_bytes / self.h2d_bytes_per_s, tokens * (self.device_s_per_token + self.comm_s_per_token))
 
     def cpu_s(self, tokens: int) -> float:
         return tokens * self.cpu_s_per_token
 
     def crossover(self) -> int | None:
         """The fewest tokens per pass for which streaming is faster, None when it never is."""
-        if self.device_s_per_token >= self.cpu_s_per_token:
+        if self.device_s_per_token + self.comm_s_per_token >= self.cpu_s_per_token:
             return None
         return max(1, math.ceil(self.layer_bytes / (self.h2d_bytes_per_s * self.cpu_s_per_token)))
 

@@ -6,8 +6,10 @@ gives it up to --slp-max-tokens at once) is already the layer-outer pass SLP nee
 step (`begin_pass`), where that step's routed experts run, and for a streamed step issues layer L + 1's first copy
 before layer L computes. Passes with few tokens copy only the experts their tokens route to (known once the layer
 has routed, so that copy is not overlapped); passes long enough that nearly every expert is routed stream whole
-layers ahead. With SmallEP each rank owns a share of every layer's experts (`owned`) and streams only those; the
-partial sums are added by the caller's all-reduce.
+layers ahead. With SmallEP (hybrid/experts/small_ep.py) this is rank 0: it owns a share of every layer's experts
+(`owned`) and streams only those, sends each layer's tokens to the expert ranks (`peers`), which stream and compute
+theirs, and sums their partial outputs into its own. Should an expert rank fail, rank 0 computes that layer whole
+and streams every expert itself from then on.
 """
 
 from __future__ import annotations
@@ -20,9 +22,11 @@ from dataclasses import dataclass
 import torch
 
 from gpu.fused_moe import fused_moe
+from hybrid.distributed.communicator import CommunicationError
 from hybrid.experts.base import Experts
 from hybrid.experts.expert_stream import ExpertStream, Piece, device_expert_bytes
 from hybrid.experts.slp_policy import SlpPolicy, SlpRates
+from hybrid.experts.small_ep import ExpertPeers, expert_share, start_expert_ranks
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +40,7 @@ class SlpStats:
     streamed_bytes: int = 0
     seconds: float = 0.0  # wall time of streamed passes: bytes / seconds is the streaming rate they achieved
     tokens: int = 0
+    peer_bytes: int = 0  # of streamed_bytes, what SmallEP's expert ranks streamed to their GPUs
 
     @property
     def gb_per_s(self) -> float:
@@ -43,10 +48,14 @@ class SlpStats:
 
 
 class StreamedExperts(Experts):
-    def __init__(self, cpu: Experts, stream: ExpertStream, policy: SlpPolicy, moe_layers: list[int], top_k: int,
-                 owned: list[int] | None = None, max_pass_tokens: int = 8192):
+    """`cpu`: where passes that do not stream go (None on an expert rank, which only streams); `owned`: the experts
+    this device streams (all without SmallEP); `peers`: SmallEP's expert ranks, on rank 0."""
+
+    def __init__(self, cpu: Experts | None, stream: ExpertStream, policy: SlpPolicy, moe_layers: list[int],
+                 top_k: int, owned: list[int] | None = None, max_pass_tokens: int = 8192,
+                 peers: ExpertPeers | None = None):
         self.remote, self.stream, self.policy, self.max_pass_tokens = cpu, stream, policy, max_pass_tokens
-        self.moe_layers, self.top_k = list(moe_layers), top_k
+        self.moe_layers, self.top_k, self.peers = list(moe_layers), top_k, peers
         self.owned = list(range(stream.num_experts)) if owned is None else list(owned)
         self.stats = SlpStats()
         self._streaming = False
@@ -74,8 +83,26 @@ class StreamedExperts(Experts):
         self.stats.passes += 1
         self.stats.tokens += num_tokens
         self._queued = {}
+        if self.peers is not None:
+            try:
+                self.peers.begin(num_tokens, longest_prefill)
+            except CommunicationError as e:
+                self._lose_peers(e)
         if self._ahead:
             self._prefetch(self.moe_layers[0])
+
+    @property
+    def devices(self) -> int:
+        """Devices streaming experts: 1, or SmallEP's ranks."""
+        return 1 if self.peers is None else self.peers.ranks
+
+    def _lose_peers(self, error: CommunicationError) -> None:
+        """An expert rank failed: from now on this device streams and computes every expert."""
+        log.error("%s; streaming every expert on this device from now on", error)
+        self.peers.abandon()
+        self.peers = None
+        self.owned = list(range(self.stream.num_experts))
+        self._queued = {}  # prefetched pieces hold only this device's former share
 
     def _issue(self, layer: int, experts: list[int]) -> list:
         """The layer's pieces of `experts`, the first one's copy issued; each next one is issued while the one
@@ -98,6 +125,22 @@ class StreamedExperts(Experts):
                topk_weights: torch.Tensor) -> Callable[[], torch.Tensor]:
         if not self._streaming:
             return self._on_cpu(layer, hidden_states, topk_ids, topk_weights)
+        if self.peers is None:
+            out = self._stream_layer(layer, hidden_states, topk_ids, topk_weights)
+            return lambda: out
+        try:
+            self.peers.send_layer(layer, hidden_states, topk_ids, topk_weights)
+            out = self._stream_layer(layer, hidden_states, topk_ids, topk_weights)
+            self.peers.sum_into(out)
+        except CommunicationError as e:
+            self._lose_peers(e)
+            out = self._stream_layer(layer, hidden_states, topk_ids, topk_weights)
+        return lambda: out
+
+    def _stream_layer(self, layer: int, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
+                      topk_weights: torch.Tensor) -> torch.Tensor:
+        """This device's share of the layer: its pieces streamed (the next one's copy issued before each computes)
+        and computed."""
         if self._ahead:
             queue = self._queued.pop(layer, None)
             if queue is None:  # a layer the pass skipped to (never in a full forward): stream it now
@@ -118,7 +161,7 @@ class StreamedExperts(Experts):
             out += fused_moe(weights, hidden_states, topk_ids, topk_weights)
             self.stream.release(buf)
             self.stats.streamed_bytes += piece.nbytes
-        return lambda: out
+        return out
 
     def _on_cpu(self, layer: int, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> Callable[[], torch.Tensor]:
@@ -138,24 +181,35 @@ class StreamedExperts(Experts):
     def _finish_pass(self) -> None:
         if not self._streaming:
             return
+        self._streaming = False
+        if self.peers is not None:
+            try:
+                peer_bytes = self.peers.end()
+                self.stats.streamed_bytes += peer_bytes
+                self.stats.peer_bytes += peer_bytes
+            except CommunicationError as e:
+                self._lose_peers(e)
         if self.stream.cuda:
             torch.cuda.synchronize(self.stream.device)
         self.stats.seconds += time.perf_counter() - self._pass_start
-        self._streaming = False
 
     def end_pass(self) -> None:
         """Closes the bookkeeping of the current streamed pass (its time counts toward the reported GB/s)."""
         self._finish_pass()
 
     def close(self) -> None:
+        if self.peers is not None:
+            self.peers.close()
         self.stream.close()
-        self.remote.close()
+        if self.remote is not None:
+            self.remote.close()
 
 
 def probe_rates(cpu: Experts, stream: ExpertStream, hidden: int, top_k: int, layer: int, dtype: torch.dtype,
-                owned: list[int]) -> SlpRates:
-    """Measures what `auto` decides from: one layer's copy to the device (bytes/s), and the device's and the CPU's
-    seconds per token for that layer's experts at PROBE_TOKENS tokens."""
+                owned: list[int], peers: ExpertPeers | None = None) -> SlpRates:
+    """Measures what `auto` decides from: the copy of this device's share of one layer (bytes/s), the device's
+    seconds per token for that share and the CPU's for the whole layer at PROBE_TOKENS tokens, and with SmallEP
+    the seconds per token of sending a layer's tokens to the expert ranks and summing their outputs back."""
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(PROBE_TOKENS, hidden, generator=g) * 0.1).to(dtype)
     ids = torch.stack([torch.randperm(stream.num_experts, generator=g)[:top_k] for _ in range(PROBE_TOKENS)])
@@ -183,10 +237,17 @@ def probe_rates(cpu: Experts, stream: ExpertStream, hidden: int, top_k: int, lay
     start = time.perf_counter()
     cpu.forward(layer, x, ids, weights)
     cpu_s = (time.perf_counter() - start) / PROBE_TOKENS
-    rates = SlpRates(layer_bytes / max(copy_s, 1e-9), device_s, cpu_s, layer_bytes)
-    log.info("streamed prefill: %.2f GB/s to the device, %.1f us/token on the device vs %.1f us/token on the CPU "
-             "per MoE layer; streaming from %s tokens", rates.h2d_bytes_per_s / 1e9, device_s * 1e6, cpu_s * 1e6,
-             rates.crossover() or "never")
+    comm_s = 0.0
+    if peers is not None:
+        peers.probe(PROBE_TOKENS, dtype, stream.device)  # connects the data group's lanes
+        start = time.perf_counter()
+        peers.probe(PROBE_TOKENS, dtype, stream.device)
+        sync()
+        comm_s = (time.perf_counter() - start) / PROBE_TOKENS
+    rates = SlpRates(layer_bytes / max(copy_s, 1e-9), device_s, cpu_s, layer_bytes, comm_s)
+    log.info("streamed prefill: %.2f GB/s to the device, %.1f us/token on the device (its share) + %.1f us/token "
+             "to and from the expert ranks vs %.1f us/token on the CPU per MoE layer; streaming from %s tokens",
+             rates.h2d_bytes_per_s / 1e9, device_s * 1e6, comm_s * 1e6, cpu_s * 1e6, rates.crossover() or "never")
     return rates
 
 
@@ -229,16 +290,27 @@ def streamed_experts(engine, model, cpu: Experts, dtype: torch.dtype, device: to
     fmt, pack_dir = engine_pack(model, engine.expert_format, engine.expert_pack)
     pack = load_pack(pack_dir, model, fmt)
     first = next(iter(pack.values()))
-    stream = ExpertStream(pack, device, piece_experts(device, device_expert_bytes(first), first.num_experts),
-                          engine.slp_copy)
+    ranks = len(engine.gpus)
+    owned = expert_share(first.num_experts, ranks, 0)
+    stream = ExpertStream(pack, device, piece_experts(device, device_expert_bytes(first), len(owned)), engine.slp_copy)
     pass_tokens = engine.slp_max_tokens or max_pass_tokens(device, model, dtype,
                                                            stream.piece_experts * stream.expert_bytes)
     policy = SlpPolicy(engine.slp_threshold)
-    owned = list(range(first.num_experts))
-    if policy.threshold == "auto":
-        policy.rates = probe_rates(cpu, stream, model.hidden_size, model.num_experts_per_tok, model.moe_layers[0],
-                                   dtype, owned)
-    log.info("streamed prefill: %s copy, pieces of %d experts (%.1f MB), passes of up to %d tokens, threshold %s",
+    peers = None
+    try:
+        if ranks > 1:
+            peers = start_expert_ranks(engine, model.hidden_size, model.num_experts_per_tok)
+        if policy.threshold == "auto":
+            policy.rates = probe_rates(cpu, stream, model.hidden_size, model.num_experts_per_tok,
+                                       model.moe_layers[0], dtype, owned, peers)
+    except BaseException:
+        if peers is not None:
+            peers.abandon()
+        stream.close()
+        raise
+    log.info("streamed prefill: %s copy, pieces of %d experts (%.1f MB), passes of up to %d tokens, threshold %s%s",
              stream.copy, stream.piece_experts, stream.piece_experts * stream.expert_bytes / 1e6, pass_tokens,
-             policy.min_tokens() if policy.min_tokens() is not None else "never")
-    return StreamedExperts(cpu, stream, policy, model.moe_layers, model.num_experts_per_tok, owned, pass_tokens)
+             policy.min_tokens() if policy.min_tokens() is not None else "never",
+             f"; SmallEP over {ranks} devices, experts {owned[0]}..{owned[-1]} here" if peers else "")
+    return StreamedExperts(cpu, stream, policy, model.moe_layers, model.num_experts_per_tok, owned, pass_tokens,
+                           peers)

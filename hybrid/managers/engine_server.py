@@ -125,12 +125,19 @@ class EngineServer:
             vocab_size=e.model_config.vocab_size, num_kv_blocks=e.runner.kv_pool.num_blocks,
             block_size=e.config.block_size, max_num_seqs=e.config.max_num_seqs,
             mode="hybrid" if e.config.hybrid else "cpu-only",
-            devices=[e.config.device] + (["experts: cpu"] if e.config.hybrid else []),
+            devices=[e.config.device] + (["experts: cpu"] if e.config.hybrid else []) + self.small_ep_devices(),
             attention=e.config.attention, overlap=e.config.overlap if e.config.hybrid else "off",
             backend=e.config.backend,
             kernel_path=self.kernel_path(), experts=e.config.experts, expert_pid=self.expert_pid(),
             parallel=self.parallel(),
         )
+
+    def small_ep_devices(self) -> list[str]:
+        if getattr(self.engine.runner.experts, "peers", None) is None:
+            return []
+        from hybrid.experts.small_ep import rank_devices
+
+        return ["streamed experts (SmallEP): " + ", ".join(map(str, rank_devices(self.engine.config)))]
 
     def parallel(self) -> dict | None:
         run = self.engine.runner.parallel
@@ -170,8 +177,11 @@ class EngineServer:
         if stats is None:
             return None
         window = experts.window()
+        peers = experts.peers
         return {"threshold": window[0] if window else None, "passes": stats.passes, "tokens": stats.tokens,
-                "streamed_bytes": stats.streamed_bytes, "seconds": stats.seconds, "gb_per_s": stats.gb_per_s}
+                "streamed_bytes": stats.streamed_bytes, "seconds": stats.seconds, "gb_per_s": stats.gb_per_s,
+                "devices": experts.devices, "peer_bytes": stats.peer_bytes,
+                "peer_pids": [p.pid for p in peers.processes] if peers is not None else []}
 
     def handoffs(self) -> int:
         return 0

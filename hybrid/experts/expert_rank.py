@@ -1,0 +1,102 @@
+"""A SmallEP expert rank: one process per GPU after the first, holding nothing but the two streaming buffers of its
+share of every MoE layer's experts, fed from the pack rank 0 maps. It does what rank 0's headers say
+(hybrid/experts/small_ep.py) until STOP, or until rank 0 is gone (its sockets close).
+
+`python -m hybrid.experts.expert_rank '<json: engine config, rank, world, store port, device>'`, started by rank 0.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+
+import torch
+import torch.distributed as dist
+
+from hybrid.config import EngineConfig, ModelConfig
+from hybrid.experts.small_ep import (
+    END,
+    HEADER,
+    IDLE_TIMEOUT,
+    JOIN_TIMEOUT,
+    LAYER,
+    PASS,
+    PROBE,
+    STOP,
+    PeerGroups,
+    expert_share,
+    payload_bytes,
+    unpack_layer,
+)
+from hybrid.triton_env import prepare_triton
+
+log = logging.getLogger("hybridd.expert_rank")
+
+
+def build(engine: EngineConfig, rank: int, world: int, device: torch.device):
+    """This rank's StreamedExperts over its share of the mapped pack (it streams every pass it is told of)."""
+    prepare_triton(device)
+    from hybrid.experts.expert_stream import ExpertStream, device_expert_bytes
+    from hybrid.experts.pack import engine_pack, load_pack
+    from hybrid.experts.slp_policy import SlpPolicy
+    from hybrid.experts.streamed_experts import StreamedExperts, piece_experts
+
+    model = ModelConfig.from_dir(engine.model)
+    fmt, pack_dir = engine_pack(model, engine.expert_format, engine.expert_pack)
+    pack = load_pack(pack_dir, model, fmt)
+    first = next(iter(pack.values()))
+    owned = expert_share(first.num_experts, world, rank)
+    stream = ExpertStream(pack, device, piece_experts(device, device_expert_bytes(first), len(owned)), engine.slp_copy)
+    experts = StreamedExperts(None, stream, SlpPolicy(1), model.moe_layers, model.num_experts_per_tok, owned)
+    return experts, model
+
+
+def serve(experts, groups: PeerGroups, hidden: int, top_k: int, dtype: torch.dtype) -> None:
+    """Runs rank 0's passes until STOP."""
+    header = torch.zeros(HEADER, dtype=torch.int64)
+    device = groups.device
+    pass_bytes = 0
+    while True:
+        groups.header(header)
+        op, a, b, _ = header.tolist()
+        if op == PASS:
+            experts.begin_pass(a, b)
+            pass_bytes = experts.streamed_bytes
+        elif op in (LAYER, PROBE):
+            buf = torch.empty(payload_bytes(b, hidden, top_k, dtype), dtype=torch.uint8, device=device)
+            groups.broadcast(buf)
+            x, ids, weights = unpack_layer(buf, b, hidden, top_k, dtype)
+            out = experts.submit(a, x, ids, weights)() if op == LAYER else torch.zeros_like(x)
+            groups.reduce(out)
+        elif op == END:
+            experts.end_pass()
+            groups.reduce_count(experts.streamed_bytes - pass_bytes)
+        elif op == STOP:
+            return
+        else:
+            raise RuntimeError(f"unknown SmallEP header op {op}")
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s expert-rank %(levelname)s %(message)s")
+    args = json.loads(sys.argv[1])
+    engine = EngineConfig(**args["engine"])
+    rank, world, device = args["rank"], args["world"], torch.device(args["device"])
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    experts, model = build(engine, rank, world, device)
+    store = dist.TCPStore("127.0.0.1", args["port"], world, False, timeout=JOIN_TIMEOUT)
+    groups = PeerGroups(store, rank, world, device, IDLE_TIMEOUT)
+    log.info("SmallEP rank %d of %d on %s: experts %d..%d of every MoE layer", rank, world, device,
+             experts.owned[0], experts.owned[-1])
+    try:
+        serve(experts, groups, model.hidden_size, model.num_experts_per_tok, engine.torch_dtype(model))
+    except Exception as e:  # rank 0 is gone (its sockets closed), or this rank failed: rank 0 carries on alone
+        log.warning("SmallEP rank %d stops: %s: %s", rank, type(e).__name__, e)
+    finally:
+        experts.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,213 @@
+"""SmallEP: several GPUs split every MoE layer's routed experts in streamed prefill passes. This file holds the
+share each rank owns, the protocol the ranks speak and rank 0's side of it; hybrid/experts/expert_rank.py is the
+other ranks' side.
+
+Rank 0 is the engine: embeddings, attention, the KV cache, dense layers, shared experts, router and lm_head stay on
+its GPU as with one GPU, and it streams and computes its share of every layer's experts. Each further GPU gets an
+expert rank, a process that holds nothing but the two streaming buffers of its share, fed from the same mapped pack.
+A share is a contiguous run of expert ids (one slice of the mapping: one copy per field).
+
+Per streamed pass, a header over gloo (PASS, LAYER, END, STOP; PROBE for the start-up measurement) tells the expert
+ranks what comes next, so a pass that rank 0 abandons halfway (an exception in attention) leaves them waiting for
+the next header, never for data. Per MoE layer the data group broadcasts one buffer holding the routing weights,
+top-k ids and hidden states; every rank streams and computes its share; the partial outputs are summed onto rank 0
+(a reduce: no other rank uses the sum). Data goes over NCCL between GPUs, over gloo where the CPU plays them. At END
+each expert rank reports the bytes it streamed in the pass.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from hybrid.config import EngineConfig
+from hybrid.distributed.communicator import CommunicationError
+
+log = logging.getLogger(__name__)
+
+PASS, LAYER, END, STOP, PROBE = 1, 2, 3, 4, 5
+HEADER = 4  # int64 fields: op, then op-specific (PASS: tokens, longest prefill; LAYER / PROBE: layer, tokens)
+JOIN_TIMEOUT = timedelta(seconds=120)  # expert ranks start, map the pack and connect within this
+PEER_TIMEOUT = timedelta(seconds=300)  # rank 0 waits this long for an expert rank's part of a layer
+IDLE_TIMEOUT = timedelta(days=365)  # an expert rank waits for the next pass however long the daemon stays idle
+
+
+def expert_share(num_experts: int, ranks: int, rank: int) -> list[int]:
+    """The expert ids `rank` of `ranks` streams and computes: an even contiguous split, the first taking the
+    remainder."""
+    per, extra = divmod(num_experts, ranks)
+    start = rank * per + min(rank, extra)
+    return list(range(start, start + per + (rank < extra)))
+
+
+def rank_devices(engine: EngineConfig) -> list[torch.device]:
+    """The device of each SmallEP rank: one per --gpus entry, or the CPU for every rank where it plays the GPUs."""
+    if engine.device == "cpu":
+        return [torch.device("cpu")] * len(engine.gpus)
+    return [torch.device(engine.device)] + [torch.device(f"cuda:{g}") for g in engine.gpus[1:]]
+
+
+def payload_bytes(tokens: int, hidden: int, top_k: int, dtype: torch.dtype) -> int:
+    return tokens * top_k * 8 + tokens * hidden * dtype.itemsize
+
+
+def pack_layer(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """One byte buffer: float32 weights, int32 ids, then the hidden states (4-byte fields first keep every view
+    aligned)."""
+    parts = (weights.to(torch.float32), ids.to(torch.int32), x)
+    return torch.cat([p.contiguous().view(-1).view(torch.uint8) for p in parts])
+
+
+def unpack_layer(buf: torch.Tensor, tokens: int, hidden: int, top_k: int,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x, ids, weights) as views of a buffer made by pack_layer."""
+    n = tokens * top_k * 4
+    weights = buf[:n].view(torch.float32).view(tokens, top_k)
+    ids = buf[n:2 * n].view(torch.int32).view(tokens, top_k)
+    return buf[2 * n:].view(dtype).view(tokens, hidden), ids, weights
+
+
+class PeerGroups:
+    """The two groups of a SmallEP run: control (gloo, CPU headers and counts) and data (NCCL between GPUs, gloo
+    on the CPU). Built straight from backend classes, so an engine holds its own groups and touches no global
+    torch.distributed state."""
+
+    def __init__(self, store: dist.Store, rank: int, world: int, device: torch.device, timeout: timedelta):
+        self.rank, self.world, self.device, self.store = rank, world, device, store
+        self.control = dist.ProcessGroupGloo(dist.PrefixStore("control/", store), rank, world, timeout)
+        if device.type == "cuda":
+            options = dist.ProcessGroupNCCL.Options()
+            options.is_high_priority_stream = False
+            options._timeout = timeout
+            self.data = dist.ProcessGroupNCCL(dist.PrefixStore("data/", store), rank, world, options)
+        else:
+            self.data = dist.ProcessGroupGloo(dist.PrefixStore("data/", store), rank, world, timeout)
+
+    @staticmethod
+    def _broadcast(group, t: torch.Tensor) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        group.broadcast([t], opts).wait()
+
+    @staticmethod
+    def _reduce(group, t: torch.Tensor) -> None:
+        opts = dist.ReduceOptions()
+        opts.rootRank, opts.reduceOp = 0, dist.ReduceOp.SUM
+        group.reduce([t], opts).wait()
+
+    def header(self, t: torch.Tensor) -> None:
+        """Rank 0's int64 [HEADER] header, on every rank."""
+        self._broadcast(self.control, t)
+
+    def broadcast(self, t: torch.Tensor) -> None:
+        self._broadcast(self.data, t)
+
+    def reduce(self, t: torch.Tensor) -> None:
+        """Sums `t` over the ranks into rank 0's `t` (the others' are left undefined)."""
+        self._reduce(self.data, t)
+
+    def reduce_count(self, n: int) -> int:
+        """The sum of every rank's `n`, on rank 0."""
+        t = torch.tensor([n], dtype=torch.int64)
+        self._reduce(self.control, t)
+        return int(t)
+
+
+class ExpertPeers:
+    """Rank 0's side: the expert ranks it started and the groups it reaches them through. Every call raises
+    CommunicationError when a rank is gone or stalled, for the caller to carry on without them."""
+
+    def __init__(self, groups: PeerGroups, processes: list[subprocess.Popen], hidden: int, top_k: int):
+        self.groups, self.processes, self.hidden, self.top_k = groups, processes, hidden, top_k
+        self.ranks = groups.world
+
+    def _call(self, what: str, fn, *args):
+        try:
+            return fn(*args)
+        except RuntimeError as e:
+            raise CommunicationError(f"SmallEP {what}: an expert rank is gone or stalled ({e})") from e
+
+    def _header(self, op: int, a: int = 0, b: int = 0) -> None:
+        self._call("header", self.groups.header, torch.tensor([op, a, b, 0], dtype=torch.int64))
+
+    def begin(self, num_tokens: int, longest_prefill: int) -> None:
+        """A streamed pass of `num_tokens` starts: the expert ranks begin streaming their share of its first
+        layer now."""
+        self._header(PASS, num_tokens, longest_prefill)
+
+    def send_layer(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> None:
+        self._header(LAYER, layer, x.shape[0])
+        self._call("broadcast", self.groups.broadcast, pack_layer(x, ids, weights))
+
+    def sum_into(self, out: torch.Tensor) -> None:
+        """Adds the expert ranks' partial outputs of the layer last sent to `out` (rank 0's own part)."""
+        self._call("reduce", self.groups.reduce, out)
+
+    def end(self) -> int:
+        """Closes the pass; returns the bytes the expert ranks streamed in it."""
+        self._header(END)
+        return self._call("count", self.groups.reduce_count, 0)
+
+    def probe(self, tokens: int, dtype: torch.dtype, device: torch.device) -> None:
+        """One exchange of a layer's data for `tokens` tokens with no expert work: what SmallEP adds per layer."""
+        self._header(PROBE, 0, tokens)
+        x = torch.zeros(tokens, self.hidden, dtype=dtype, device=device)
+        ids = torch.zeros(tokens, self.top_k, dtype=torch.int32, device=device)
+        self._call("broadcast", self.groups.broadcast, pack_layer(x, ids, ids.float()))
+        self._call("reduce", self.groups.reduce, x)
+
+    def close(self) -> None:
+        """Stops the expert ranks (killing any that do not stop)."""
+        try:
+            self._header(STOP)
+        except CommunicationError:
+            pass
+        for p in self.processes:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+    def abandon(self) -> None:
+        """Ends the expert ranks without talking to them (one failed: the others may be stuck in a collective)."""
+        for p in self.processes:
+            p.kill()
+            p.wait()
+
+
+def start_expert_ranks(engine: EngineConfig, hidden: int, top_k: int) -> ExpertPeers:
+    """Starts an expert rank per GPU after the first (`python -m hybrid.experts.expert_rank`) and joins them."""
+    from cpu_kernels.thread_pool import unpin_child
+    from hybrid.distributed.launcher import engine_config_json
+
+    devices = rank_devices(engine)
+    world = len(devices)
+    store = dist.TCPStore("127.0.0.1", 0, world, True, timeout=JOIN_TIMEOUT, wait_for_workers=False)
+    config = json.loads(engine_config_json(engine))
+    processes = []
+    for rank in range(1, world):
+        arg = json.dumps({"engine": config, "rank": rank, "world": world, "port": store.port,
+                          "device": str(devices[rank])})
+        # unpin_child: a thread the kernel pool pinned would hand its one core down
+        processes.append(subprocess.Popen([sys.executable, "-m", "hybrid.experts.expert_rank", arg],
+                                          preexec_fn=unpin_child, env=dict(os.environ)))
+    try:
+        groups = PeerGroups(store, 0, world, devices[0], PEER_TIMEOUT)
+    except RuntimeError as e:
+        for p in processes:
+            p.kill()
+            p.wait()
+        codes = ", ".join(f"rank {i + 1}: exit {p.returncode}" for i, p in enumerate(processes))
+        raise CommunicationError(f"SmallEP: the expert ranks did not join ({codes}): {e}") from e
+    log.info("SmallEP: %d ranks (%s), each streaming its share of every layer's experts",
+             world, ", ".join(map(str, devices)))
+    return ExpertPeers(groups, processes, hidden, top_k)
+
