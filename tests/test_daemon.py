@@ -212,6 +212,9 @@ def test_slo_report_writes_table_json_and_png(daemon, tmp_path):
         assert 0 < lv["tpot_s"]["p50"] <= lv["tpot_s"]["p99"]
         assert all(res["completion_tokens"] == 8 for res in lv["results"])
         assert 0.0 <= lv["goodput"] <= 1.0
+        assert lv["predicted"]["ttft_s_p50"] > 0 and lv["predicted"]["tpot_s"] > 0
+    assert report["prediction"]["model"] == "default_model" and report["prediction"]["device"] is None
+    assert "predicted TTFT" in r.stdout
     with Image.open(png) as im:
         assert im.format == "PNG" and im.size[0] > 500
 
@@ -340,7 +343,7 @@ def test_doctor_reports_machine_and_fit(tmp_path):
     d = Daemon(tmp_path / "home", free_port())
     r = d.cli("doctor")
     assert r.returncode == 0, r.stderr
-    for needle in ("kernel path", "memory", "fits in RAM", "GPU"):
+    for needle in ("kernel path", "memory", "fits in RAM", "GPU", "predicted TTFT", "predicted TPOT"):
         assert needle in r.stdout
     r = d.cli("doctor", "--model", str(tmp_path / "nothing"))
     assert r.returncode == 0 and "problem" in r.stdout and "point --model" in r.stdout

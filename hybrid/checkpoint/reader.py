@@ -83,6 +83,14 @@ class CheckpointReader:
         except Exception as e:
             raise CheckpointError(f"{self.model_dir / fname}: cannot read tensor {name!r} ({e})") from e
 
+    def stored(self, name: str) -> tuple[tuple[int, ...], str]:
+        """(shape, safetensors dtype name such as "BF16" or "F8_E4M3") of a tensor, from its file's header only."""
+        fname = self.weight_map.get(name)
+        if fname is None:
+            raise CheckpointError(f"{self.model_dir}: tensor {name!r} is missing from the checkpoint")
+        view = self._open(fname).get_slice(name)
+        return tuple(view.get_shape()), view.get_dtype()
+
     def is_fp8(self, weight_name: str) -> bool:
         return self.get(weight_name).dtype == torch.float8_e4m3fn
 

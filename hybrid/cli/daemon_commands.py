@@ -59,6 +59,8 @@ def register(sub) -> None:
     so.add_argument("--seed", type=int, default=0)
     so.add_argument("--json", help="write the report as JSON here")
     so.add_argument("--plot", help="write a PNG chart here")
+    so.add_argument("--no-predict", action="store_true", help="skip the planner's prediction (its probes take a "
+                    "few seconds before the load starts)")
     so.set_defaults(func=cmd_slo_report)
 
 
@@ -259,12 +261,12 @@ def cmd_slo_report(a: argparse.Namespace) -> int:
 
     config = SloConfig(url=_daemon_url(a), workload=a.workload, concurrency=a.concurrency, requests=a.requests,
                        ttft_slo_s=a.ttft_slo, tpot_slo_s=a.tpot_slo, max_tokens=a.max_tokens, api_key=a.api_key,
-                       seed=a.seed)
+                       seed=a.seed, predict=not a.no_predict)
     console = Console(stderr=True)
     console.print(f"driving {config.url} with the {config.workload} workload, {config.requests} requests per level")
     report = asyncio.run(SloReport(config).run(
         lambda lv: console.print(f"  concurrency {lv['concurrency']}: {lv['requests'] - lv['errors']} ok, "
-                                 f"goodput {lv['goodput']:.0%}")))
+                                 f"goodput {lv['goodput']:.0%}"), console.print))
     Console(width=None if sys.stdout.isatty() else 200).print(render_table(report))
     if a.json:
         write_json(report, a.json)

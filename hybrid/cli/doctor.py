@@ -1,5 +1,6 @@
 """`hybridd doctor`: what this machine offers (CPU features and kernel path, NUMA, GPUs, memory), whether a
-model fits in RAM, and what to change when something is off."""
+model fits in RAM, what to change when something is off, and the planner's predicted TTFT / TPOT for the model on
+this machine (hybrid/planner/), from short probes, before the model is loaded."""
 
 from __future__ import annotations
 
@@ -140,17 +141,113 @@ def render(d: Diagnosis):
     return Group(t, Text("What to change:", style="bold"), *(Text(f"  - {a}") for a in advice))
 
 
+def _ms(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    return f"{seconds * 1e3:.3g} ms" if seconds < 1 else f"{seconds:.3g} s"
+
+
+def render_plan(p: dict):
+    """The planner's inputs and predictions as tables."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    cpu, dev = p["cpu"], p["device"]
+    inputs = Table(title="measured now (short probes over the model's shapes)", show_header=False)
+    inputs.add_column("", style="bold")
+    inputs.add_column("")
+    inputs.add_row("CPU read bandwidth", f"{cpu['read_bytes_per_s'] / 1e9:.1f} GB/s")
+    per_token = cpu["expert_prefill_s_per_token"]
+    inputs.add_row("CPU experts, prefill", f"{per_token * 1e6:.2f} us per token and MoE layer at {p['chunk_tokens']} "
+                   f"tokens per step = {1 / (per_token * p['moe_layers']):.0f} tokens/s over {p['moe_layers']} MoE "
+                   "layers")
+    inputs.add_row("CPU experts, decode", f"{cpu['expert_read_bytes_per_s'] / 1e9:.1f} GB/s read + "
+                   f"{cpu['expert_call_s'] * 1e6:.0f} us per call (experts of {p['expert_bytes'] / 1e6:.2f} MB, "
+                   f"{p['expert_format']})")
+    inputs.add_row("CPU dense / attention kernels", f"{cpu['dense_flops'] / 1e12:.2f} / "
+                   f"{cpu['attention_flops'] / 1e12:.2f} TFLOP/s")
+    inputs.add_row("engine overhead", f"{cpu['step_overhead_s_per_layer'] * 1e6:.0f} us per layer and decode step")
+    if dev is not None:
+        inputs.add_row("device", f"{dev['name']} x {dev['devices']}")
+        inputs.add_row("host -> device", f"{dev['h2d_bytes_per_s'] / 1e9:.1f} GB/s per device, all copying at once")
+        inputs.add_row("device experts", f"{dev['expert_s_per_token'] * 1e6:.2f} us per token and MoE layer "
+                       f"(passes of up to {p['pass_tokens']} tokens)")
+        inputs.add_row("device matmul / attention", f"{dev['matmul_flops'] / 1e12:.2f} / "
+                       f"{dev['attention_flops'] / 1e12:.4f} TFLOP/s")
+        inputs.add_row("device memory", f"{dev['memory_bytes_per_s'] / 1e9:.0f} GB/s")
+        if dev["devices"] > 1:
+            inputs.add_row("SmallEP exchange", f"{dev['exchange_s_per_token'] * 1e6:.3f} us per token and MoE layer")
+    ttft = Table(title=f"predicted TTFT ({p['model']}, {p['layers']} layers)")
+    cols = ["cpu"] + (["slp"] if dev else []) + (["smallep"] if dev and dev["devices"] > 1 else []) + ["picked"]
+    names = {"cpu": "CPU experts", "slp": "SLP (1 device)", "picked": "the engine picks",
+             "smallep": f"SmallEP ({dev['devices'] if dev else 0} devices)"}
+    ttft.add_column("prompt", justify="right")
+    for col in cols:
+        ttft.add_column(names[col], justify="right")
+    for tokens, row in p["ttft_s"].items():
+        mark = " *" if int(tokens) > p["max_position_embeddings"] else ""
+        ttft.add_row(f"{int(tokens) // 1024}K{mark}", *(_ms(row.get(col)) for col in cols))
+    tpot = Table(title=f"predicted TPOT (roofline of one sequence: {_ms(p['tpot_bound_s'])})")
+    tpot.add_column("concurrency", justify="right")
+    contexts = list(next(iter(p["tpot_s"].values())))
+    for ctx in contexts:
+        tpot.add_column(f"context {int(ctx) // 1024}K", justify="right")
+    for n, row in p["tpot_s"].items():
+        tpot.add_row(n, *(_ms(row[ctx]) for ctx in contexts))
+    threshold = p["threshold"]
+    notes = [f"streams prefills from {threshold} tokens" if threshold is not None else
+             ("the CPU experts are faster at every length: nothing would stream" if dev else
+              "CPU only: give --gpus to predict streamed prefill")]
+    if any(int(t) > p["max_position_embeddings"] for t in p["ttft_s"]):
+        notes.append(f"* past the model's {p['max_position_embeddings']} positions: arithmetic only")
+    if dev is not None and dev["interpreted"]:
+        notes.append("the device is the CPU running Triton's interpreter: these are NOT GPU predictions")
+    return Group(inputs, ttft, tpot, *(Text(f"  - {n}") for n in notes))
+
+
 def register(sub) -> None:
-    dr = sub.add_parser("doctor", help="CPU features, kernel path, GPUs, memory, whether the model fits")
+    from hybrid.cli.engine_args import parse_gpus
+
+    dr = sub.add_parser("doctor", help="CPU features, kernel path, GPUs, memory, whether the model fits, and "
+                        "predicted TTFT / TPOT")
     dr.add_argument("--model", help="model directory to check (default: the embedded tiny model)")
     dr.add_argument("--kv-cache-gb", type=float, default=1.0)
+    dr.add_argument("--gpus", type=parse_gpus, help="predict for these GPUs (streamed prefill; SmallEP with 2+)")
+    dr.add_argument("--attn-device", help="with --gpus: cpu to let the CPU play the GPUs (tests; not a GPU's figures)")
+    dr.add_argument("--expert-format", default="auto", choices=["auto", "bf16", "fp8", "int8", "int4"])
+    dr.add_argument("--max-num-batched-tokens", type=int, default=512, help="prefill tokens per step (CPU path)")
+    dr.add_argument("--slp-max-tokens", type=int, help="most tokens of a streamed pass (default: what the device "
+                    "holds)")
+    dr.add_argument("--no-plan", action="store_true", help="skip the probes and predictions")
+    dr.add_argument("--json", action="store_true", help="print the prediction as JSON instead of tables")
     dr.set_defaults(func=cmd_doctor)
 
 
 def cmd_doctor(a: argparse.Namespace) -> int:
+    import json
+
     from rich.console import Console
 
+    from hybrid.config import ConfigError
     from hybrid.llm import DEFAULT_MODEL_DIR
 
-    Console().print(render(diagnose(Path(a.model) if a.model else DEFAULT_MODEL_DIR, int(a.kv_cache_gb * 2**30))))
+    model = Path(a.model) if a.model else DEFAULT_MODEL_DIR
+    diagnosis = diagnose(model, int(a.kv_cache_gb * 2**30))
+    plan = None
+    if not a.no_plan and all(f.ok for f in diagnosis.findings if f.topic == "model"):
+        from hybrid.planner.plan import measure, summary
+
+        try:
+            plan = summary(measure(model, a.gpus, a.attn_device, a.expert_format, a.max_num_batched_tokens,
+                                   a.slp_max_tokens))
+        except (ConfigError, ValueError, RuntimeError) as e:
+            diagnosis.add("prediction", f"could not probe: {e}", False)
+    if a.json:
+        print(json.dumps(plan))
+        return 0
+    console = Console()
+    console.print(render(diagnosis))
+    if plan is not None:
+        console.print(render_plan(plan))
     return 0

@@ -3,6 +3,11 @@ levels and reports TTFT, TPOT, inter-token and end-to-end latency percentiles ag
 
 A level passes an SLO when its p90 meets it; goodput is the share of requests that met both SLOs.
 Prompts are random token ids (exact lengths) when the server's /status gives its vocabulary, else words.
+
+When the daemon's model directory is on this machine, the planner (hybrid/planner/) first predicts from short probes
+what it should measure: per level the median of each request's predicted TTFT (alone, at its prompt length, as
+the engine would run it) and the TPOT at that concurrency and the level's mean context, printed beside the
+measured medians. Queueing behind other requests is not in the prediction.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ class SloConfig:
     api_key: str | None = None
     seed: int = 0
     timeout_s: float = 600.0
+    predict: bool = True
 
     def __post_init__(self) -> None:
         if self.workload not in WORKLOAD_MIX:
@@ -84,6 +90,8 @@ class SloReport:
         self.model = ""
         self.max_model_len = 0
         self.vocab_size: int | None = None
+        self.info: dict = {}
+        self.plan = None
 
     def _headers(self) -> dict:
         return {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
@@ -96,9 +104,40 @@ class SloReport:
         self.max_model_len = card.get("max_model_len") or 4096
         try:
             status = await client.get(f"{self.config.url}/status", headers=self._headers())
-            self.vocab_size = status.json()["info"]["vocab_size"]
+            self.info = status.json()["info"]
+            self.vocab_size = self.info["vocab_size"]
         except (httpx.HTTPError, ValueError, KeyError, TypeError):
             self.vocab_size = None
+
+    def predict(self) -> str | None:
+        """Runs the planner for the daemon's model and devices; returns why not when it cannot."""
+        from hybrid.planner.plan import measure
+
+        model_dir = self.info.get("model_dir")
+        if not model_dir or not Path(model_dir, "config.json").is_file():
+            return "no prediction: the daemon's model directory is not on this machine"
+        devices = self.info.get("devices") or ["cpu"]
+        gpus = self.info.get("gpus")
+        attn = devices[0] if gpus else None
+        self.plan = measure(model_dir, gpus, attn, self.info.get("expert_format", "auto"),
+                            self.info.get("max_num_batched_tokens", 512), self.info.get("slp_max_tokens"))
+        return None
+
+    def _summary(self) -> dict:
+        from hybrid.planner.plan import summary
+
+        return summary(self.plan)
+
+    def predicted(self, results: list[RequestResult], concurrency: int) -> dict | None:
+        if self.plan is None:
+            return None
+        ok = [r for r in results if r.error is None]
+        if not ok:
+            return None
+        ttft = float(np.median([self.plan.ttft(r.prompt_tokens)["picked"] for r in ok]))
+        context = int(np.mean([r.prompt_tokens + r.completion_tokens / 2 for r in ok]))
+        running = min(concurrency, self.info.get("max_num_seqs", concurrency))
+        return {"ttft_s_p50": ttft, "tpot_s": self.plan.tpot(running, context), "context": context}
 
     def make_request(self) -> tuple[str, dict]:
         mix = WORKLOAD_MIX[self.config.workload]
@@ -160,6 +199,7 @@ class SloReport:
             "itl_s": percentiles([x for r in ok for x in r.itl_s]),
             "e2e_s": percentiles([r.e2e_s for r in ok if r.e2e_s is not None]),
             "goodput": sum(r.meets(c.ttft_slo_s, c.tpot_slo_s) for r in results) / len(results),
+            "predicted": self.predicted(results, concurrency),
             "results": [asdict(r) for r in results],
         }
         ttft90, tpot90 = summary["ttft_s"]["p90"], summary["tpot_s"]["p90"]
@@ -167,9 +207,13 @@ class SloReport:
         summary["tpot_pass"] = bool(ok) and (tpot90 is None or tpot90 <= c.tpot_slo_s)
         return summary
 
-    async def run(self, on_level=None) -> dict:
+    async def run(self, on_level=None, on_note=None) -> dict:
         async with httpx.AsyncClient(timeout=self.config.timeout_s) as client:
             await self.discover(client)
+            if self.config.predict:
+                why_not = self.predict()
+                if why_not and on_note:
+                    on_note(why_not)
             levels = []
             for c in self.config.concurrency:
                 levels.append(await self.level(client, c))
@@ -178,6 +222,7 @@ class SloReport:
         return {"config": asdict(self.config) | {"api_key": bool(self.config.api_key)},
                 "server": {"model": self.model, "max_model_len": self.max_model_len},
                 "slo": {"ttft_s": self.config.ttft_slo_s, "tpot_s": self.config.tpot_slo_s, "pass_rule": "p90"},
+                "prediction": None if self.plan is None else self._summary(),
                 "levels": levels}
 
 
@@ -187,9 +232,12 @@ def render_table(report: dict):
     slo = report["slo"]
     t = Table(title=f"SLO report: {report['server']['model']} · workload {report['config']['workload']} · "
                     f"TTFT <= {slo['ttft_s']:g}s, TPOT <= {slo['tpot_s'] * 1000:g}ms (pass = p90 within SLO)")
+    predicted = any(lv.get("predicted") for lv in report["levels"])
     for col in ("conc", "reqs", "err", "TTFT p50/p90/p99 s", "TTFT", "TPOT p50/p90/p99 ms", "TPOT",
                 "ITL p50/p99 ms", "E2E p50/p90/p99 s", "out tok/s", "goodput"):
         t.add_column(col, justify="right")
+    if predicted:
+        t.add_column("predicted TTFT p50 s / TPOT ms", justify="right")
 
     def trio(p: dict, scale: float = 1.0, keys=("p50", "p90", "p99")) -> str:
         return " / ".join("-" if p[k] is None else f"{p[k] * scale:.3g}" for k in keys)
@@ -198,10 +246,13 @@ def render_table(report: dict):
         return "[green]pass[/]" if ok else "[red]FAIL[/]"
 
     for lv in report["levels"]:
+        pred = lv.get("predicted")
+        extra = [] if not predicted else ["-" if not pred else
+                                          f"{pred['ttft_s_p50']:.3g} / {pred['tpot_s'] * 1000:.3g}"]
         t.add_row(str(lv["concurrency"]), str(lv["requests"]), str(lv["errors"]), trio(lv["ttft_s"]),
                   verdict(lv["ttft_pass"]), trio(lv["tpot_s"], 1000), verdict(lv["tpot_pass"]),
                   trio(lv["itl_s"], 1000, ("p50", "p99")), trio(lv["e2e_s"]), f"{lv['output_tokens_per_s']:.1f}",
-                  f"{lv['goodput']:.0%}")
+                  f"{lv['goodput']:.0%}", *extra)
     return t
 
 

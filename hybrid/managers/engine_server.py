@@ -129,7 +129,8 @@ class EngineServer:
             attention=e.config.attention, overlap=e.config.overlap if e.config.hybrid else "off",
             backend=e.config.backend,
             kernel_path=self.kernel_path(), experts=e.config.experts, expert_pid=self.expert_pid(),
-            parallel=self.parallel(),
+            parallel=self.parallel(), gpus=e.config.gpus, expert_format=e.config.expert_format,
+            max_num_batched_tokens=e.config.max_num_batched_tokens, slp_max_tokens=e.config.slp_max_tokens,
         )
 
     def small_ep_devices(self) -> list[str]:

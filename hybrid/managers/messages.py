@@ -63,6 +63,10 @@ class EngineInfo(msgspec.Struct):
     experts: str
     expert_pid: int | None
     parallel: dict | None = None  # tp, pp and all_reduce (shm / gloo) of a parallel run
+    gpus: list[int] | None = None
+    expert_format: str = "auto"
+    max_num_batched_tokens: int = 512
+    slp_max_tokens: int | None = None
 
 
 class Progress(msgspec.Struct, tag="progress"):
