@@ -1,6 +1,7 @@
 """Streamed prefill (SLP): host->device copy of each layer's experts as a fraction of the pinned H2D bandwidth probed
-in the same run, device expert TFLOP/s, prefill tokens/s through the MoE layers with CPU experts vs SLP, the
-crossover in tokens, and the predicted MoE time of a 32K-token prompt over the full model's layers.
+in the same run, device expert TFLOP/s, prefill tokens/s through the MoE layers with CPU experts vs SLP vs SmallEP
+(two devices, half the experts each: an expert rank process streams the other half), the crossover in tokens, and
+the predicted MoE time of a 32K-token prompt over the full model's layers.
 
 The experts are a synthetic pack in the real shapes (one properly packed expert repeated: the bytes and shapes
 the kernels see, without a checkpoint), mapped from a file as the expert process maps its pack. Streaming uses
@@ -9,7 +10,8 @@ kernels over the same mapping.
 
 Without a GPU the CPU plays the device: the "H2D" copy is a memcpy and the Triton kernel runs in its interpreter,
 so the device numbers are NOT GPU numbers (the interpreter is orders of magnitude slower than the CPU kernels,
-and auto would never stream here). They show the pipeline works and what it costs here, nothing more.
+and auto would never stream here). They show the pipeline works and what it costs here, nothing more. SmallEP
+runs over two CPU processes there, and needs two GPUs on a GPU machine (a one-GPU machine says so and skips it).
 
     python scripts/bench_prefill.py                                    # small shapes (CPU as the device)
     python scripts/bench_prefill.py --shape deepseek-v3 --layers 3 --tokens 8192     # on a GPU machine
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -28,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -38,9 +42,18 @@ if DEVICE.type == "cpu":
 from cpu_kernels.moe import PackedExperts, kernel_isa_name, pack_experts  # noqa: E402
 from cpu_kernels.moe import fused_moe as cpu_fused_moe  # noqa: E402
 from gpu.fused_moe import fused_moe  # noqa: E402
+from hybrid.experts.expert_rank import serve  # noqa: E402
 from hybrid.experts.expert_stream import ExpertStream, device_expert_bytes  # noqa: E402
 from hybrid.experts.kernel_experts import KernelExperts  # noqa: E402
 from hybrid.experts.slp_policy import SlpPolicy, SlpRates  # noqa: E402
+from hybrid.experts.small_ep import (  # noqa: E402
+    IDLE_TIMEOUT,
+    JOIN_TIMEOUT,
+    PEER_TIMEOUT,
+    ExpertPeers,
+    PeerGroups,
+    expert_share,
+)
 from hybrid.experts.streamed_experts import StreamedExperts, piece_experts  # noqa: E402
 
 
@@ -62,23 +75,42 @@ SHAPES = {
 FIELDS = ("w13_data", "w2_data", "w13_scales", "w2_scales", "w13_comp", "w2_comp", "w13_flags", "w2_flags")
 
 
-def synthetic_pack(path: Path, s: Shape, layers: int) -> dict[int, PackedExperts]:
-    """A pack file of `layers` layers, each expert a copy of one packed random expert; mapped read-only."""
+def one_expert(s: Shape) -> PackedExperts:
     g = torch.Generator().manual_seed(0)
     w = lambda n, k: [torch.randn(n, k, generator=g) * 0.05]  # noqa: E731
-    one = pack_experts(w(s.inter, s.hidden), w(s.inter, s.hidden), w(s.hidden, s.inter), s.fmt)
-    spans = {}
+    return pack_experts(w(s.inter, s.hidden), w(s.inter, s.hidden), w(s.hidden, s.inter), s.fmt)
+
+
+def layout(one: PackedExperts, s: Shape, layers: int) -> dict[tuple[int, str], int]:
+    """Offsets of every (layer, field) run of experts in the pack file, 64-byte aligned."""
+    spans, pos = {}, 0
+    for layer in range(layers):
+        for field in FIELDS:
+            t = getattr(one, field)
+            if t is not None:
+                pos += -pos % 64
+                spans[layer, field] = pos
+                pos += t.nbytes * s.experts
+    return spans
+
+
+def synthetic_pack(path: Path, s: Shape, layers: int) -> dict[int, PackedExperts]:
+    """A pack file of `layers` layers, each expert a copy of one packed random expert; mapped read-only."""
+    one = one_expert(s)
+    spans = layout(one, s, layers)
     with open(path, "wb") as f:
-        for layer in range(layers):
-            for field in FIELDS:
-                t = getattr(one, field)
-                if t is None:
-                    continue
-                f.write(b"\0" * (-f.tell() % 64))
-                spans[layer, field] = (f.tell(), t)
-                raw = t.contiguous().view(torch.uint8).numpy().tobytes()
-                for _ in range(s.experts):
-                    f.write(raw)
+        for (layer, field), off in spans.items():
+            f.write(b"\0" * (off - f.tell()))
+            raw = getattr(one, field).contiguous().view(torch.uint8).numpy().tobytes()
+            for _ in range(s.experts):
+                f.write(raw)
+    return mapped_pack(path, s, layers, one)
+
+
+def mapped_pack(path: Path, s: Shape, layers: int, one: PackedExperts | None = None) -> dict[int, PackedExperts]:
+    """The pack file written by synthetic_pack, mapped read-only (as the expert process maps a pack)."""
+    one = one or one_expert(s)
+    spans = {key: (off, getattr(one, key[1])) for key, off in layout(one, s, layers).items()}
     mm = np.memmap(path, dtype=np.uint8, mode="r")
     warnings.simplefilter("ignore", UserWarning)  # read-only shared mapping: nothing writes it
     pack = {}
@@ -150,7 +182,14 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=3, help="MoE layers in the synthetic pack")
     ap.add_argument("--tokens", type=int, help="tokens of the prefill pass (default: 8192 on a GPU, 64 here)")
     ap.add_argument("--dir", help="where to write the synthetic pack (default: a temporary directory)")
+    for hidden in ("--serve-rank", "--world", "--port"):  # an expert rank of the SmallEP pass (started by it)
+        ap.add_argument(hidden, type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--pack-file", help=argparse.SUPPRESS)
+    ap.add_argument("--device", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.serve_rank:
+        serve_rank(a)
+        return
     s = SHAPES[a.shape]
     tokens = a.tokens or (8192 if DEVICE.type == "cuda" else 64)
     dtype = torch.bfloat16
@@ -225,8 +264,80 @@ def main() -> None:
         print(f"predicted MoE time of a 32K prompt over {s.model_layers} layers: {ttft:.1f} s streamed (copy "
               f"{copy_total:.1f} s, compute {compute_total:.1f} s) vs {s.model_layers * rates.cpu_s(32768):.1f} s on "
               "the CPU (attention and dense layers not included)")
-        print("SmallEP (two devices, half the experts each): not built yet -- not measured")
         streamed.close()
+        devices = small_ep_devices()
+        if devices is None:
+            print("SmallEP: needs two GPUs, this machine has one -- not measured")
+            return
+        sep_s, exchange_s, moved = small_ep_pass(Path(tmp) / "experts.bin", a, pack, cpu_experts, (dx, di, dw),
+                                                 devices)
+        half = SlpRates(best_rate, compute_s / tokens / len(devices), cpu_s / tokens,
+                        -(-layer_bytes // len(devices)), exchange_s / tokens)
+        print(f"SmallEP pass over {len(devices)} {'GPUs' if DEVICE.type == 'cuda' else 'CPU processes'}: "
+              f"{sep_s * 1e3:.1f} ms per layer = {tokens / sep_s:.0f} tokens/s per layer "
+              f"({pass_s / sep_s:.2f}x the one-device pass), {moved / len(layers) / 1e9:.3f} GB streamed per layer "
+              f"over all devices; exchange of the layer's tokens {exchange_s * 1e3:.1f} ms; bound max(share's copy, "
+              f"share's compute + exchange) {half.stream_s(tokens) * 1e3:.1f} ms = {half.stream_s(tokens) / sep_s:.2f}"
+              " of bound")
+        print(f"predicted MoE time of a 32K prompt over {s.model_layers} layers with SmallEP: "
+              f"{s.model_layers * half.stream_s(32768):.1f} s; crossover {half.crossover() or 'never'}")
+
+
+def small_ep_devices() -> list[torch.device] | None:
+    """Two GPUs, or two CPU processes playing them; None on a one-GPU machine."""
+    if DEVICE.type == "cpu":
+        return [DEVICE, DEVICE]
+    if torch.cuda.device_count() < 2:
+        return None
+    return [torch.device("cuda:0"), torch.device("cuda:1")]
+
+
+def small_ep_pass(path: Path, a, pack, cpu_experts, batch, devices) -> tuple[float, float, int]:
+    """A pass split over an expert rank per further device (this script again, --serve-rank): seconds per layer
+    (after a warm-up pass), seconds of one exchange of the pass's tokens, bytes streamed by all devices."""
+    s = SHAPES[a.shape]
+    world = len(devices)
+    store = dist.TCPStore("127.0.0.1", 0, world, True, timeout=JOIN_TIMEOUT, wait_for_workers=False)
+    procs = [subprocess.Popen([sys.executable, __file__, "--shape", a.shape, "--layers", str(a.layers),
+                               "--serve-rank", str(r), "--world", str(world), "--port", str(store.port),
+                               "--pack-file", str(path), "--device", str(devices[r])]) for r in range(1, world)]
+    peers = ExpertPeers(PeerGroups(store, 0, world, devices[0], PEER_TIMEOUT), procs, s.hidden, s.top_k)
+    share = expert_share(s.experts, world, 0)
+    stream = ExpertStream(pack, devices[0], piece_experts(devices[0], device_expert_bytes(pack[0]), len(share)))
+    sep = StreamedExperts(cpu_experts, stream, SlpPolicy(1), list(pack), s.top_k, share, peers=peers)
+    x, ids, w = batch
+    try:
+        times = []
+        for _ in range(2):
+            before = sep.stats.streamed_bytes
+            sync()
+            start = time.perf_counter()
+            sep.begin_pass(x.shape[0], x.shape[0])
+            for layer in pack:
+                sep.submit(layer, x, ids, w)()
+            sep.end_pass()
+            times.append((time.perf_counter() - start) / len(pack))
+        moved = sep.stats.streamed_bytes - before
+        start = time.perf_counter()
+        peers.probe(x.shape[0], x.dtype, devices[0])
+        sync()
+        exchange_s = time.perf_counter() - start
+    finally:
+        sep.close()
+    return times[-1], exchange_s, moved
+
+
+def serve_rank(a) -> None:
+    """An expert rank of small_ep_pass: its share of the same mapped pack, served until rank 0 stops it."""
+    s = SHAPES[a.shape]
+    device = torch.device(a.device)
+    pack = mapped_pack(Path(a.pack_file), s, a.layers)
+    share = expert_share(s.experts, a.world, a.serve_rank)
+    stream = ExpertStream(pack, device, piece_experts(device, device_expert_bytes(pack[0]), len(share)))
+    experts = StreamedExperts(None, stream, SlpPolicy(1), list(pack), s.top_k, share)
+    store = dist.TCPStore("127.0.0.1", a.port, a.world, False, timeout=JOIN_TIMEOUT)
+    serve(experts, PeerGroups(store, a.serve_rank, a.world, device, IDLE_TIMEOUT), s.hidden, s.top_k, torch.bfloat16)
+    experts.close()
 
 
 if __name__ == "__main__":

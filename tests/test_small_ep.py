@@ -15,8 +15,7 @@ import pytest
 import torch
 from conftest import prompt_ids
 from daemon_harness import MODEL, Daemon, free_port, openai_client
-from test_models_vs_transformers import reference
-from test_streamed_prefill import NEW_TOKENS, cpu_only, greedy
+from test_streamed_prefill import expected, greedy
 
 from hybrid import LLM, SamplingParams
 from hybrid.config import ConfigError, EngineConfig, ModelConfig
@@ -35,11 +34,7 @@ def small_ep(model, **kw) -> LLM:
 def test_two_ranks_match_transformers_and_cpu_only(any_model):
     """Every prefill streams, split over two ranks; prompts shorter and longer than a pass, three in flight, so
     decode rows of earlier requests ride along in later streamed passes."""
-    want = cpu_only(any_model, PROMPTS)
-    ref = reference(any_model)
-    with torch.no_grad():
-        assert want == [ref.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                                     do_sample=False)[0, len(p):].tolist() for p in PROMPTS]
+    want = expected(any_model, PROMPTS)
     llm = small_ep(any_model)
     runner = llm.engine.runner
     experts = runner.experts
@@ -86,7 +81,7 @@ def test_a_lost_expert_rank_leaves_rank_0_streaming_everything(model_dirs):
     """The expert rank dies between requests: the next pass notices, rank 0 takes every expert and the tokens do
     not change."""
     model = model_dirs["tiny-qwen3-moe"]
-    want = cpu_only(model, PROMPTS)
+    want = expected(model, PROMPTS)
     llm = small_ep(model)
     experts = llm.engine.runner.experts
     try:
@@ -157,7 +152,7 @@ def test_a_gpu_listed_twice_is_refused(model_dirs):
 def test_small_ep_on_two_gpus_matches_cpu_only(model_dirs):
     """The CUDA path: an expert rank on GPU 1, layer data and partial sums over NCCL."""
     model = model_dirs["tiny-deepseek-v3-fp8"]
-    want = cpu_only(model, PROMPTS)
+    want = expected(model, PROMPTS)
     llm = LLM(model, dtype="float32", gpus=[0, 1], slp_threshold=1, slp_max_tokens=16, max_num_batched_tokens=16)
     try:
         outs = greedy(llm, PROMPTS)

@@ -27,6 +27,7 @@ from hybrid.experts.small_ep import (
     PeerGroups,
     expert_share,
     payload_bytes,
+    ready_key,
     unpack_layer,
 )
 from hybrid.triton_env import prepare_triton
@@ -47,7 +48,8 @@ def build(engine: EngineConfig, rank: int, world: int, device: torch.device):
     pack = load_pack(pack_dir, model, fmt)
     first = next(iter(pack.values()))
     owned = expert_share(first.num_experts, world, rank)
-    stream = ExpertStream(pack, device, piece_experts(device, device_expert_bytes(first), len(owned)), engine.slp_copy)
+    stream = ExpertStream(pack, device, piece_experts(device, device_expert_bytes(first), len(owned)), engine.slp_copy,
+                          range(owned[0], owned[-1] + 1))
     experts = StreamedExperts(None, stream, SlpPolicy(1), model.moe_layers, model.num_experts_per_tok, owned)
     return experts, model
 
@@ -85,8 +87,9 @@ def main() -> None:
     rank, world, device = args["rank"], args["world"], torch.device(args["device"])
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    experts, model = build(engine, rank, world, device)
     store = dist.TCPStore("127.0.0.1", args["port"], world, False, timeout=JOIN_TIMEOUT)
+    experts, model = build(engine, rank, world, device)
+    store.set(ready_key(rank), "1")
     groups = PeerGroups(store, rank, world, device, IDLE_TIMEOUT)
     log.info("SmallEP rank %d of %d on %s: experts %d..%d of every MoE layer", rank, world, device,
              experts.owned[0], experts.owned[-1])

@@ -57,7 +57,10 @@ class _Buffer:
 class ExpertStream:
     """Copies pieces of layers from `pack` ({layer: PackedExperts}, mapped) to `device`."""
 
-    def __init__(self, pack: dict, device: torch.device, piece_experts: int, copy: str = "auto"):
+    def __init__(self, pack: dict, device: torch.device, piece_experts: int, copy: str = "auto",
+                 share: range | None = None):
+        """`share`: the run of expert ids this device streams (SmallEP), the only part registered with CUDA; the
+        rest, should this device ever stream it, is copied from pageable memory."""
         if copy not in COPY_MODES:
             raise ValueError(f"slp copy mode must be one of {', '.join(COPY_MODES)}, got {copy!r}")
         if piece_experts < 1:
@@ -65,6 +68,7 @@ class ExpertStream:
         self.pack, self.device = pack, device
         first = next(iter(pack.values()))
         self.num_experts = first.num_experts
+        self.share = range(self.num_experts) if share is None else share
         self.piece_experts = min(piece_experts, self.num_experts)
         self.expert_bytes = device_expert_bytes(first)
         self.cuda = device.type == "cuda"
@@ -92,8 +96,10 @@ class ExpertStream:
 
     def _register(self) -> None:
         cudart = torch.cuda.cudart()
+        run = slice(self.share.start, self.share.stop)
         for packed in self.pack.values():
-            spans = [(t.data_ptr(), t.data_ptr() + t.nbytes) for f in FIELDS if (t := getattr(packed, f)) is not None]
+            spans = [(t[run].data_ptr(), t[run].data_ptr() + t[run].nbytes) for f in FIELDS
+                     if (t := getattr(packed, f)) is not None]
             start, end = min(s for s, _ in spans), max(e for _, e in spans)
             err = cudart.cudaHostRegister(start, end - start, HOST_REGISTER_READ_ONLY)
             if int(err) != 0:

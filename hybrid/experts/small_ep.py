@@ -22,6 +22,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from datetime import timedelta
 
 import torch
@@ -34,7 +35,8 @@ log = logging.getLogger(__name__)
 
 PASS, LAYER, END, STOP, PROBE = 1, 2, 3, 4, 5
 HEADER = 4  # int64 fields: op, then op-specific (PASS: tokens, longest prefill; LAYER / PROBE: layer, tokens)
-JOIN_TIMEOUT = timedelta(seconds=120)  # expert ranks start, map the pack and connect within this
+JOIN_TIMEOUT = timedelta(seconds=120)  # ranks reach the store and, once built, connect within this
+BUILD_TIMEOUT_S = 1800  # an expert rank maps (on CUDA: registers) its share of the pack within this
 PEER_TIMEOUT = timedelta(seconds=300)  # rank 0 waits this long for an expert rank's part of a layer
 IDLE_TIMEOUT = timedelta(days=365)  # an expert rank waits for the next pass however long the daemon stays idle
 
@@ -52,6 +54,11 @@ def rank_devices(engine: EngineConfig) -> list[torch.device]:
     if engine.device == "cpu":
         return [torch.device("cpu")] * len(engine.gpus)
     return [torch.device(engine.device)] + [torch.device(f"cuda:{g}") for g in engine.gpus[1:]]
+
+
+def ready_key(rank: int) -> str:
+    """The store key an expert rank sets once its share is mapped and its buffers exist."""
+    return f"ready/{rank}"
 
 
 def payload_bytes(tokens: int, hidden: int, top_k: int, dtype: torch.dtype) -> int:
@@ -183,6 +190,21 @@ class ExpertPeers:
             p.wait()
 
 
+def _wait_ready(store: dist.Store, processes: list[subprocess.Popen]) -> None:
+    """Until every expert rank has built its share (which can take minutes for a large pack on CUDA), failing at
+    once if one exits."""
+    deadline = time.monotonic() + BUILD_TIMEOUT_S
+    keys = [ready_key(rank) for rank in range(1, len(processes) + 1)]
+    while not store.check(keys):
+        for rank, p in enumerate(processes, start=1):
+            if p.poll() is not None:
+                raise CommunicationError(f"expert rank {rank} exited with code {p.returncode} while starting "
+                                         "(its log is the engine's)")
+        if time.monotonic() > deadline:
+            raise CommunicationError(f"the expert ranks did not build their shares within {BUILD_TIMEOUT_S} s")
+        time.sleep(0.05)
+
+
 def start_expert_ranks(engine: EngineConfig, hidden: int, top_k: int) -> ExpertPeers:
     """Starts an expert rank per GPU after the first (`python -m hybrid.experts.expert_rank`) and joins them."""
     from cpu_kernels.thread_pool import unpin_child
@@ -200,13 +222,13 @@ def start_expert_ranks(engine: EngineConfig, hidden: int, top_k: int) -> ExpertP
         processes.append(subprocess.Popen([sys.executable, "-m", "hybrid.experts.expert_rank", arg],
                                           preexec_fn=unpin_child, env=dict(os.environ)))
     try:
+        _wait_ready(store, processes)
         groups = PeerGroups(store, 0, world, devices[0], PEER_TIMEOUT)
-    except RuntimeError as e:
+    except (RuntimeError, CommunicationError) as e:
         for p in processes:
             p.kill()
             p.wait()
-        codes = ", ".join(f"rank {i + 1}: exit {p.returncode}" for i, p in enumerate(processes))
-        raise CommunicationError(f"SmallEP: the expert ranks did not join ({codes}): {e}") from e
+        raise CommunicationError(f"SmallEP: the expert ranks did not join: {e}") from e
     log.info("SmallEP: %d ranks (%s), each streaming its share of every layer's experts",
              world, ", ".join(map(str, devices)))
     return ExpertPeers(groups, processes, hidden, top_k)

@@ -292,7 +292,8 @@ def streamed_experts(engine, model, cpu: Experts, dtype: torch.dtype, device: to
     first = next(iter(pack.values()))
     ranks = len(engine.gpus)
     owned = expert_share(first.num_experts, ranks, 0)
-    stream = ExpertStream(pack, device, piece_experts(device, device_expert_bytes(first), len(owned)), engine.slp_copy)
+    stream = ExpertStream(pack, device, piece_experts(device, device_expert_bytes(first), len(owned)), engine.slp_copy,
+                          range(owned[0], owned[-1] + 1))
     pass_tokens = engine.slp_max_tokens or max_pass_tokens(device, model, dtype,
                                                            stream.piece_experts * stream.expert_bytes)
     policy = SlpPolicy(engine.slp_threshold)
