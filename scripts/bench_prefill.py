@@ -41,6 +41,7 @@ if DEVICE.type == "cpu":
 
 from cpu_kernels.moe import PackedExperts, kernel_isa_name, pack_experts  # noqa: E402
 from cpu_kernels.moe import fused_moe as cpu_fused_moe  # noqa: E402
+from cpu_kernels.thread_pool import unpin_child  # noqa: E402
 from gpu.fused_moe import fused_moe  # noqa: E402
 from hybrid.experts.expert_rank import serve  # noqa: E402
 from hybrid.experts.expert_stream import ExpertStream, device_expert_bytes  # noqa: E402
@@ -300,7 +301,8 @@ def small_ep_pass(path: Path, a, pack, cpu_experts, batch, devices) -> tuple[flo
     store = dist.TCPStore("127.0.0.1", 0, world, True, timeout=JOIN_TIMEOUT, wait_for_workers=False)
     procs = [subprocess.Popen([sys.executable, __file__, "--shape", a.shape, "--layers", str(a.layers),
                                "--serve-rank", str(r), "--world", str(world), "--port", str(store.port),
-                               "--pack-file", str(path), "--device", str(devices[r])]) for r in range(1, world)]
+                               "--pack-file", str(path), "--device", str(devices[r])], preexec_fn=unpin_child)
+             for r in range(1, world)]  # unpin_child: the CPU kernels pinned this thread to one core
     peers = ExpertPeers(PeerGroups(store, 0, world, devices[0], PEER_TIMEOUT), procs, s.hidden, s.top_k)
     share = expert_share(s.experts, world, 0)
     stream = ExpertStream(pack, devices[0], piece_experts(devices[0], device_expert_bytes(pack[0]), len(share)))
