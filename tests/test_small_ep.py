@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import prompt_ids
 from daemon_harness import MODEL, Daemon, free_port, openai_client
-from test_streamed_prefill import expected, greedy
+from test_streamed_prefill import count_mixed_steps, expected, greedy
 
 from hybrid import LLM, SamplingParams
 from hybrid.config import ConfigError, EngineConfig, ModelConfig
@@ -40,15 +40,7 @@ def test_two_ranks_match_transformers_and_cpu_only(any_model):
     experts = runner.experts
     config = ModelConfig.from_dir(any_model)
     assert experts.devices == 2 and experts.owned == expert_share(config.num_experts, 2, 0)
-    mixed = {"streamed steps with decode rows": 0}
-    execute = runner._execute
-
-    def watched(batch, all_logits, split):
-        logits = execute(batch, all_logits, split)
-        if runner.step_streamed_bytes and any(item.seq.num_completion_tokens for item in batch):
-            mixed["streamed steps with decode rows"] += 1
-        return logits
-    runner._execute = watched
+    mixed = count_mixed_steps(runner)
     try:
         outs = greedy(llm, PROMPTS)
         stats = experts.stats

@@ -39,6 +39,20 @@ def cpu_only(model, prompts: list[list[int]]) -> list[list[int]]:
         cpu.close()
 
 
+def count_mixed_steps(runner) -> dict[str, int]:
+    """Counts, from now on, the runner's steps that streamed experts with decode rows of other requests in them."""
+    mixed = {"streamed steps with decode rows": 0}
+    execute = runner._execute
+
+    def watched(batch, all_logits, split):
+        logits = execute(batch, all_logits, split)
+        if runner.step_streamed_bytes and any(item.seq.num_completion_tokens for item in batch):
+            mixed["streamed steps with decode rows"] += 1
+        return logits
+    runner._execute = watched
+    return mixed
+
+
 _EXPECTED: dict[tuple, list[list[int]]] = {}
 
 
@@ -64,15 +78,7 @@ def test_every_prefill_streams_and_matches(any_model):
     llm = LLM(any_model, dtype="float32", gpus=[0], attn_device="cpu", slp_threshold=1, slp_max_tokens=16,
               max_num_batched_tokens=16)
     runner = llm.engine.runner
-    mixed = {"streamed steps with decode rows": 0}
-    execute = runner._execute
-
-    def watched(batch, all_logits, split):
-        logits = execute(batch, all_logits, split)
-        if runner.step_streamed_bytes and any(item.seq.num_completion_tokens for item in batch):
-            mixed["streamed steps with decode rows"] += 1
-        return logits
-    runner._execute = watched
+    mixed = count_mixed_steps(runner)
     try:
         outs = greedy(llm, prompts)
         stats = runner.experts.stats
