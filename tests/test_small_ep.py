@@ -94,7 +94,7 @@ def test_auto_measures_the_exchange_between_ranks(model_dirs):
     llm = LLM(model_dirs["tiny-qwen3-moe"], dtype="float32", gpus=[0, 1], attn_device="cpu")
     try:
         rates = llm.engine.runner.experts.policy.rates
-        assert rates.comm_s_per_token > 0 and rates.device_s_per_token > 0
+        assert rates.comm_s_per_token + rates.comm_s_per_layer > 0 and rates.device_s_per_token > 0
         assert llm.engine.runner.experts.policy.min_tokens() == rates.crossover()
     finally:
         llm.close()
@@ -183,3 +183,35 @@ def test_a_daemon_on_two_devices(tmp_path):
     want = llm.chat(messages, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].text
     llm.close()
     assert streamed == want
+
+
+def test_each_device_registers_only_its_share(model_dirs):
+    """The spans a device registers with CUDA (computed here without CUDA): page-aligned, disjoint, covering every
+    byte of its share of every field it copies, and for half the experts about half the pack's device bytes."""
+    from hybrid.experts.expert_stream import FIELDS, register_spans
+    from hybrid.experts.pack import engine_pack, load_pack
+
+    model = model_dirs["tiny-deepseek-v3-fp8"]
+    llm = LLM(model, dtype="float32", experts="inline")  # packs it
+    llm.close()
+    config = ModelConfig.from_dir(model)
+    pack = load_pack(engine_pack(config)[1], config)
+    page = os.sysconf("SC_PAGE_SIZE")
+    whole = sum(b - a for a, b in register_spans(pack, range(config.num_experts)))
+    for rank in range(2):
+        share = expert_share(config.num_experts, 2, rank)
+        spans = register_spans(pack, range(share[0], share[-1] + 1))
+        assert all(a % page == 0 and b % page == 0 and a < b for a, b in spans)
+        assert all(b1 < a2 for (_, b1), (a2, _) in zip(spans, spans[1:]))
+        for packed in pack.values():
+            for f in FIELDS:
+                t = getattr(packed, f)
+                if t is not None:
+                    lo, hi = t[share[0]].data_ptr(), t[share[-1]].data_ptr() + t[share[-1]].nbytes
+                    assert any(a <= lo and hi <= b for a, b in spans)
+        assert sum(b - a for a, b in spans) < 0.75 * whole
+
+
+def test_attention_on_another_gpu_than_the_first_is_refused(model_dirs):
+    with pytest.raises(ConfigError, match="first .* runs attention"):
+        EngineConfig(model=model_dirs["tiny-qwen3-moe"], gpus=[0, 1], attn_device="cuda:1")

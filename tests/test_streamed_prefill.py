@@ -176,6 +176,18 @@ def test_crossover_from_rates():
     assert SlpPolicy(64).streams(64) and not SlpPolicy("off").streams(10**9)
 
 
+def test_crossover_with_an_exchange_between_devices():
+    """SmallEP's rates: the exchange adds per token and per layer; the crossover is where streaming's
+    max(copy, compute + exchange) first beats the CPU, and never when the per-token costs alone do not."""
+    copy_bound = SlpRates(50e9, 1e-6, 20e-6, 1_000_000_000, comm_s_per_token=2e-6, comm_s_per_layer=1e-3)
+    latency_bound = SlpRates(50e9, 1e-6, 20e-6, 1_000_000, comm_s_per_token=2e-6, comm_s_per_layer=0.01)
+    for r in (copy_bound, latency_bound):
+        t = r.crossover()
+        assert r.stream_s(t) <= r.cpu_s(t) and r.stream_s(t - 1) > r.cpu_s(t - 1)
+    assert copy_bound.crossover() == 1_000 and latency_bound.crossover() == 589
+    assert SlpRates(50e9, 1e-6, 20e-6, 10, comm_s_per_token=19e-6).crossover() is None
+
+
 @pytest.mark.parametrize("bad", ["0", "-3", "fast", "1.5", 0])
 def test_bad_thresholds_are_refused(bad):
     with pytest.raises(ValueError, match="slp_threshold must be auto, off or a token count"):

@@ -158,11 +158,14 @@ class EngineConfig:
                 and max(self.gpus) >= torch.cuda.device_count():
             raise ConfigError(f"gpus {self.gpus}: torch sees {torch.cuda.device_count()} GPU(s)")
         device = self.attn_device or f"cuda:{self.gpus[0]}"
+        if device not in ("cpu",) and not device.startswith("cuda"):
+            raise ConfigError(f"attn_device must be cpu or cuda[:N], got {device!r}")
+        if len(self.gpus) > 1 and device != "cpu" and (torch.device(device).index or 0) != self.gpus[0]:
+            raise ConfigError(f"with several --gpus the first (cuda:{self.gpus[0]}) runs attention and holds the KV "
+                              f"cache; --attn-device {device} would put two ranks on one GPU")
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError(f"--gpus {','.join(map(str, self.gpus))} needs CUDA, and torch sees no GPU here; "
                               "use --cpu-only, or --attn-device cpu to run the hybrid path with the CPU as device")
-        if device not in ("cpu",) and not device.startswith("cuda"):
-            raise ConfigError(f"attn_device must be cpu or cuda[:N], got {device!r}")
         self.device, self.backend, self.experts = device, "torch", "process"
         if self.attention == "auto":
             self.attention = "triton"

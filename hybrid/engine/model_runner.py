@@ -39,6 +39,8 @@ class ModelRunner:
             raise ConfigError("the cpu kernels compute in bfloat16 or float32, not float16: use dtype=bfloat16 "
                               "(--dtype bfloat16), or backend=torch")
         self.device = torch.device(engine_config.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # Triton launches on the current device, whatever its tensors' are
         self.block_size = engine_config.block_size
         self.overlap = engine_config.hybrid and engine_config.overlap != "off"
         self.overlap_policy = OverlapPolicy(engine_config.overlap if self.overlap else "off")

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import sys
+import threading
 
 import torch
 import torch.distributed as dist
 
 from hybrid.config import EngineConfig, ModelConfig
+from hybrid.experts.process.server import exit_with_parent
 from hybrid.experts.small_ep import (
     END,
     HEADER,
@@ -67,10 +70,10 @@ def serve(experts, groups: PeerGroups, hidden: int, top_k: int, dtype: torch.dty
             pass_bytes = experts.streamed_bytes
         elif op in (LAYER, PROBE):
             buf = torch.empty(payload_bytes(b, hidden, top_k, dtype), dtype=torch.uint8, device=device)
-            groups.broadcast(buf)
+            groups.broadcast(buf).wait()
             x, ids, weights = unpack_layer(buf, b, hidden, top_k, dtype)
             out = experts.submit(a, x, ids, weights)() if op == LAYER else torch.zeros_like(x)
-            groups.reduce(out)
+            groups.reduce(out).wait()
         elif op == END:
             experts.end_pass()
             groups.reduce_count(experts.streamed_bytes - pass_bytes)
@@ -80,9 +83,12 @@ def serve(experts, groups: PeerGroups, hidden: int, top_k: int, dtype: torch.dty
             raise RuntimeError(f"unknown SmallEP header op {op}")
 
 
-def main() -> None:
+def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s expert-rank %(levelname)s %(message)s")
     args = json.loads(sys.argv[1])
+    # SIGKILL: a rank whose engine died may sit in a CUDA call that a gentler signal would wait for
+    threading.Thread(target=exit_with_parent, args=(args["parent"], signal.SIGKILL), daemon=True).start()
+    torch.set_num_threads(1)  # its host work is bookkeeping: idle OpenMP workers would spin on the engine's cores
     engine = EngineConfig(**args["engine"])
     rank, world, device = args["rank"], args["world"], torch.device(args["device"])
     if device.type == "cuda":
@@ -97,9 +103,12 @@ def main() -> None:
         serve(experts, groups, model.hidden_size, model.num_experts_per_tok, engine.torch_dtype(model))
     except Exception as e:  # rank 0 is gone (its sockets closed), or this rank failed: rank 0 carries on alone
         log.warning("SmallEP rank %d stops: %s: %s", rank, type(e).__name__, e)
+        groups.abort()
+        return 1
     finally:
         experts.close()
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -16,6 +16,7 @@ calls in the same order, without streams.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +41,20 @@ class Piece:
 def device_expert_bytes(packed) -> int:
     """Bytes of one expert that a piece copies (`packed`: a layer's PackedExperts)."""
     return sum(getattr(packed, f)[0].nbytes for f in FIELDS if getattr(packed, f) is not None)
+
+
+def register_spans(pack: dict, share: range, page: int = os.sysconf("SC_PAGE_SIZE")) -> list[tuple[int, int]]:
+    """Page-aligned, merged [start, end) address spans covering experts `share` of every field the device copies."""
+    run = slice(share.start, share.stop)
+    spans = sorted((t[run].data_ptr() // page * page, -(-(t[run].data_ptr() + t[run].nbytes) // page) * page)
+                   for packed in pack.values() for f in FIELDS if (t := getattr(packed, f)) is not None)
+    merged: list[tuple[int, int]] = []
+    for start, end in spans:
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
 
 
 class _Buffer:
@@ -95,12 +110,10 @@ class ExpertStream:
         return "bounce"
 
     def _register(self) -> None:
+        """Registers the pages holding this device's share of every field of every layer (fields share pages at
+        their ends, so page-rounded spans are merged: a page can be registered once)."""
         cudart = torch.cuda.cudart()
-        run = slice(self.share.start, self.share.stop)
-        for packed in self.pack.values():
-            spans = [(t[run].data_ptr(), t[run].data_ptr() + t[run].nbytes) for f in FIELDS
-                     if (t := getattr(packed, f)) is not None]
-            start, end = min(s for s, _ in spans), max(e for _, e in spans)
+        for start, end in register_spans(self.pack, self.share):
             err = cudart.cudaHostRegister(start, end - start, HOST_REGISTER_READ_ONLY)
             if int(err) != 0:
                 raise RuntimeError(f"cudaHostRegister returned {int(err)}")

@@ -1,11 +1,13 @@
 """When a prefill streams its experts to the device (SLP) instead of running them on the CPU, from measured rates.
 
 Per MoE layer and pass of T tokens, the CPU costs T * cpu_s (its measured seconds per token and layer), streaming
-costs max(layer_bytes / h2d, T * (device_s + comm_s)): the copy of layer L + 1 overlaps the compute of layer L, so a
+costs max(layer_bytes / h2d, T * (device_s + comm_s) + comm_layer_s): the copy of layer L + 1 overlaps the compute
+of layer L, so a
 pass is bound by the slower of the two. With SmallEP, layer_bytes and device_s are one device's share (the devices
 copy and compute side by side) and comm_s is sending a layer's tokens to the other devices and summing their outputs
-back (0 with one device). Streaming wins from T* = layer_bytes / (h2d * cpu_s) tokens on, if the device's per-token
-cost is below the CPU's (else never). `auto` starts from probes taken when the engine starts and follows
+back, per token and per layer (0 with one device). Streaming wins from T* = max(layer_bytes / (h2d * cpu_s),
+comm_layer_s / (cpu_s - device_s - comm_s)) tokens on, if the device's per-token cost is below the CPU's (else
+never). `auto` starts from probes taken when the engine starts and follows
 the times of the passes it serves; a number forces the threshold; `off` never streams.
 """
 
@@ -30,22 +32,26 @@ class SlpRates:
     cpu_s_per_token: float
     layer_bytes: int
     comm_s_per_token: float = 0.0
+    comm_s_per_layer: float = 0.0  # SmallEP's fixed cost of a layer's exchange (headers, collective latency)
 
     def __post_init__(self) -> None:
         if self.h2d_bytes_per_s <= 0 or self.layer_bytes <= 0:
             raise ValueError("SLP rates need a positive bandwidth and layer size")
 
     def stream_s(self, tokens: int) -> float:
-        return max(self.layer_bytes / self.h2d_bytes_per_s, tokens * (self.device_s_per_token + self.comm_s_per_token))
+        compute = tokens * (self.device_s_per_token + self.comm_s_per_token) + self.comm_s_per_layer
+        return max(self.layer_bytes / self.h2d_bytes_per_s, compute)
 
     def cpu_s(self, tokens: int) -> float:
         return tokens * self.cpu_s_per_token
 
     def crossover(self) -> int | None:
         """The fewest tokens per pass for which streaming is faster, None when it never is."""
-        if self.device_s_per_token + self.comm_s_per_token >= self.cpu_s_per_token:
+        margin = self.cpu_s_per_token - self.device_s_per_token - self.comm_s_per_token
+        if margin <= 0:
             return None
-        return max(1, math.ceil(self.layer_bytes / (self.h2d_bytes_per_s * self.cpu_s_per_token)))
+        return max(1, math.ceil(self.layer_bytes / (self.h2d_bytes_per_s * self.cpu_s_per_token)),
+                   math.ceil(self.comm_s_per_layer / margin))
 
 
 @dataclass

@@ -84,62 +84,82 @@ def unpack_layer(buf: torch.Tensor, tokens: int, hidden: int, top_k: int,
 class PeerGroups:
     """The two groups of a SmallEP run: control (gloo, CPU headers and counts) and data (NCCL between GPUs, gloo
     on the CPU). Built straight from backend classes, so an engine holds its own groups and touches no global
-    torch.distributed state."""
+    torch.distributed state. Data operations return their Work: waiting on an NCCL one only orders the current
+    stream after it, so whoever must know that it finished polls it (`finish`)."""
 
     def __init__(self, store: dist.Store, rank: int, world: int, device: torch.device, timeout: timedelta):
         self.rank, self.world, self.device, self.store = rank, world, device, store
         self.control = dist.ProcessGroupGloo(dist.PrefixStore("control/", store), rank, world, timeout)
         if device.type == "cuda":
+            # a failed collective aborts the communicator and leaves this process alive (the default tears it
+            # down): rank 0 then carries on without the expert ranks
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
             options = dist.ProcessGroupNCCL.Options()
             options.is_high_priority_stream = False
-            options._timeout = timeout
+            options._timeout = timeout * 2  # rank 0's own deadline (finish) comes first
             self.data = dist.ProcessGroupNCCL(dist.PrefixStore("data/", store), rank, world, options)
         else:
             self.data = dist.ProcessGroupGloo(dist.PrefixStore("data/", store), rank, world, timeout)
 
-    @staticmethod
-    def _broadcast(group, t: torch.Tensor) -> None:
-        opts = dist.BroadcastOptions()
-        opts.rootRank = 0
-        group.broadcast([t], opts).wait()
-
-    @staticmethod
-    def _reduce(group, t: torch.Tensor) -> None:
-        opts = dist.ReduceOptions()
-        opts.rootRank, opts.reduceOp = 0, dist.ReduceOp.SUM
-        group.reduce([t], opts).wait()
-
     def header(self, t: torch.Tensor) -> None:
         """Rank 0's int64 [HEADER] header, on every rank."""
-        self._broadcast(self.control, t)
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        self.control.broadcast([t], opts).wait()
 
-    def broadcast(self, t: torch.Tensor) -> None:
-        self._broadcast(self.data, t)
+    def broadcast(self, t: torch.Tensor) -> dist.Work:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        return self.data.broadcast([t], opts)
 
-    def reduce(self, t: torch.Tensor) -> None:
+    def reduce(self, t: torch.Tensor) -> dist.Work:
         """Sums `t` over the ranks into rank 0's `t` (the others' are left undefined)."""
-        self._reduce(self.data, t)
+        opts = dist.ReduceOptions()
+        opts.rootRank, opts.reduceOp = 0, dist.ReduceOp.SUM
+        return self.data.reduce([t], opts)
 
     def reduce_count(self, n: int) -> int:
         """The sum of every rank's `n`, on rank 0."""
         t = torch.tensor([n], dtype=torch.int64)
-        self._reduce(self.control, t)
+        opts = dist.ReduceOptions()
+        opts.rootRank, opts.reduceOp = 0, dist.ReduceOp.SUM
+        self.control.reduce([t], opts).wait()
         return int(t)
+
+    def abort(self) -> None:
+        """Abandons the data group's pending operations (NCCL), so nothing on a stream waits for them for ever."""
+        abort = getattr(self.data, "abort", None)
+        if self.device.type == "cuda" and abort is not None:
+            abort()
 
 
 class ExpertPeers:
     """Rank 0's side: the expert ranks it started and the groups it reaches them through. Every call raises
     CommunicationError when a rank is gone or stalled, for the caller to carry on without them."""
 
-    def __init__(self, groups: PeerGroups, processes: list[subprocess.Popen], hidden: int, top_k: int):
+    def __init__(self, groups: PeerGroups, processes: list[subprocess.Popen], hidden: int, top_k: int,
+                 deadline_s: float = PEER_TIMEOUT.total_seconds()):
         self.groups, self.processes, self.hidden, self.top_k = groups, processes, hidden, top_k
-        self.ranks = groups.world
+        self.ranks, self.deadline_s = groups.world, deadline_s
+        self._sent: tuple[torch.Tensor, dist.Work] | None = None  # the layer's buffer stays alive until summed
 
     def _call(self, what: str, fn, *args):
         try:
             return fn(*args)
         except RuntimeError as e:
             raise CommunicationError(f"SmallEP {what}: an expert rank is gone or stalled ({e})") from e
+
+    def _finish(self, what: str, work: dist.Work) -> None:
+        """Until `work` is done, failing as soon as an expert rank exits or the deadline passes."""
+        deadline = time.monotonic() + self.deadline_s
+        while not work.is_completed():
+            dead = [p.returncode for p in self.processes if p.poll() is not None]
+            if dead or time.monotonic() > deadline:
+                self.groups.abort()
+                why = f"an expert rank exited with code {dead[0]}" if dead else f"no answer in {self.deadline_s} s"
+                raise CommunicationError(f"SmallEP {what}: {why}")
+            time.sleep(0.0002)
+        self._call(what, work.wait)
 
     def _header(self, op: int, a: int = 0, b: int = 0) -> None:
         self._call("header", self.groups.header, torch.tensor([op, a, b, 0], dtype=torch.int64))
@@ -150,12 +170,19 @@ class ExpertPeers:
         self._header(PASS, num_tokens, longest_prefill)
 
     def send_layer(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> None:
+        """Sends a layer's tokens; rank 0 computes its own share meanwhile (it only reads the buffer)."""
+        buf = pack_layer(x, ids, weights)
         self._header(LAYER, layer, x.shape[0])
-        self._call("broadcast", self.groups.broadcast, pack_layer(x, ids, weights))
+        self._sent = (buf, self._call("broadcast", self.groups.broadcast, buf))
 
     def sum_into(self, out: torch.Tensor) -> None:
-        """Adds the expert ranks' partial outputs of the layer last sent to `out` (rank 0's own part)."""
-        self._call("reduce", self.groups.reduce, out)
+        """Adds the expert ranks' partial outputs of the layer last sent to `out` (rank 0's own part); every
+        sent layer must be summed, even when rank 0 failed to compute its part (pass zeros)."""
+        work = self._call("reduce", self.groups.reduce, out)
+        self._finish("reduce", work)
+        if self._sent is not None:
+            self._finish("broadcast", self._sent[1])
+            self._sent = None
 
     def end(self) -> int:
         """Closes the pass; returns the bytes the expert ranks streamed in it."""
@@ -164,11 +191,13 @@ class ExpertPeers:
 
     def probe(self, tokens: int, dtype: torch.dtype, device: torch.device) -> None:
         """One exchange of a layer's data for `tokens` tokens with no expert work: what SmallEP adds per layer."""
-        self._header(PROBE, 0, tokens)
         x = torch.zeros(tokens, self.hidden, dtype=dtype, device=device)
         ids = torch.zeros(tokens, self.top_k, dtype=torch.int32, device=device)
-        self._call("broadcast", self.groups.broadcast, pack_layer(x, ids, ids.float()))
-        self._call("reduce", self.groups.reduce, x)
+        buf = pack_layer(x, ids, ids.float())
+        self._header(PROBE, 0, tokens)
+        sent = self._call("broadcast", self.groups.broadcast, buf)
+        self._finish("reduce", self._call("reduce", self.groups.reduce, x))
+        self._finish("broadcast", sent)
 
     def close(self) -> None:
         """Stops the expert ranks (killing any that do not stop)."""
@@ -185,6 +214,7 @@ class ExpertPeers:
 
     def abandon(self) -> None:
         """Ends the expert ranks without talking to them (one failed: the others may be stuck in a collective)."""
+        self.groups.abort()
         for p in self.processes:
             p.kill()
             p.wait()
@@ -205,7 +235,7 @@ def _wait_ready(store: dist.Store, processes: list[subprocess.Popen]) -> None:
         time.sleep(0.05)
 
 
-def start_expert_ranks(engine: EngineConfig, hidden: int, top_k: int) -> ExpertPeers:
+def start_expert_ranks(engine: EngineConfig, hidden: int, top_k: int, dtype: torch.dtype) -> ExpertPeers:
     """Starts an expert rank per GPU after the first (`python -m hybrid.experts.expert_rank`) and joins them."""
     from cpu_kernels.thread_pool import unpin_child
     from hybrid.distributed.launcher import engine_config_json
@@ -217,7 +247,7 @@ def start_expert_ranks(engine: EngineConfig, hidden: int, top_k: int) -> ExpertP
     processes = []
     for rank in range(1, world):
         arg = json.dumps({"engine": config, "rank": rank, "world": world, "port": store.port,
-                          "device": str(devices[rank])})
+                          "device": str(devices[rank]), "parent": os.getpid()})
         # unpin_child: a thread the kernel pool pinned would hand its one core down
         processes.append(subprocess.Popen([sys.executable, "-m", "hybrid.experts.expert_rank", arg],
                                           preexec_fn=unpin_child, env=dict(os.environ)))
@@ -229,7 +259,13 @@ def start_expert_ranks(engine: EngineConfig, hidden: int, top_k: int) -> ExpertP
             p.kill()
             p.wait()
         raise CommunicationError(f"SmallEP: the expert ranks did not join: {e}") from e
+    peers = ExpertPeers(groups, processes, hidden, top_k)
+    try:
+        peers.probe(1, dtype, devices[0])  # NCCL connects lazily: now, not in the first pass
+    except CommunicationError:
+        peers.abandon()
+        raise
     log.info("SmallEP: %d ranks (%s), each streaming its share of every layer's experts",
              world, ", ".join(map(str, devices)))
-    return ExpertPeers(groups, processes, hidden, top_k)
+    return peers
 

@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 
 WHOLE_LAYER_COVERAGE = 0.9  # expected share of experts routed from which a pass streams whole layers ahead
 PROBE_TOKENS = 16
+EXCHANGE_SCALE = 64  # SmallEP's exchange is probed at PROBE_TOKENS and this many times as many
 
 
 @dataclass
@@ -130,10 +131,19 @@ class StreamedExperts(Experts):
             return lambda: out
         try:
             self.peers.send_layer(layer, hidden_states, topk_ids, topk_weights)
-            out = self._stream_layer(layer, hidden_states, topk_ids, topk_weights)
-            self.peers.sum_into(out)
         except CommunicationError as e:
             self._lose_peers(e)
+            return self.submit(layer, hidden_states, topk_ids, topk_weights)
+        out = None
+        try:
+            out = self._stream_layer(layer, hidden_states, topk_ids, topk_weights)
+        finally:  # the expert ranks wait for this layer's sum whatever happened here: an error sends nothing
+            try:
+                self.peers.sum_into(torch.zeros_like(hidden_states) if out is None else out)
+            except CommunicationError as e:
+                self._lose_peers(e)
+                out = None
+        if out is None:  # the expert ranks' part is lost: this device computes the whole layer
             out = self._stream_layer(layer, hidden_states, topk_ids, topk_weights)
         return lambda: out
 
@@ -143,7 +153,8 @@ class StreamedExperts(Experts):
         and computed."""
         if self._ahead:
             queue = self._queued.pop(layer, None)
-            if queue is None:  # a layer the pass skipped to (never in a full forward): stream it now
+            if queue is None:  # a layer the pass skipped to (or a lost peer's): stream it now, over any prefetch
+                self._queued = {}
                 self._prefetch(layer)
                 queue = self._queued.pop(layer)
         else:
@@ -237,17 +248,25 @@ def probe_rates(cpu: Experts, stream: ExpertStream, hidden: int, top_k: int, lay
     start = time.perf_counter()
     cpu.forward(layer, x, ids, weights)
     cpu_s = (time.perf_counter() - start) / PROBE_TOKENS
-    comm_s = 0.0
-    if peers is not None:
-        peers.probe(PROBE_TOKENS, dtype, stream.device)  # connects the data group's lanes
-        start = time.perf_counter()
-        peers.probe(PROBE_TOKENS, dtype, stream.device)
-        sync()
-        comm_s = (time.perf_counter() - start) / PROBE_TOKENS
-    rates = SlpRates(layer_bytes / max(copy_s, 1e-9), device_s, cpu_s, layer_bytes, comm_s)
+    comm_s = comm_layer_s = 0.0
+    if peers is not None:  # a fixed cost per layer and one per token, from exchanges of two sizes
+
+        def exchange(tokens: int) -> float:
+            best = float("inf")
+            for _ in range(3):
+                start = time.perf_counter()
+                peers.probe(tokens, dtype, stream.device)
+                sync()
+                best = min(best, time.perf_counter() - start)
+            return best
+        few, many = exchange(PROBE_TOKENS), exchange(PROBE_TOKENS * EXCHANGE_SCALE)
+        comm_s = max(0.0, (many - few) / (PROBE_TOKENS * (EXCHANGE_SCALE - 1)))
+        comm_layer_s = max(0.0, few - PROBE_TOKENS * comm_s)
+    rates = SlpRates(layer_bytes / max(copy_s, 1e-9), device_s, cpu_s, layer_bytes, comm_s, comm_layer_s)
     log.info("streamed prefill: %.2f GB/s to the device, %.1f us/token on the device (its share) + %.1f us/token "
-             "to and from the expert ranks vs %.1f us/token on the CPU per MoE layer; streaming from %s tokens",
-             rates.h2d_bytes_per_s / 1e9, device_s * 1e6, comm_s * 1e6, cpu_s * 1e6, rates.crossover() or "never")
+             "and %.0f us/layer to and from the expert ranks vs %.1f us/token on the CPU per MoE layer; streaming from "
+             "%s tokens", rates.h2d_bytes_per_s / 1e9, device_s * 1e6, comm_s * 1e6, comm_layer_s * 1e6, cpu_s * 1e6,
+             rates.crossover() or "never")
     return rates
 
 
@@ -300,7 +319,7 @@ def streamed_experts(engine, model, cpu: Experts, dtype: torch.dtype, device: to
     peers = None
     try:
         if ranks > 1:
-            peers = start_expert_ranks(engine, model.hidden_size, model.num_experts_per_tok)
+            peers = start_expert_ranks(engine, model.hidden_size, model.num_experts_per_tok, dtype)
         if policy.threshold == "auto":
             policy.rates = probe_rates(cpu, stream, model.hidden_size, model.num_experts_per_tok,
                                        model.moe_layers[0], dtype, owned, peers)

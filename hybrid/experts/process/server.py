@@ -121,10 +121,11 @@ def serve(server: ExpertServer, control: str, info: dict) -> None:
         server.close()
 
 
-def _exit_with_parent(pid: int) -> None:
+def exit_with_parent(pid: int, sig: int = signal.SIGTERM) -> None:
+    """Sends this process `sig` once process `pid` is no longer its parent (run it on a daemon thread)."""
     while os.getppid() == pid:
         time.sleep(1.0)
-    os.kill(os.getpid(), signal.SIGTERM)
+    os.kill(os.getpid(), sig)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     server = ExpertServer(experts, config.hidden_size)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     if a.parent_pid:
-        threading.Thread(target=_exit_with_parent, args=(a.parent_pid,), daemon=True).start()
+        threading.Thread(target=exit_with_parent, args=(a.parent_pid,), daemon=True).start()
     print(json.dumps({"ready": True, "control": control, "pid": os.getpid()}), flush=True)
     try:
         serve(server, control, {"model": str(config.model_dir), "layers": sorted(experts.layers)})
