@@ -129,3 +129,32 @@ def test_gpus_without_cuda_is_one_clear_line(model_dirs):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--cpu-only" in r.stderr and "--attn-device cpu" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("preset", ["tiny-deepseek-v3", "tiny-deepseek-v3-fp8"])
+def test_long_mla_prompts_attend_over_expanded_keys(model_dirs, preset):
+    """Prompt chunks of 192+ rows make the Triton backend expand MLA's latent into per-head K and V (fewer FLOPs
+    for long prompts); a 300-token prompt in chunks of 256 (the second over a cached prefix) and a short one give
+    CPU-only mode's tokens."""
+    from hybrid.layers.attention.backend import AttentionBackend
+
+    model = model_dirs[preset]
+    prompts = [prompt_ids(300, seed=21), prompt_ids(20, seed=22)]
+    cpu = LLM(model, dtype="float32")
+    want = greedy(cpu, prompts)
+    cpu.close()
+    hybrid = LLM(model, dtype="float32", gpus=[0], attn_device="cpu", slp_threshold="off",
+                 max_num_batched_tokens=256)
+    expanded = []
+    original = AttentionBackend._expanded
+
+    def counted(self, q_nope, *args):
+        expanded.append(q_nope.shape[0])
+        return original(self, q_nope, *args)
+    AttentionBackend._expanded = counted
+    try:
+        assert greedy(hybrid, prompts) == want
+    finally:
+        AttentionBackend._expanded = original
+        hybrid.close()
+    assert 256 in expanded

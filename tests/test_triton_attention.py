@@ -143,3 +143,21 @@ def test_mismatched_shapes_are_rejected():
         decode_attention(torch.randn(1, 4, 16, device=DEVICE), k, v, tables, ctx, 1.0)
     with pytest.raises(ValueError, match="key widths"):
         extend_attention(torch.randn(5, 3, 8, device=DEVICE), k, v, tables, [0], [5], [5], 1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("q_len,ctx", [(7, 7), (64, 64), (30, 130), (1, 65)])
+def test_causal_over_expanded_keys(dtype, q_len, ctx):
+    """The Triton backend's causal attention (MLA's expanded prompt rows: per-head K and V cut into pages, padded)
+    against the backend interface's torch version."""
+    from hybrid.layers.attention.backend import AttentionBackend
+    from hybrid.layers.attention.triton_backend import TritonAttention
+
+    g = torch.Generator().manual_seed(q_len * 1000 + ctx)
+    heads, dk, dv = 3, 24, 16
+    q = torch.randn(q_len, heads, dk, generator=g).to(dtype).to(DEVICE)
+    kv = torch.randn(ctx, heads, dk + dv, generator=g).to(dtype).to(DEVICE)
+    k, v = kv.split([dk, dv], dim=-1)  # v a strided view, as the model passes it
+    got = TritonAttention().causal(q, k.contiguous(), v, dk ** -0.5)
+    want = AttentionBackend.causal(TritonAttention(), q, k.contiguous(), v, dk ** -0.5)
+    torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])

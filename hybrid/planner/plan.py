@@ -58,8 +58,8 @@ class Plan:
         return None if rates is None else rates.crossover()
 
     def outside_experts_s(self, tokens: int) -> float:
-        """Dense matrices and attention of a prefill: on the device (MLA in latent space, as the GPU backend runs
-        it) or on the CPU (MLA expanded), at the probed rates; plus the engine's per-layer overhead per step."""
+        """Dense matrices and attention of a prefill, on the device or the CPU, at the probed rates (MLA expanded
+        per head, as both backends run long prompt chunks); plus the engine's per-layer overhead per step."""
         c = self.costs
         steps = math.ceil(tokens / self.chunk_tokens)
         overhead = steps * c.config.num_hidden_layers * self.cpu.step_overhead_s_per_layer
@@ -67,7 +67,7 @@ class Plan:
             return tokens * c.dense_flops_per_token() / self.cpu.dense_flops \
                 + c.prefill_attention_flops(tokens, latent=False) / self.cpu.attention_flops + overhead
         return tokens * c.dense_flops_per_token() / self.device.matmul_flops \
-            + c.prefill_attention_flops(tokens, latent=True) / self.device.attention_flops + overhead
+            + c.prefill_attention_flops(tokens, latent=False) / self.device.attention_flops + overhead
 
     def cpu_experts_s(self, tokens: int) -> float:
         return tokens * self.costs.moe_layers * self.cpu.expert_prefill_s_per_token

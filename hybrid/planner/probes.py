@@ -217,11 +217,11 @@ def matmul(device: torch.device, dtype: torch.dtype) -> float:
 
 
 def attention(costs: ModelCosts, device: torch.device, dtype: torch.dtype, interpreted: bool) -> float:
-    """FLOP/s of the extend-attention kernel on one causal prompt, in the form the GPU backend uses (MLA in latent
-    space)."""
+    """FLOP/s of the extend-attention kernel on one causal prompt, in the form the GPU backend runs long prompt
+    chunks (MLA expanded per head)."""
     from gpu.extend_attention import extend_attention
 
-    heads, kv_heads, dk, dv = costs.attention_dims(latent=True)
+    heads, kv_heads, dk, dv = costs.attention_dims(latent=False)
     if interpreted:
         heads, kv_heads, tokens = min(heads, 2), 1, INTERPRETED_TOKENS
     else:
