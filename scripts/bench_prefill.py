@@ -55,7 +55,7 @@ from hybrid.experts.small_ep import (  # noqa: E402
     PeerGroups,
     expert_share,
 )
-from hybrid.experts.streamed_experts import StreamedExperts, piece_experts  # noqa: E402
+from hybrid.experts.streamed_experts import StreamedExperts, piece_experts, share_stream  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -305,7 +305,7 @@ def small_ep_pass(path: Path, a, pack, cpu_experts, batch, devices) -> tuple[flo
              for r in range(1, world)]  # unpin_child: the CPU kernels pinned this thread to one core
     peers = ExpertPeers(PeerGroups(store, 0, world, devices[0], PEER_TIMEOUT), procs, s.hidden, s.top_k)
     share = expert_share(s.experts, world, 0)
-    stream = ExpertStream(pack, devices[0], piece_experts(devices[0], device_expert_bytes(pack[0]), len(share)))
+    stream = share_stream(pack, devices[0], share)
     sep = StreamedExperts(cpu_experts, stream, SlpPolicy(1), list(pack), s.top_k, share, peers=peers)
     x, ids, w = batch
     try:
@@ -335,7 +335,7 @@ def serve_rank(a) -> None:
     device = torch.device(a.device)
     pack = mapped_pack(Path(a.pack_file), s, a.layers)
     share = expert_share(s.experts, a.world, a.serve_rank)
-    stream = ExpertStream(pack, device, piece_experts(device, device_expert_bytes(pack[0]), len(share)))
+    stream = share_stream(pack, device, share)
     experts = StreamedExperts(None, stream, SlpPolicy(1), list(pack), s.top_k, share)
     store = dist.TCPStore("127.0.0.1", a.port, a.world, False, timeout=JOIN_TIMEOUT)
     serve(experts, PeerGroups(store, a.serve_rank, a.world, device, IDLE_TIMEOUT), s.hidden, s.top_k, torch.bfloat16)

@@ -41,18 +41,15 @@ log = logging.getLogger("hybridd.expert_rank")
 def build(engine: EngineConfig, rank: int, world: int, device: torch.device):
     """This rank's StreamedExperts over its share of the mapped pack (it streams every pass it is told of)."""
     prepare_triton(device)
-    from hybrid.experts.expert_stream import ExpertStream, device_expert_bytes
     from hybrid.experts.pack import engine_pack, load_pack
     from hybrid.experts.slp_policy import SlpPolicy
-    from hybrid.experts.streamed_experts import StreamedExperts, piece_experts
+    from hybrid.experts.streamed_experts import StreamedExperts, share_stream
 
     model = ModelConfig.from_dir(engine.model)
     fmt, pack_dir = engine_pack(model, engine.expert_format, engine.expert_pack)
     pack = load_pack(pack_dir, model, fmt)
-    first = next(iter(pack.values()))
-    owned = expert_share(first.num_experts, world, rank)
-    stream = ExpertStream(pack, device, piece_experts(device, device_expert_bytes(first), len(owned)), engine.slp_copy,
-                          range(owned[0], owned[-1] + 1))
+    owned = expert_share(model.num_experts, world, rank)
+    stream = share_stream(pack, device, owned, engine.slp_copy)
     experts = StreamedExperts(None, stream, SlpPolicy(1), model.moe_layers, model.num_experts_per_tok, owned)
     return experts, model
 

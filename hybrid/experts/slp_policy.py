@@ -2,12 +2,11 @@
 
 Per MoE layer and pass of T tokens, the CPU costs T * cpu_s (its measured seconds per token and layer), streaming
 costs max(layer_bytes / h2d, T * (device_s + comm_s) + comm_layer_s): the copy of layer L + 1 overlaps the compute
-of layer L, so a
-pass is bound by the slower of the two. With SmallEP, layer_bytes and device_s are one device's share (the devices
-copy and compute side by side) and comm_s is sending a layer's tokens to the other devices and summing their outputs
-back, per token and per layer (0 with one device). Streaming wins from T* = max(layer_bytes / (h2d * cpu_s),
-comm_layer_s / (cpu_s - device_s - comm_s)) tokens on, if the device's per-token cost is below the CPU's (else
-never). `auto` starts from probes taken when the engine starts and follows
+of layer L, so a pass is bound by the slower of the two. With SmallEP, layer_bytes and device_s are one device's
+share (the devices copy and compute side by side) and comm_s / comm_layer_s are sending a layer's tokens to the other
+devices and summing their outputs back, per token and per layer (0 with one device). Streaming wins from
+T* = max(layer_bytes / (h2d * cpu_s), comm_layer_s / (cpu_s - device_s - comm_s)) tokens on, if the device's
+per-token cost is below the CPU's (else never). `auto` starts from probes taken when the engine starts and follows
 the times of the passes it serves; a number forces the threshold; `off` never streams.
 """
 

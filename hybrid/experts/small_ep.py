@@ -49,11 +49,18 @@ def expert_share(num_experts: int, ranks: int, rank: int) -> list[int]:
     return list(range(start, start + per + (rank < extra)))
 
 
-def rank_devices(engine: EngineConfig) -> list[torch.device]:
-    """The device of each SmallEP rank: one per --gpus entry, or the CPU for every rank where it plays the GPUs."""
-    if engine.device == "cpu":
-        return [torch.device("cpu")] * len(engine.gpus)
-    return [torch.device(engine.device)] + [torch.device(f"cuda:{g}") for g in engine.gpus[1:]]
+def rank_devices(first: str, gpus: list[int]) -> list[torch.device]:
+    """The device of each SmallEP rank: `first` (rank 0's, the engine's), then one per further --gpus entry; the
+    CPU for every rank where it plays the GPUs."""
+    if first == "cpu":
+        return [torch.device("cpu")] * len(gpus)
+    return [torch.device(first)] + [torch.device(f"cuda:{g}") for g in gpus[1:]]
+
+
+def _kill(processes: list[subprocess.Popen]) -> None:
+    for p in processes:
+        p.kill()
+        p.wait()
 
 
 def ready_key(rank: int) -> str:
@@ -169,10 +176,11 @@ class ExpertPeers:
         layer now."""
         self._header(PASS, num_tokens, longest_prefill)
 
-    def send_layer(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> None:
+    def send_layer(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                   op: int = LAYER) -> None:
         """Sends a layer's tokens; rank 0 computes its own share meanwhile (it only reads the buffer)."""
         buf = pack_layer(x, ids, weights)
-        self._header(LAYER, layer, x.shape[0])
+        self._header(op, layer, x.shape[0])
         self._sent = (buf, self._call("broadcast", self.groups.broadcast, buf))
 
     def sum_into(self, out: torch.Tensor) -> None:
@@ -193,11 +201,8 @@ class ExpertPeers:
         """One exchange of a layer's data for `tokens` tokens with no expert work: what SmallEP adds per layer."""
         x = torch.zeros(tokens, self.hidden, dtype=dtype, device=device)
         ids = torch.zeros(tokens, self.top_k, dtype=torch.int32, device=device)
-        buf = pack_layer(x, ids, ids.float())
-        self._header(PROBE, 0, tokens)
-        sent = self._call("broadcast", self.groups.broadcast, buf)
-        self._finish("reduce", self._call("reduce", self.groups.reduce, x))
-        self._finish("broadcast", sent)
+        self.send_layer(0, x, ids, ids.float(), op=PROBE)
+        self.sum_into(x)
 
     def close(self) -> None:
         """Stops the expert ranks (killing any that do not stop)."""
@@ -209,15 +214,12 @@ class ExpertPeers:
             try:
                 p.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+                _kill([p])
 
     def abandon(self) -> None:
         """Ends the expert ranks without talking to them (one failed: the others may be stuck in a collective)."""
         self.groups.abort()
-        for p in self.processes:
-            p.kill()
-            p.wait()
+        _kill(self.processes)
 
 
 def _wait_ready(store: dist.Store, processes: list[subprocess.Popen]) -> None:
@@ -240,7 +242,7 @@ def start_expert_ranks(engine: EngineConfig, hidden: int, top_k: int, dtype: tor
     from cpu_kernels.thread_pool import unpin_child
     from hybrid.distributed.launcher import engine_config_json
 
-    devices = rank_devices(engine)
+    devices = rank_devices(engine.device, engine.gpus)
     world = len(devices)
     store = dist.TCPStore("127.0.0.1", 0, world, True, timeout=JOIN_TIMEOUT, wait_for_workers=False)
     config = json.loads(engine_config_json(engine))
@@ -250,14 +252,12 @@ def start_expert_ranks(engine: EngineConfig, hidden: int, top_k: int, dtype: tor
                           "device": str(devices[rank]), "parent": os.getpid()})
         # unpin_child: a thread the kernel pool pinned would hand its one core down
         processes.append(subprocess.Popen([sys.executable, "-m", "hybrid.experts.expert_rank", arg],
-                                          preexec_fn=unpin_child, env=dict(os.environ)))
+                                          preexec_fn=unpin_child))
     try:
         _wait_ready(store, processes)
         groups = PeerGroups(store, 0, world, devices[0], PEER_TIMEOUT)
     except (RuntimeError, CommunicationError) as e:
-        for p in processes:
-            p.kill()
-            p.wait()
+        _kill(processes)
         raise CommunicationError(f"SmallEP: the expert ranks did not join: {e}") from e
     peers = ExpertPeers(groups, processes, hidden, top_k)
     try:

@@ -275,6 +275,14 @@ ACTIVATION_SHARE = 0.5  # of the device memory free then, what one pass's activa
 CPU_DEVICE_PASS_TOKENS = 8192
 
 
+def share_stream(pack: dict, device: torch.device, owned: list[int], copy: str = "auto") -> ExpertStream:
+    """The stream of a device that copies `owned` (a contiguous run of expert ids) of every layer of `pack`: pieces
+    sized to its memory, only that run registered with CUDA."""
+    first = next(iter(pack.values()))
+    return ExpertStream(pack, device, piece_experts(device, device_expert_bytes(first), len(owned)), copy,
+                        range(owned[0], owned[-1] + 1))
+
+
 def max_pass_tokens(device: torch.device, model, dtype: torch.dtype, piece_bytes: int) -> int:
     """The most tokens one streamed pass holds on the device: its activations at one layer (hidden states and
     their copies, attention's projections, the experts' intermediate and per-pair float32 outputs) in what is left
@@ -311,8 +319,7 @@ def streamed_experts(engine, model, cpu: Experts, dtype: torch.dtype, device: to
     first = next(iter(pack.values()))
     ranks = len(engine.gpus)
     owned = expert_share(first.num_experts, ranks, 0)
-    stream = ExpertStream(pack, device, piece_experts(device, device_expert_bytes(first), len(owned)), engine.slp_copy,
-                          range(owned[0], owned[-1] + 1))
+    stream = share_stream(pack, device, owned, engine.slp_copy)
     pass_tokens = engine.slp_max_tokens or max_pass_tokens(device, model, dtype,
                                                            stream.piece_experts * stream.expert_bytes)
     policy = SlpPolicy(engine.slp_threshold)

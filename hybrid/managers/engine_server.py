@@ -138,7 +138,8 @@ class EngineServer:
             return []
         from hybrid.experts.small_ep import rank_devices
 
-        return ["streamed experts (SmallEP): " + ", ".join(map(str, rank_devices(self.engine.config)))]
+        config = self.engine.config
+        return ["streamed experts (SmallEP): " + ", ".join(map(str, rank_devices(config.device, config.gpus)))]
 
     def parallel(self) -> dict | None:
         run = self.engine.runner.parallel

@@ -127,16 +127,14 @@ def measure(model_dir, gpus: list[int] | None = None, attn_device: str | None = 
     dtype = torch.bfloat16
     device = None
     if gpus:
-        if attn_device == "cpu":
-            devices = [torch.device("cpu")] * len(gpus)
-        else:
-            devices = [torch.device(attn_device or f"cuda:{gpus[0]}")] + [torch.device(f"cuda:{g}") for g in gpus[1:]]
+        from hybrid.experts.small_ep import expert_share, rank_devices
         from hybrid.triton_env import prepare_triton
 
+        devices = rank_devices(attn_device or f"cuda:{gpus[0]}", gpus)
         prepare_triton(devices[0])
         from hybrid.experts.streamed_experts import max_pass_tokens, piece_experts
 
-        share = math.ceil(config.num_experts / len(devices))
+        share = len(expert_share(config.num_experts, len(devices), 0))
         piece = piece_experts(devices[0], costs.device_expert_bytes, share) * costs.device_expert_bytes
         pass_tokens = pass_tokens or max_pass_tokens(devices[0], config, dtype, piece)
         device = probe_devices(costs, devices, dtype, pass_tokens)

@@ -8,6 +8,7 @@ Order matters: the torch probes run before the first kernel call, which pins the
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import socket
 import statistics
@@ -77,15 +78,15 @@ def read_bandwidth() -> float:
         torch.set_num_threads(threads)
 
 
+def copies(t: torch.Tensor | None, n: int, device: torch.device | str = "cpu") -> torch.Tensor | None:
+    """`n` copies of the first expert of a packed field (None stays None)."""
+    return None if t is None else t[:1].expand(n, *t.shape[1:]).contiguous().to(device)
+
+
 def repeated(sample, n: int):
     """`n` copies of one packed expert, as one packed layer."""
-    from cpu_kernels.moe import PackedExperts
-
     fields = ("w13_data", "w2_data", "w13_scales", "w2_scales", "w13_comp", "w2_comp", "w13_flags", "w2_flags")
-    t = {f: None if getattr(sample, f) is None else getattr(sample, f)[:1].expand(n, *getattr(sample, f).shape[1:])
-         .contiguous() for f in fields}
-    return PackedExperts(sample.fmt, sample.hidden, sample.inter, sample.kp13, sample.kp2, **t,
-                         block_k=sample.block_k, group=sample.group)
+    return dataclasses.replace(sample, **{f: copies(getattr(sample, f), n) for f in fields})
 
 
 def balanced_routing(tokens: int, experts: int, top_k: int, first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -252,10 +253,9 @@ def device_experts(costs: ModelCosts, device: torch.device, dtype: torch.dtype, 
         per_expert = min(PASS_TOKENS_PER_EXPERT_CAP, max(1.0, pass_tokens * k / c.num_experts))
         tokens = math.ceil(per_expert * n / k)
     s = costs.sample
-    rep = lambda t: None if t is None else t[:1].expand(n, *t.shape[1:]).contiguous().to(device)  # noqa: E731
-    w = DeviceExperts(int(s.fmt), s.hidden, s.inter, s.kp13, s.kp2, rep(s.w13_data), rep(s.w2_data),
-                      rep(s.w13_scales), rep(s.w2_scales), torch.arange(n, dtype=torch.int32, device=device),
-                      s.block_k, s.group)
+    w = DeviceExperts(int(s.fmt), s.hidden, s.inter, s.kp13, s.kp2, *(copies(t, n, device) for t in (
+        s.w13_data, s.w2_data, s.w13_scales, s.w2_scales)), torch.arange(n, dtype=torch.int32, device=device),
+        s.block_k, s.group)
     ids, weights = balanced_routing(tokens, n, k)
     x = (torch.randn(tokens, c.hidden_size, generator=torch.Generator().manual_seed(3)) * 0.1).to(dtype)
     x, ids, weights = x.to(device), ids.to(device), weights.to(device)
