@@ -513,6 +513,34 @@ def test_pool_spin_is_set_for_every_pool_and_sleeping_workers_wake():
     assert runner().spin_us == POOL_SPIN_US
 
 
+def test_pool_runs_stay_exact_while_a_worker_is_descheduled():
+    """Another process busy on the workers' cores: run() no longer waits for a worker that has not woken, and a
+    worker that wakes late must not take tasks of a run being set up. Many short runs back to back, with and
+    without spinning workers, give the same bits."""
+    from cpu_kernels.moe import runner, set_pool_spin
+    from cpu_kernels.thread_pool import POOL_SPIN_US, pool_layout
+
+    cpus = pool_layout()[0]
+    if len(cpus) < 2:
+        pytest.skip("needs a pool with a worker")
+    runner()  # the pool exists before the busy process takes the workers' cores
+    busy = subprocess.Popen([sys.executable, "-c", f"import os\nos.sched_setaffinity(0, {set(cpus[1:])})\n"
+                             "while True: pass"])
+    p = pack_experts(*experts(6, 200, 150, seed=5), "bf16")
+    ids, weights = routing(3, 6, 2, seed=5)
+    x = torch.randn(3, 200).to(torch.bfloat16)
+    want = fused_moe(p, x, ids, weights)
+    try:
+        for spin in (0, 50, POOL_SPIN_US):
+            set_pool_spin(spin)
+            for _ in range(300):
+                assert torch.equal(fused_moe(p, x, ids, weights), want)
+    finally:
+        set_pool_spin(POOL_SPIN_US)
+        busy.kill()
+        busy.wait()
+
+
 # A fresh process: a small kernel call first (it pins the thread), then torch's first parallel op.
 TORCH_TEAM_AFTER_A_KERNEL_CALL = """
 import os, torch

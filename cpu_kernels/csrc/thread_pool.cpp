@@ -34,16 +34,21 @@ ThreadPool::ThreadPool(std::vector<int> cpus, std::vector<int> nodes, int spin_u
 
 ThreadPool::~ThreadPool() {
   stop_.store(true);
-  generation_.fetch_add(1);
+  generation_.fetch_add(2);
   generation_.notify_all();
   for (auto& th : threads_) th.join();
 }
 
 void ThreadPool::drain(int tid) {
+  int done = 0;
   for (int k = 0; k < num_nodes_; ++k) {
     Share& share = shares_[(nodes_[tid] + k) % num_nodes_];
-    for (int task = share.next.fetch_add(1); task < share.end; task = share.next.fetch_add(1)) (*fn_)(task, tid);
+    for (int task = share.next.fetch_add(1); task < share.end; task = share.next.fetch_add(1)) {
+      (*fn_)(task, tid);
+      ++done;
+    }
   }
+  if (done) completed_.fetch_add(done, std::memory_order_release);
 }
 
 void ThreadPool::worker(int tid) {
@@ -52,20 +57,25 @@ void ThreadPool::worker(int tid) {
   for (;;) {
     auto deadline = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us());
     int polls = 0;
-    while (generation_.load(std::memory_order_acquire) == seen) {
+    uint32_t gen;
+    // An odd generation is a run being set up: wait for it to be published.
+    while ((gen = generation_.load(std::memory_order_acquire)) == seen || (gen & 1)) {
       _mm_pause();
       // Past the first polls, offer the core to any runnable thread (torch, another hybridd process).
       if (++polls > 256) sched_yield();
-      if (polls % 64 == 0 && std::chrono::steady_clock::now() > deadline) {
+      if (!(gen & 1) && polls % 64 == 0 && std::chrono::steady_clock::now() > deadline) {
         sleepers_.fetch_add(1);
         generation_.wait(seen);
         sleepers_.fetch_sub(1);
       }
     }
-    seen = generation_.load(std::memory_order_acquire);
+    seen = gen;
     if (stop_.load()) return;
-    drain(tid);
-    done_.fetch_add(1, std::memory_order_release);
+    // Entering is announced before the generation is checked again, and run() announces a new setup before
+    // it checks for workers inside: so a worker never drains shares that are being rewritten.
+    busy_.fetch_add(1);
+    if (generation_.load() == seen) drain(tid);
+    busy_.fetch_sub(1, std::memory_order_release);
   }
 }
 
@@ -83,17 +93,22 @@ void ThreadPool::run(int ntasks, const std::function<void(int, int)>& fn) {
     for (int t = 0; t < ntasks; ++t) fn(t, 0);
     return;
   }
+  // A worker still inside the previous run has found its shares empty: wait for it to leave before they are
+  // rewritten. Workers are not waited for otherwise: one that is descheduled (its core lent to another
+  // thread or process) leaves its tasks to the threads that are running.
+  const uint32_t gen = generation_.load(std::memory_order_relaxed);
+  generation_.store(gen + 1);
+  while (busy_.load() > 0) _mm_pause();
   fn_ = &fn;
   for (int n = 0; n < num_nodes_; ++n) {
     shares_[n].next.store(int(int64_t(ntasks) * n / num_nodes_));
     shares_[n].end = int(int64_t(ntasks) * (n + 1) / num_nodes_);
   }
-  done_.store(0);
-  generation_.fetch_add(1, std::memory_order_release);
+  completed_.store(0, std::memory_order_relaxed);
+  generation_.store(gen + 2, std::memory_order_release);
   if (sleepers_.load() > 0) generation_.notify_all();
   drain(0);
-  const int workers = size() - 1;
-  while (done_.load(std::memory_order_acquire) < workers) _mm_pause();
+  while (completed_.load(std::memory_order_acquire) < ntasks) _mm_pause();
 }
 
 }  // namespace hybridd

@@ -1,7 +1,8 @@
 // A persistent pool of worker threads pinned to cores, one sub-pool per NUMA node. run() splits the task
 // range into one contiguous share per node; a thread takes tasks of its own node's share first, then helps
-// the other nodes. The calling thread works too. Idle workers spin for spin_us (yielding to other runnable
-// threads), then sleep on a futex so they do not steal cores from other processes between calls.
+// the other nodes. The calling thread works too, and returns once every task is done, without waiting for
+// workers that never woke up. Idle workers spin for spin_us (yielding to other runnable threads), then sleep
+// on a futex so they do not steal cores from other processes between calls.
 #pragma once
 
 #include <atomic>
@@ -49,7 +50,8 @@ class ThreadPool {
   std::atomic<int> spin_us_;
   std::vector<std::thread> threads_;
   const std::function<void(int, int)>* fn_ = nullptr;
-  alignas(64) std::atomic<int> done_{0};
+  alignas(64) std::atomic<int> completed_{0};  // tasks of the current run done
+  alignas(64) std::atomic<int> busy_{0};       // workers inside drain()
   alignas(64) std::atomic<uint32_t> generation_{0};
   alignas(64) std::atomic<int> sleepers_{0};
   std::atomic<bool> stop_{false};
