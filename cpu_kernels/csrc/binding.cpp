@@ -1,4 +1,5 @@
 // Python binding: tensors cross as raw addresses and sizes, validated by cpu_kernels/moe.py.
+#include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -12,6 +13,7 @@
 #include "row_ops.h"
 #include "slot_channel.h"
 #include "tile_layout.h"
+#include "token_mask.h"
 
 namespace py = pybind11;
 using hybridd::ExpertLayer;
@@ -86,6 +88,19 @@ PYBIND11_MODULE(_C, m) {
                            uintptr_t gsum) {
     hybridd::quantize_row(static_cast<Isa>(isa), as<const float>(v), k, kp, static_cast<Format>(fmt), group,
                           as<int8_t>(q), as<float>(scale), as<int32_t>(gsum));
+  });
+  m.def("mask_logits", [](int isa, uintptr_t logits, int64_t batch, int64_t stride, int64_t vocab,
+                          const std::vector<int64_t>& rows, const py::array_t<int32_t, py::array::c_style>& bits) {
+    if (bits.ndim() != 2 || bits.shape(0) != static_cast<py::ssize_t>(rows.size()))
+      throw std::invalid_argument("bits must be int32 [rows, words], one row per logits row masked");
+    std::vector<bool> seen(batch);
+    for (int64_t r : rows) {
+      if (r < 0 || r >= batch || seen[r]) throw std::invalid_argument("rows must be distinct rows of the logits");
+      seen[r] = true;
+    }
+    hybridd::mask_logits(static_cast<Isa>(isa), as<float>(logits), stride, vocab, rows.data(),
+                         static_cast<int64_t>(rows.size()), reinterpret_cast<const uint32_t*>(bits.data()),
+                         bits.shape(1));
   });
   m.def("isa_name", [](int isa) { return std::string(hybridd::isa_name(static_cast<Isa>(isa))); });
 
@@ -267,6 +282,13 @@ PYBIND11_MODULE(_C, m) {
         return hybridd::shm_broadcast_send(g, seq, as<const void>(bytes), length, timeout_us);
       },
       py::call_guard<py::gil_scoped_release>());
+  m.def("shm_broadcast_send_bytes", [](const ShmGroup& g, int64_t seq, const py::bytes& payload, int64_t timeout_us) {
+    char* data = nullptr;
+    Py_ssize_t length = 0;
+    PyBytes_AsStringAndSize(payload.ptr(), &data, &length);
+    py::gil_scoped_release release;
+    return hybridd::shm_broadcast_send(g, seq, data, length, timeout_us);
+  });
   m.def("shm_broadcast_wait", &hybridd::shm_broadcast_wait, py::call_guard<py::gil_scoped_release>());
   m.def("shm_buffer", &hybridd::shm_buffer);
 }
