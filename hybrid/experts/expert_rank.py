@@ -11,13 +11,11 @@ import json
 import logging
 import signal
 import sys
-import threading
 
 import torch
 import torch.distributed as dist
 
 from hybrid.config import EngineConfig, ModelConfig
-from hybrid.experts.process.server import exit_with_parent
 from hybrid.experts.small_ep import (
     END,
     HEADER,
@@ -33,6 +31,7 @@ from hybrid.experts.small_ep import (
     ready_key,
     unpack_layer,
 )
+from hybrid.parent_watch import watch_parent
 from hybrid.triton_env import prepare_triton
 
 log = logging.getLogger("hybridd.expert_rank")
@@ -84,7 +83,7 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s expert-rank %(levelname)s %(message)s")
     args = json.loads(sys.argv[1])
     # SIGKILL: a rank whose engine died may sit in a CUDA call that a gentler signal would wait for
-    threading.Thread(target=exit_with_parent, args=(args["parent"], signal.SIGKILL), daemon=True).start()
+    watch_parent(args["parent"], signal.SIGKILL)
     torch.set_num_threads(1)  # its host work is bookkeeping: idle OpenMP workers would spin on the engine's cores
     engine = EngineConfig(**args["engine"])
     rank, world, device = args["rank"], args["world"], torch.device(args["device"])

@@ -18,7 +18,6 @@ import signal
 import sys
 import tempfile
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from hybrid.config import ModelConfig
 from hybrid.experts.kernel_experts import KernelExperts
 from hybrid.experts.pack import load_pack
 from hybrid.experts.process.slots import SPIN_US, ExpertSlots, SlotLayout
+from hybrid.parent_watch import watch_parent
 
 RUN_DIR_PREFIX = "hybridd-experts-"  # the temporary directory holding an expert process's ipc socket
 
@@ -121,13 +121,6 @@ def serve(server: ExpertServer, control: str, info: dict) -> None:
         server.close()
 
 
-def exit_with_parent(pid: int, sig: int = signal.SIGTERM) -> None:
-    """Sends this process `sig` once process `pid` is no longer its parent (run it on a daemon thread)."""
-    while os.getppid() == pid:
-        time.sleep(1.0)
-    os.kill(os.getpid(), sig)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="hybridd expert process")
     ap.add_argument("--model", required=True, help="the checkpoint directory the pack was made from")
@@ -148,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     server = ExpertServer(experts, config.hidden_size)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     if a.parent_pid:
-        threading.Thread(target=exit_with_parent, args=(a.parent_pid,), daemon=True).start()
+        watch_parent(a.parent_pid)
     print(json.dumps({"ready": True, "control": control, "pid": os.getpid()}), flush=True)
     try:
         serve(server, control, {"model": str(config.model_dir), "layers": sorted(experts.layers)})
