@@ -4,6 +4,7 @@ streamed, and the OpenAI surface (response_format, tools, tool_choice) through a
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import jsonschema
@@ -100,15 +101,31 @@ def test_forced_tool_calls_parse_and_validate(llm, parallel):
                 check_call(call)
 
 
-def test_greedy_fast_path_equals_the_full_mask(llm, monkeypatch):
-    """A greedy row whose top token the grammar allows skips the mask: the tokens must be the masked ones."""
-    from hybrid.structured_output.llguidance_backend import LLGuidanceMatcher
+def wait_for_mask_process(llm, timeout_s: float = 120.0) -> None:
+    """Runs small constrained requests until the engine's mask process is up (it starts at the first one)."""
+    deadline = time.monotonic() + timeout_s
+    params = SamplingParams(max_tokens=2, temperature=0, grammar=json_object_grammar())
+    while not llm.engine.sampler.masks.process_ready:
+        assert time.monotonic() < deadline, "the mask process did not come up"
+        llm.generate("{", params)
 
-    params = SamplingParams(max_tokens=80, temperature=0, grammar=json_schema_grammar(SCHEMAS["nested"]))
-    prompts = ["JSON:", "Once upon a time", "{"]
-    fast = [o.token_ids for o in llm.generate(prompts, params)]
-    monkeypatch.setattr(LLGuidanceMatcher, "allows", lambda self, token: False)
-    assert [o.token_ids for o in llm.generate(prompts, params)] == fast
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_mask_process_and_engine_thread_draw_the_same_tokens(llm, model_dirs, temperature):
+    """The same batch constrained by masks from the mask process and by masks computed on the engine thread:
+    same tokens, including the closing phase (max_tokens 60 is inside its horizon from the start)."""
+    wait_for_mask_process(llm)
+    prompts = ["JSON:", "Once upon a time", "{", "Tell me a story."]
+    params = [SamplingParams(max_tokens=60, temperature=temperature, seed=i,
+                             grammar=json_schema_grammar(SCHEMAS[name]))
+              for i, name in enumerate(["nested", "bounded", "free-string", "enum-array"])]
+    from_process = [o.token_ids for o in llm.generate(prompts, params)]
+    inline = LLM(llm.engine.config.model, dtype="float32", max_num_seqs=8, grammar_masks="inline")
+    try:
+        assert [o.token_ids for o in inline.generate(prompts, params)] == from_process
+        assert inline.engine.sampler.masks.process_pid is None
+    finally:
+        inline.close()
 
 
 def test_constrained_and_free_requests_share_a_batch(llm):

@@ -51,6 +51,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    "split evenly")
     p.add_argument("--all-reduce", default="auto", choices=["auto", "shm", "gloo"],
                    help="with --tp: how ranks sum (auto: shared memory on one machine, gloo across machines)")
+    p.add_argument("--grammar-masks", default="process", choices=["process", "inline"],
+                   help="where constrained requests' token masks are computed: in a mask process while the model runs "
+                   "(default), or on the engine thread between steps")
     p.add_argument("--no-prefix-cache", action="store_true", help="prefill every prompt whole instead of reusing "
                    "the KV blocks of a prefix computed before (a chat's history)")
 
@@ -74,7 +77,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
                 overlap=a.overlap, enforce_eager=a.enforce_eager, gpu_experts=a.gpu_experts,
                 expert_profile=a.expert_profile, enable_prefix_caching=not a.no_prefix_cache, tp=a.tp, pp=a.pp,
                 all_reduce=a.all_reduce, slp_threshold=a.slp_threshold, slp_max_tokens=a.slp_max_tokens,
-                slp_copy=a.slp_copy)
+                slp_copy=a.slp_copy, grammar_masks=a.grammar_masks)
 
 
 def follow_if_not_rank0(a: argparse.Namespace, model) -> bool:

@@ -52,10 +52,13 @@ class EngineConfig:
     slp_threshold: str | int = "auto"
     slp_max_tokens: int | None = None
     slp_copy: str = "auto"
+    grammar_masks: str = "process"
 
     def __post_init__(self) -> None:
         if isinstance(self.overlap, bool):
             self.overlap = "on" if self.overlap else "off"
+        if self.grammar_masks not in ("process", "inline"):
+            raise ConfigError(f"grammar_masks must be process or inline, got {self.grammar_masks!r}")
         if self.overlap not in ("auto", "on", "off"):
             raise ConfigError(f"overlap must be auto, on or off, got {self.overlap!r}")
         if self.role not in ROLES:

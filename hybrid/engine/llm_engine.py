@@ -14,8 +14,10 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import torch
 
+from cpu_kernels.thread_pool import unpin_child
 from hybrid.config import EngineConfig, ModelConfig
 from hybrid.engine.detokenizer import IncrementalDetokenizer
+from hybrid.engine.grammar_masks import MaskProcessSpec
 from hybrid.engine.model_runner import ModelRunner
 from hybrid.engine.outputs import RequestOutput
 from hybrid.engine.sampler import Sample, Sampler, token_logprobs
@@ -55,14 +57,18 @@ class LLMEngine:
             prefix_cache = BlockHashCache(config.block_size, salt)
         self.scheduler = Scheduler(BlockManager(self.runner.kv_pool.num_blocks, config.block_size, prefix_cache),
                                    config.max_num_seqs, config.max_num_batched_tokens, self.runner.long_prefill)
-        self.sampler = Sampler()
+        mask_process = None
+        if config.grammar_masks == "process" and self.tokenizer is not None:
+            mask_process = MaskProcessSpec(self.model_config.model_dir, self.model_config.vocab_size,
+                                           sorted(self.model_config.eos_token_ids))
+        self.sampler = Sampler(mask_process)
         self.eos_ids = set(self.model_config.eos_token_ids)
         self.seqs: dict[str, Sequence] = {}
         self.detok: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
         # Requests whose grammar is being compiled, off the step loop; they are scheduled once it is ready.
         self.compiling: dict[str, tuple[Sequence, Future[GrammarMatcher]]] = {}
-        self._compiler = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        self._compiler = ThreadPoolExecutor(1, thread_name_prefix="grammar", initializer=unpin_child)
         # Prefill role: sequences with their first token, holding their KV until handed off.
         self.prefilled: dict[str, Sequence] = {}
 
@@ -111,7 +117,7 @@ class LLMEngine:
 
     def _schedule_compiled(self) -> list[RequestOutput]:
         """Hands requests whose grammar is ready to the scheduler; fails those whose grammar did not compile."""
-        failed = []
+        failed, compiled = [], []
         if self.compiling and not self.scheduler.has_unfinished():
             wait([f for _, f in self.compiling.values()], COMPILE_WAIT_S, FIRST_COMPLETED)
         for rid, (seq, future) in list(self.compiling.items()):
@@ -124,6 +130,9 @@ class LLMEngine:
                 failed.append(self._fail(seq, f"the grammar does not compile: {e}", status=400))
                 continue
             self.scheduler.add(seq)
+            compiled.append(seq)
+        if compiled:
+            self.sampler.prefetch(compiled)  # the first token's masks, computed while the prompts are prefilled
         return failed
 
     @property
@@ -143,6 +152,7 @@ class LLMEngine:
         """Disconnects from (and stops, if this engine started it) the expert process, and the other ranks of a
         parallel run."""
         self._compiler.shutdown(wait=False, cancel_futures=True)
+        self.sampler.close()
         self.runner.close()
 
     def has_unfinished(self) -> bool:
@@ -173,6 +183,7 @@ class LLMEngine:
             if self.runner.step_streamed_bytes and prefilling(item.seq):
                 item.seq.streamed_bytes += self.runner.step_streamed_bytes
         self.scheduler.advance(batch)
+        self.sampler.accept(sampling, samples)
         outputs = failed + [self._advance(seq, s) if s.token is not None else self._fail(seq, s.error)
                             for seq, s in zip(sampling, samples)]
         if self.config.role == "prefill":
@@ -180,6 +191,8 @@ class LLMEngine:
                 if seq.status == SequenceStatus.RUNNING:
                     self.scheduler.park(seq)
                     self.prefilled[seq.request_id] = seq
+        else:
+            self.sampler.prefetch(sampling)
         return outputs
 
     def adopt(self, seq: Sequence, fill_kv: Callable[[list[int]], None]) -> bool:
@@ -233,8 +246,6 @@ class LLMEngine:
 
     def _advance(self, seq: Sequence, sample: Sample) -> RequestOutput:
         token = sample.token
-        if seq.matcher is not None and not seq.matcher.accept(token):
-            return self._fail(seq, f"token {token} does not follow the request's grammar")
         seq.append(token)
         p = seq.params
         detok = self.detok.get(seq.request_id)

@@ -3,9 +3,8 @@
 Sampling is total: any accepted SamplingParams gives a token for finite logits (a tiny temperature acts as
 greedy, a top-p that keeps nothing keeps the top token); a row of logits that are not numbers gives no token,
 and the engine fails that request alone. A sequence with a grammar matcher draws only among the tokens its
-grammar allows next; logprobs stay the model's own, before the mask. A greedy row needs no mask when one of
-its GREEDY_CANDIDATES most likely tokens is allowed: the first allowed of them, best first, is the masked
-argmax; only when none is does the row get a mask.
+grammar allows next (its mask is usually computed while the model ran: grammar_masks.py); logprobs stay the
+model's own, before the mask.
 """
 
 from __future__ import annotations
@@ -14,19 +13,14 @@ from dataclasses import dataclass
 
 import torch
 
+from cpu_kernels.token_mask import mask_logits_
+from hybrid.engine.grammar_masks import MaskPrefetcher, MaskProcessSpec
 from hybrid.engine.outputs import TokenLogprob
 from hybrid.engine.sequence import Sequence
-from hybrid.structured_output.backend import FORBIDDEN, GrammarBackend
+from hybrid.structured_output.backend import GrammarBackend
 
 NOT_NUMBERS = "the model produced logits that are not numbers (NaN or infinite) for this request"
 NOTHING_ALLOWED = "the request's grammar allows no next token"
-
-# A constrained request checks whether it must start closing its grammar (structured_output/backend.py) over
-# its last CLOSING_HORIZON tokens, and starts CLOSING_MARGIN tokens early: the model's pick among the closing
-# tokens may take a few more than the distance counted.
-CLOSING_HORIZON = 96
-CLOSING_MARGIN = 4
-GREEDY_CANDIDATES = 8
 
 
 @dataclass
@@ -78,18 +72,18 @@ def token_logprobs(rows: torch.Tensor, token_ids: list[int], k: int) -> list[Tok
 
 
 class Sampler:
-    """`grammars` is set by the engine once a request has brought a grammar."""
+    """`grammars` is set by the engine once a request has brought a grammar; with `mask_process` the masks are
+    computed in a mask process of that model while the model runs."""
 
-    def __init__(self) -> None:
+    def __init__(self, mask_process: MaskProcessSpec | None = None) -> None:
         self.grammars: GrammarBackend | None = None
+        self.masks = MaskPrefetcher(mask_process)
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[Sample]:
         raw = logits.float()
         broken = broken_rows(raw).tolist()
-        closing = {row for row, seq in enumerate(seqs) if seq.matcher is not None and self.must_close(seq)}
-        picked = self.pick_greedy(raw, seqs, closing)
-        logits, unsatisfiable = self.apply_grammars(raw, seqs, picked, closing)
-        greedy = [picked.get(row, t) for row, t in enumerate(logits.argmax(dim=-1).tolist())]
+        logits, unsatisfiable = self.apply_grammars(raw, seqs)
+        greedy = logits.argmax(dim=-1).tolist()
         out = []
         for row, seq in enumerate(seqs):
             p = seq.params
@@ -106,50 +100,29 @@ class Sampler:
             out.append(Sample(token, lp))
         return out
 
-    def pick_greedy(self, logits: torch.Tensor, seqs: list[Sequence], closing: set[int]) -> dict[int, int]:
-        """Greedy constrained rows (not closing) whose grammar allows one of their best candidates: row -> that
-        token. A candidate tied with the last one is not taken, as a token outside the candidates may tie it."""
-        rows = [row for row, seq in enumerate(seqs)
-                if seq.matcher is not None and seq.params.greedy and row not in closing]
-        if not rows:
-            return {}
-        top = torch.topk(logits if len(rows) == len(seqs) else logits[rows], min(GREEDY_CANDIDATES, logits.shape[-1]))
-        picked = {}
-        for row, values, ids in zip(rows, top.values.tolist(), top.indices.tolist()):
-            candidates = zip(values, ids)
-            if len(set(values)) < len(values):  # ties: the lowest id first, as argmax takes it
-                candidates = sorted(candidates, key=lambda c: (-c[0], c[1]))
-            for value, token in candidates:
-                if value <= values[-1]:
-                    break
-                if seqs[row].matcher.allows(token):
-                    picked[row] = token
-                    break
-        return picked
-
-    def apply_grammars(self, logits: torch.Tensor, seqs: list[Sequence], picked: dict[int, int],
-                       closing: set[int]) -> tuple[torch.Tensor, set[int]]:
-        """Logits with the tokens each constrained row's grammar forbids pushed to FORBIDDEN (rows in `picked`
-        are left alone; rows in `closing` keep only their closing tokens), and the rows whose grammar allows
-        nothing."""
-        rows = [row for row, seq in enumerate(seqs) if seq.matcher is not None and row not in picked]
+    def apply_grammars(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, set[int]]:
+        """The logits with each constrained row's grammar mask applied (in place unless a row asked for
+        logprobs), and the rows whose grammar allows nothing."""
+        rows = [row for row, seq in enumerate(seqs) if seq.matcher is not None]
         if not rows:
             return logits, set()
-        bias, nothing = self.grammars.bias([seqs[row].matcher for row in rows])
-        closes = [i for i, row in enumerate(rows) if row in closing]
-        if closes:
-            keep = self.grammars.closing(bias[closes] == 0)
-            bias[closes] = torch.zeros_like(bias[closes]).masked_fill(~keep, FORBIDDEN)
-        if len(rows) == len(seqs):
-            logits = logits + bias
-        else:
+        masks = self.masks.take(self.grammars, seqs if len(rows) == len(seqs) else [seqs[row] for row in rows])
+        if any(seq.params.logprobs is not None for seq in seqs):  # they are read from the unmasked logits
             logits = logits.clone()
-            logits[rows] += bias
-        return logits, {rows[i] for i in nothing}
+        return mask_logits_(logits, masks.bits, rows), {rows[i] for i in masks.nothing}
 
-    def must_close(self, seq: Sequence) -> bool:
-        """True once the tokens seq has left are only just enough to finish its grammar; it stays so."""
-        left = seq.params.max_tokens - seq.num_completion_tokens
-        if not seq.closing and left <= CLOSING_HORIZON:
-            seq.closing = left <= self.grammars.closing_distance(seq.matcher, left) + CLOSING_MARGIN
-        return seq.closing
+    def accept(self, seqs: list[Sequence], samples: list[Sample]) -> None:
+        """Advances the constrained rows' matchers by their drawn tokens; a token a grammar refuses (which a mask
+        should have ruled out) becomes that row's error."""
+        for seq, sample in zip(seqs, samples):
+            if seq.matcher is not None and sample.token is not None and not seq.matcher.accept(sample.token):
+                sample.token, sample.error = None, f"token {sample.token} does not follow the request's grammar"
+
+    def prefetch(self, seqs: list[Sequence]) -> None:
+        """Starts computing the next masks of the constrained sequences among seqs, whose matchers have taken
+        this step's tokens."""
+        if self.grammars is not None:
+            self.masks.submit(seqs)
+
+    def close(self) -> None:
+        self.masks.close()

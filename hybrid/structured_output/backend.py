@@ -7,8 +7,8 @@ special or added token of the model's tokenizer.
 A grammar alone does not make a reply end: a model can stay inside a JSON string for ever. So each backend also
 ranks tokens by how much they close (closing_rank). Drawing only among the allowed tokens of the highest rank
 present closes strings (or keeps them empty) and containers, and writes commas only where a required key is
-still missing; closing_distance() counts the tokens that takes from a matcher's state, and the sampler starts
-closing a request once its remaining max_tokens come down to that distance, so its output ends and parses.
+still missing; closing_distance() counts the tokens that takes from a matcher's state, and a request starts
+closing once its remaining max_tokens come down to that distance (masks.py), so its output ends and parses.
 """
 
 from __future__ import annotations
@@ -34,10 +34,6 @@ class GrammarMatcher(ABC):
     def accept(self, token_id: int) -> bool:
         """Advances by one sampled token; False when the grammar does not allow it."""
 
-    @abstractmethod
-    def allows(self, token_id: int) -> bool:
-        """Whether the grammar allows token_id next (the state is unchanged); much cheaper than a mask."""
-
     @property
     @abstractmethod
     def is_finished(self) -> bool:
@@ -49,9 +45,6 @@ class GrammarMatcher(ABC):
 
 
 EOS_RANK = 4
-# Added to the logit of a token the grammar forbids: finite, so one multiply builds the bias, yet it leaves the
-# token no probability at any temperature (and -inf after dividing by one below 1).
-FORBIDDEN = -3e38
 
 
 def is_end_marker(token: str) -> bool:
@@ -79,6 +72,19 @@ def closing_ranks(token_texts: list[str], added_tokens: set[str], eos_token_ids:
     return ranks
 
 
+def unpack_bits(bits: np.ndarray, vocab_size: int) -> np.ndarray:
+    """A bitmask's rows as [rows, vocab_size] uint8 flags."""
+    return np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, :vocab_size]  # byte order = token order
+
+
+def pack_bits(flags: np.ndarray) -> np.ndarray:
+    """unpack_bits() undone: [rows, vocab] flags as an int32 bitmask."""
+    packed = np.packbits(flags.astype(np.uint8), axis=1, bitorder="little")
+    words = np.zeros((flags.shape[0], (flags.shape[1] + 31) // 32), dtype=np.int32)
+    words.view(np.uint8)[:, :packed.shape[1]] = packed
+    return words
+
+
 class GrammarBackend(ABC):
     """Compiles grammars for one tokenizer and vocabulary width (the model's logits). `closing_rank` is
     closing_ranks() of its tokenizer."""
@@ -94,31 +100,16 @@ class GrammarBackend(ABC):
     def matcher(self, grammar: str) -> GrammarMatcher:
         """A fresh matcher at the grammar's start; raises GrammarError."""
 
-    def flags(self, matchers: list[GrammarMatcher]) -> np.ndarray:
-        """A [len(matchers), vocab_size] uint8 array, 1 where a matcher allows the token next."""
+    def bitmask(self, matchers: list[GrammarMatcher]) -> np.ndarray:
+        """A [len(matchers), words] int32 bitmask (words = ceil(vocab_size / 32)), row i matchers[i]'s."""
         bits = np.zeros((len(matchers), (self.vocab_size + 31) // 32), dtype=np.int32)
-        self.fill_bitmasks(matchers, bits)
-        flags = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")  # little-endian: byte = token order
-        return flags[:, :self.vocab_size]
-
-    def allowed(self, matchers: list[GrammarMatcher]) -> torch.Tensor:
-        """flags() as a bool tensor."""
-        return torch.from_numpy(self.flags(matchers)).bool()
-
-    def bias(self, matchers: list[GrammarMatcher]) -> tuple[torch.Tensor, list[int]]:
-        """A [len(matchers), vocab_size] float32 tensor, 0 where a matcher allows the token and FORBIDDEN
-        elsewhere (adding it to logits is several times cheaper than masking them), and the rows that allow
-        nothing."""
-        flags = self.flags(matchers)
-        bias = flags.astype(np.float32)
-        bias -= 1
-        bias *= -FORBIDDEN
-        return torch.from_numpy(bias), np.flatnonzero(~flags.any(axis=1)).tolist()
-
-    def fill_bitmasks(self, matchers: list[GrammarMatcher], bits: np.ndarray) -> None:
-        """Row i of bits gets matchers[i]'s bitmask."""
         for row, m in enumerate(matchers):
             m.fill_bitmask(bits, row)
+        return bits
+
+    def allowed(self, matchers: list[GrammarMatcher]) -> torch.Tensor:
+        """A [len(matchers), vocab_size] bool tensor, True where a matcher allows the token next."""
+        return torch.from_numpy(unpack_bits(self.bitmask(matchers), self.vocab_size)).bool()
 
     def closing(self, allowed: torch.Tensor) -> torch.Tensor:
         """Of each row's allowed tokens, those of the highest closing rank present."""

@@ -31,9 +31,6 @@ class LLGuidanceMatcher(GrammarMatcher):
     def accept(self, token_id: int) -> bool:
         return self.m.consume_token(token_id)
 
-    def allows(self, token_id: int) -> bool:
-        return self.m.validate_tokens([token_id]) == 1
-
     @property
     def is_finished(self) -> bool:
         return self.m.is_stopped()
