@@ -28,6 +28,8 @@ def test_mask_logits_matches_the_reference(vocab, extra_words):
         assert torch.equal(got, want), isa
         untouched = [r for r in range(5) if r not in rows]
         assert torch.equal(got[untouched], logits[untouched])
+        every = rng.integers(-2**31, 2**31, size=(5, words), dtype=np.int64).astype(np.int32)
+        assert torch.equal(mask_logits_(logits.clone(), every, None, isa), mask_logits_reference(logits, every))
 
 
 def test_mask_logits_checks_its_arguments():

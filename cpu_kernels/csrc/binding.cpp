@@ -89,17 +89,22 @@ PYBIND11_MODULE(_C, m) {
     hybridd::quantize_row(static_cast<Isa>(isa), as<const float>(v), k, kp, static_cast<Format>(fmt), group,
                           as<int8_t>(q), as<float>(scale), as<int32_t>(gsum));
   });
+  // rows None: every row of the logits, in order.
   m.def("mask_logits", [](int isa, uintptr_t logits, int64_t batch, int64_t stride, int64_t vocab,
-                          const std::vector<int64_t>& rows, const py::array_t<int32_t, py::array::c_style>& bits) {
-    if (bits.ndim() != 2 || bits.shape(0) != static_cast<py::ssize_t>(rows.size()))
+                          std::optional<std::vector<int64_t>> rows, const py::array_t<int32_t, py::array::c_style>& bits) {
+    if (!rows) {
+      rows.emplace(batch);
+      for (int64_t r = 0; r < batch; ++r) (*rows)[r] = r;
+    }
+    if (bits.ndim() != 2 || bits.shape(0) != static_cast<py::ssize_t>(rows->size()))
       throw std::invalid_argument("bits must be int32 [rows, words], one row per logits row masked");
     std::vector<bool> seen(batch);
-    for (int64_t r : rows) {
+    for (int64_t r : *rows) {
       if (r < 0 || r >= batch || seen[r]) throw std::invalid_argument("rows must be distinct rows of the logits");
       seen[r] = true;
     }
-    hybridd::mask_logits(static_cast<Isa>(isa), as<float>(logits), stride, vocab, rows.data(),
-                         static_cast<int64_t>(rows.size()), reinterpret_cast<const uint32_t*>(bits.data()),
+    hybridd::mask_logits(static_cast<Isa>(isa), as<float>(logits), stride, vocab, rows->data(),
+                         static_cast<int64_t>(rows->size()), reinterpret_cast<const uint32_t*>(bits.data()),
                          bits.shape(1));
   });
   m.def("isa_name", [](int isa) { return std::string(hybridd::isa_name(static_cast<Isa>(isa))); });

@@ -139,7 +139,10 @@ class MaskPrefetcher:
     """`spec` None: every mask is computed on the engine's thread.
 
     No sequence takes a token between a submit and the next take (the engine appends tokens after sampling), so
-    a reply whose sequences are the ones sampled, in order, is theirs: the usual step takes it whole."""
+    a reply whose sequences are the ones sampled, in order, is theirs: the usual step takes it whole. And when the
+    sequences submitted are those of the last request, all answered and taken, each has taken exactly one token
+    since (it was sampled once): the request is an Advance. Were that ever wrong, the process's matcher would
+    drift from the engine's, whose check of every drawn token fails the request rather than let it go on."""
 
     def __init__(self, spec: MaskProcessSpec | None):
         self._spec = spec
@@ -212,8 +215,7 @@ class MaskPrefetcher:
             return
         live = [seq for seq in seqs if seq.matcher is not None and not seq.is_finished]
         last = self._last
-        if (last is not None and not self._held and live == last[0] and len(live) == len(self._followed)
-                and [seq.num_completion_tokens - 1 for seq in live] == last[1]):
+        if last is not None and not self._held and live == last[0] and len(live) == len(self._followed):
             self._ask(Advance([seq.token_ids[-1] for seq in live]), live, [p + 1 for p in last[1]])
             return
         if last is not None:  # the process's positions, which advances do not record

@@ -109,7 +109,8 @@ class Sampler:
         masks = self.masks.take(self.grammars, seqs if len(rows) == len(seqs) else [seqs[row] for row in rows])
         if any(seq.params.logprobs is not None for seq in seqs):  # they are read from the unmasked logits
             logits = logits.clone()
-        return mask_logits_(logits, masks.bits, rows), {rows[i] for i in masks.nothing}
+        every = len(rows) == len(seqs)
+        return mask_logits_(logits, masks.bits, None if every else rows), {rows[i] for i in masks.nothing}
 
     def accept(self, seqs: list[Sequence], samples: list[Sample]) -> None:
         """Advances the constrained rows' matchers by their drawn tokens; a token a grammar refuses (which a mask
