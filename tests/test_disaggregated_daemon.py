@@ -44,12 +44,14 @@ def one_engine_texts(max_tokens: list[int]) -> list[str]:
 
 
 def test_staggered_streams_match_one_engine(pair, client):
-    # Long enough (seconds each) that the first two still decode when later prompts are prefilled, however
-    # loaded the machine: a hand-off must wait for one of the two decode slots. With a few hundred tokens, under
-    # the full suite's load a prompt's prefill sometimes outlasted a whole stream and nothing waited.
-    max_tokens = [2000, 1600, 2200, 1800, 1700]
+    # The first two streams fill the decode engine's two slots and are long (seconds); the other three arrive,
+    # staggered, once both are decoding, so their hand-offs wait for a slot. Started all at 50 ms intervals, the
+    # third request was at times sent only after the first streams had ended (the client threads share the
+    # engine's core in a full run) and no hand-off waited.
+    max_tokens = [1600, 1400, 260, 180, 150]
     texts: dict[int, str] = {}
     finish: dict[int, str] = {}
+    decoding = [threading.Event() for _ in PROMPTS]
 
     def run(i: int) -> None:
         stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPTS[i]}],
@@ -60,10 +62,15 @@ def test_staggered_streams_match_one_engine(pair, client):
             if chunk.choices:
                 parts.append(chunk.choices[0].delta.content or "")
                 finish[i] = chunk.choices[0].finish_reason or finish.get(i)
+                if len(parts) > 1:
+                    decoding[i].set()
         texts[i] = "".join(parts)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(PROMPTS))]
-    for t in threads:
+    for t in threads[:2]:
+        t.start()
+    assert decoding[0].wait(60) and decoding[1].wait(60)
+    for t in threads[2:]:
         t.start()
         time.sleep(0.05)
     for t in threads:
