@@ -27,7 +27,7 @@ import numpy as np
 from cpu_kernels.thread_pool import ALLOWED_CPUS, pool_layout
 from hybrid.distributed.shm_channel import ChannelError, ShmChannel
 from hybrid.engine.sequence import Sequence
-from hybrid.structured_output.backend import GrammarBackend
+from hybrid.structured_output.backend import GrammarBackend, bitmask_words
 from hybrid.structured_output.mask_messages import Advance, Follow, MaskReply, MaskRequest, Ready, Stop, decode, encode
 from hybrid.structured_output.masks import next_token_masks
 
@@ -146,7 +146,7 @@ class MaskPrefetcher:
 
     def __init__(self, spec: MaskProcessSpec | None):
         self._spec = spec
-        self._words = (spec.vocab_size + 31) // 32 if spec is not None else 0
+        self._words = bitmask_words(spec.vocab_size) if spec is not None else 0
         self._process: MaskProcess | None = None
         self._broken = False
         self._followed: dict[str, tuple[Sequence, int]] = {}  # request id -> (seq, tokens the process has taken)
@@ -263,7 +263,7 @@ class MaskPrefetcher:
                 return Masks(reply.bits, reply.nothing)
         if any(seq.request_id not in self._held for seq in seqs):
             self._hold()
-        bits = np.empty((len(seqs), (backend.vocab_size + 31) // 32), dtype=np.int32)
+        bits = np.empty((len(seqs), bitmask_words(backend.vocab_size)), dtype=np.int32)
         nothing, missing = [], []
         for i, seq in enumerate(seqs):
             held = self._held.pop(seq.request_id, None)

@@ -72,6 +72,11 @@ def closing_ranks(token_texts: list[str], added_tokens: set[str], eos_token_ids:
     return ranks
 
 
+def bitmask_words(vocab_size: int) -> int:
+    """The int32 words of one bitmask row over vocab_size tokens."""
+    return (vocab_size + 31) // 32
+
+
 def unpack_bits(bits: np.ndarray, vocab_size: int) -> np.ndarray:
     """A bitmask's rows as [rows, vocab_size] uint8 flags."""
     return np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, :vocab_size]  # byte order = token order
@@ -80,7 +85,7 @@ def unpack_bits(bits: np.ndarray, vocab_size: int) -> np.ndarray:
 def pack_bits(flags: np.ndarray) -> np.ndarray:
     """unpack_bits() undone: [rows, vocab] flags as an int32 bitmask."""
     packed = np.packbits(flags.astype(np.uint8), axis=1, bitorder="little")
-    words = np.zeros((flags.shape[0], (flags.shape[1] + 31) // 32), dtype=np.int32)
+    words = np.zeros((flags.shape[0], bitmask_words(flags.shape[1])), dtype=np.int32)
     words.view(np.uint8)[:, :packed.shape[1]] = packed
     return words
 
@@ -102,7 +107,7 @@ class GrammarBackend(ABC):
 
     def bitmask(self, matchers: list[GrammarMatcher]) -> np.ndarray:
         """A [len(matchers), words] int32 bitmask (words = ceil(vocab_size / 32)), row i matchers[i]'s."""
-        bits = np.zeros((len(matchers), (self.vocab_size + 31) // 32), dtype=np.int32)
+        bits = np.zeros((len(matchers), bitmask_words(self.vocab_size)), dtype=np.int32)
         for row, m in enumerate(matchers):
             m.fill_bitmask(bits, row)
         return bits

@@ -22,7 +22,7 @@ import numpy as np
 
 from hybrid.distributed.shm_channel import ShmChannel
 from hybrid.parent_watch import watch_parent
-from hybrid.structured_output.backend import GrammarBackend, GrammarMatcher
+from hybrid.structured_output.backend import GrammarBackend, GrammarMatcher, bitmask_words
 from hybrid.structured_output.mask_messages import (
     Advance,
     Follow,
@@ -66,8 +66,7 @@ def answer(backend: GrammarBackend, followed: dict[str, Followed], request: Mask
             log.debug("mask row of %s failed: %s", row.request_id, e)
             followed.pop(row.request_id, None)
             failed.append(i)
-    words = (backend.vocab_size + 31) // 32
-    bits = np.zeros((len(request.rows), words), dtype=np.int32)
+    bits = np.zeros((len(request.rows), bitmask_words(backend.vocab_size)), dtype=np.int32)
     states = [followed[request.rows[i].request_id] for i in live]
     masks = next_token_masks(backend, [s.matcher for s in states], [request.rows[i].left for i in live],
                              [s.closing for s in states])
