@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cpu_kernels.linear import PackedLinear
 from cpu_kernels.routing import grouped_topk, grouped_topk_reference, softmax_topk, softmax_topk_reference
 from hybrid.layers.router import GroupedSigmoidRouter, SoftmaxTopKRouter
 
@@ -32,14 +33,20 @@ def test_softmax_topk_picks_what_torch_picks(experts, k, renormalize, dtype):
         assert (weights != ref_weights).float().mean().item() < 1e-3
 
 
+def exact_sums(rows: int, cols: int, g: torch.Generator) -> torch.Tensor:
+    """Multiples of 1/8 in [-1/4, 1/4]: every product and sum of 64 of them is exact in bf16 and fp32, so the
+    router's logits are the same bits in any summation order, ties included."""
+    return (torch.randint(-2, 3, (rows, cols), generator=g) / 8).bfloat16()
+
+
 def test_router_module_routes_the_same_through_the_kernel():
     g = torch.Generator().manual_seed(1)
     torch_router = SoftmaxTopKRouter(64, 32, 4, True, torch.bfloat16)
-    torch_router.weight.data = torch.randn(32, 64, generator=g).bfloat16()
+    torch_router.weight.data = exact_sums(32, 64, g)
     kernel_router = SoftmaxTopKRouter(64, 32, 4, True, torch.bfloat16)
-    kernel_router.weight.data = torch_router.weight.data
-    kernel_router.use_kernel()
-    x = torch.randn(40, 64, generator=g).bfloat16()
+    kernel_router.use_kernel(PackedLinear.pack(torch_router.weight.data, "bf16"))
+    assert kernel_router.weight is None
+    x = exact_sums(40, 64, g)
     ids, weights = kernel_router(x)
     ref_ids, ref_weights = torch_router(x)
     assert torch.equal(ids.long(), ref_ids)
@@ -67,12 +74,12 @@ def test_grouped_topk_picks_what_torch_picks(experts, groups, keep, k, renormali
 def test_grouped_router_module_routes_the_same_through_the_kernel():
     g = torch.Generator().manual_seed(2)
     routers = [GroupedSigmoidRouter(64, 32, 8, 4, 2, True, 2.5, torch.bfloat16) for _ in range(2)]
-    routers[1].use_kernel()  # before the weights load, as the runner does: it keeps its weight in fp32
-    assert routers[1].weight.dtype == torch.float32
-    weight, bias = torch.randn(32, 64, generator=g).bfloat16(), torch.randn(32, generator=g) / 10
+    weight, bias = exact_sums(32, 64, g), torch.randn(32, generator=g) / 10
+    routers[0].weight.data = weight
+    routers[1].use_kernel(PackedLinear.pack(weight, "bf16"))
     for router in routers:
-        router.weight.data, router.e_score_correction_bias.data = weight.to(router.weight.dtype), bias
-    x = torch.randn(40, 64, generator=g).bfloat16()
+        router.e_score_correction_bias.data = bias
+    x = exact_sums(40, 64, g)
     (ref_ids, ref_weights), (ids, weights) = routers[0](x), routers[1](x)
     assert torch.equal(ids.long(), ref_ids) and torch.equal(weights, ref_weights)
 

@@ -98,9 +98,10 @@ def test_router_picks_the_same_experts(model_dirs, preset, backend):
     ref_sorted, order_ref = ref_ids.sort(dim=-1)
     our_sorted, order_ours = ids.sort(dim=-1)
     assert torch.equal(our_sorted.long(), ref_sorted)
-    # the torch router repeats the reference's ops; the kernel's softmax takes another exp (fp32 rounding apart)
+    # the torch router repeats the reference's ops; the kernels' logits carry fp32 inputs as two bf16 halves
+    # (as every packed linear does, ~1e-5 relative) and their softmax takes another exp
     torch.testing.assert_close(weights.gather(1, order_ours), ref_weights.gather(1, order_ref),
-                               rtol=0 if backend == "torch" else 4e-6, atol=0 if backend == "torch" else 1e-7)
+                               rtol=0 if backend == "torch" else 3e-5, atol=0 if backend == "torch" else 1e-6)
 
 
 def test_mla_absorbed_decode_equals_expanded(model_dirs):

@@ -9,6 +9,7 @@ import torch
 from hybrid.checkpoint.reader import CheckpointReader
 from hybrid.checkpoint.shard import Shard
 from hybrid.layers.linear import Linear, shared_input_groups
+from hybrid.layers.router import Router
 
 # kv_b_proj stays a torch weight: MLA's absorbed decode reads it as per-head matrices.
 UNPACKED_LINEARS = ("kv_b_proj",)
@@ -46,7 +47,8 @@ def pack_dense_linears(model: torch.nn.Module, reader: CheckpointReader, fmt: st
                        tied_embeddings: bool = False) -> None:
     """Moves every dense Linear to the CPU kernels straight from the checkpoint (before the other weights
     load, so no dequantized copy is ever made). Linears that share an input (SharedInputLinears) are packed
-    as one matrix where their formats allow it."""
+    as one matrix where their formats allow it. Routers keep the checkpoint's format: their logits choose the
+    experts."""
     names = {id(module): name for name, module in model.named_modules()}
     stacked = set()
     for group in shared_input_groups(model):
@@ -62,4 +64,5 @@ def pack_dense_linears(model: torch.nn.Module, reader: CheckpointReader, fmt: st
         wname = f"{name}.weight"
         if wname not in reader and name == "lm_head" and tied_embeddings:
             wname = "model.embed_tokens.weight"
-        module.use_kernel(_pack_stacked(reader, [(wname, tuple(module.weight.shape), module.shard)], fmt))
+        module.use_kernel(_pack_stacked(reader, [(wname, tuple(module.weight.shape), module.shard)],
+                                        "auto" if isinstance(module, Router) else fmt))
