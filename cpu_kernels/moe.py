@@ -181,16 +181,20 @@ _pools: dict[int | None, _C.MoeRunner] = {}
 _spin_us = POOL_SPIN_US
 
 
+# The KernelProgram being recorded (cpu_kernels/program.py), if any: kernel calls then go into it.
+_recording: list = []
+
+
 def runner(num_threads: int | None = None) -> _C.MoeRunner:
     """One persistent, pinned thread pool per thread count (None: every allowed core, the same pool as that
-    count), one sub-pool per NUMA node it spans."""
+    count), one sub-pool per NUMA node it spans. While a program records, its recorder for that pool."""
     start_torch_threads()
     pool = _pools.get(num_threads)
     if pool is None:
         cpus, nodes = pool_layout(num_threads)
         pool = _pools.get(len(cpus)) or _C.MoeRunner(cpus, nodes, _spin_us)
         _pools[num_threads] = _pools[len(cpus)] = pool
-    return pool
+    return _recording[-1].recorder(pool) if _recording else pool
 
 
 def pool_started() -> bool:
@@ -224,10 +228,14 @@ def fused_moe(p: PackedExperts, x: torch.Tensor, topk_ids: torch.Tensor, topk_we
         raise ValueError("the CPU MoE kernel needs CPU tensors")
     x = x.contiguous()
     ids = topk_ids.to(torch.int32).contiguous()  # the kernel checks the range
-    w = topk_weights.to(torch.float32).contiguous()
     out = torch.empty_like(x)
     if x.shape[0] == 0:
         return out
+    if topk_weights.dtype == torch.bfloat16:  # widened by a kernel: a decode program records it (program.py)
+        w = torch.empty(topk_weights.shape, dtype=torch.float32)
+        runner(num_threads).widen(topk_weights.contiguous().data_ptr(), w.data_ptr(), w.numel())
+    else:
+        w = topk_weights.to(torch.float32).contiguous()
     runner(num_threads).forward(p.layer, x.data_ptr(), x.dtype == torch.float32, x.shape[0], ids.shape[1],
                                 ids.data_ptr(), w.data_ptr(), float(scale), out.data_ptr(),
                                 resolve_isa(isa))

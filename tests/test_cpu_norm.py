@@ -1,5 +1,5 @@
 """RMSNorm kernel against its torch reference: odd and model-sized widths, one row to a prefill's worth (the
-threaded path), fp32 and bf16."""
+threaded path), fp32 and bf16, and per-head rows read in place from a fused projection's strided columns."""
 
 from __future__ import annotations
 
@@ -44,6 +44,20 @@ def test_leading_dims_eps_and_non_contiguous_inputs():
     zeros = torch.zeros(2, 64, dtype=torch.bfloat16)
     assert torch.equal(rms_norm(zeros, weight, 1e-6), zeros)
     assert rms_norm(x[:0], weight, 1e-6).shape == (0, 64)
+
+
+@pytest.mark.parametrize("tokens,heads,dim,width", [(1, 32, 128, 5120), (3, 4, 128, 5120), (5, 3, 24, 97),
+                                                     (2, 1, 7, 7)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_strided_heads_are_read_in_place(tokens, heads, dim, width, dtype):
+    """q / k of a fused qkv projection: [tokens, heads, dim] views of [tokens, width] rows (no copy made)."""
+    g = torch.Generator().manual_seed(tokens + heads * 7 + dim)
+    fused = (torch.randn(tokens, width, generator=g) * 2).to(dtype)
+    weight = (torch.rand(dim, generator=g) + 0.5).to(dtype)
+    view = fused[:, width - heads * dim:].view(tokens, heads, dim)
+    out = rms_norm(view, weight, 1e-6)
+    assert out.is_contiguous() and out.shape == view.shape
+    assert_norm_close(out, rms_norm_reference(view, weight, 1e-6))
 
 
 def test_bad_inputs_are_rejected():

@@ -36,4 +36,18 @@ void check_paged_attention(const PagedAttention& a);
 
 void paged_attention(ThreadPool& pool, const PagedAttention& a, Isa isa);
 
+// A step's key (or value, or latent) rows into their cache slots: row i, at src + i * src_stride bytes, to
+// cache + slots[i] * row_bytes.
+struct StoreRows {
+  void* cache = nullptr;
+  int64_t num_slots = 0;  // slots of the cache: blocks * block_size
+  const int64_t* slots = nullptr;
+  const void* src = nullptr;
+  int64_t src_stride = 0;  // bytes between source rows
+  int64_t rows = 0, row_bytes = 0;
+};
+
+// Throws std::invalid_argument, before writing anything, for a slot outside [0, num_slots).
+void store_rows(const StoreRows& s);
+
 }  // namespace hybridd

@@ -6,6 +6,8 @@
 #include "all_reduce.h"
 #include "amx.h"
 #include "attention.h"
+#include "elementwise.h"
+#include "kernel_program.h"
 #include "moe.h"
 #include "norm.h"
 #include "rope.h"
@@ -19,6 +21,7 @@ namespace py = pybind11;
 using hybridd::ExpertLayer;
 using hybridd::Format;
 using hybridd::Isa;
+using hybridd::KernelProgram;
 using hybridd::MoeRunner;
 using hybridd::PackedMatrices;
 using hybridd::ShmGroup;
@@ -46,6 +49,110 @@ PackedMatrices matrices(uintptr_t data, int64_t data_stride, uintptr_t scales, i
   m.tiles = tiles;
   m.kp = kp;
   return m;
+}
+
+// The kernels a MoeRunner runs, each callable at once (MoeRunner.<name>) or recorded into a KernelProgram
+// (KernelProgram.<name>(runner, ...)) with the same arguments.
+void k_forward(MoeRunner& r, const ExpertLayer& layer, uintptr_t x, bool f32_io, int tokens, int topk, uintptr_t ids,
+               uintptr_t weights, float scale, uintptr_t out, int isa) {
+  r.forward(layer, as<const void>(x), f32_io, tokens, topk, as<const int32_t>(ids), as<const float>(weights), scale,
+            as<void>(out), static_cast<Isa>(isa));
+}
+
+void k_linear(MoeRunner& r, int fmt, const PackedMatrices& w, int n, int k, int block_k, int group, uintptr_t x,
+              bool f32_io, int tokens, uintptr_t out, int isa) {
+  r.linear(static_cast<Format>(fmt), w, n, k, block_k, group, as<const void>(x), f32_io, tokens, as<void>(out),
+           static_cast<Isa>(isa));
+}
+
+void k_rms_norm(MoeRunner& r, uintptr_t x, int64_t heads, int64_t token_stride, uintptr_t out, uintptr_t weight,
+                int64_t rows, int64_t dim, float eps, bool f32) {
+  r.rms_norm({.x = as<const void>(x), .heads = heads, .token_stride = token_stride, .out = as<void>(out),
+              .weight = as<const void>(weight), .rows = rows, .dim = dim, .eps = eps, .f32 = f32});
+}
+
+void k_rope(MoeRunner& r, uintptr_t x, int64_t token_stride, int64_t head_stride, uintptr_t out, uintptr_t cos,
+            uintptr_t sin, int64_t tokens, int64_t heads, int64_t dim, bool interleave, bool f32) {
+  r.rope({.x = as<const void>(x), .token_stride = token_stride, .head_stride = head_stride, .out = as<void>(out),
+          .cos = as<const void>(cos), .sin = as<const void>(sin), .tokens = tokens, .heads = heads, .dim = dim,
+          .interleave = interleave, .f32 = f32});
+}
+
+void k_softmax_topk(MoeRunner& r, uintptr_t logits, bool f32, int64_t tokens, int64_t experts, int k,
+                    bool renormalize, uintptr_t ids, uintptr_t weights) {
+  r.softmax_topk({.logits = as<const void>(logits), .f32 = f32, .tokens = tokens, .experts = experts, .k = k,
+                  .renormalize = renormalize, .ids = as<int32_t>(ids), .weights = as<void>(weights)});
+}
+
+void k_grouped_topk(MoeRunner& r, uintptr_t scores, uintptr_t bias, int64_t tokens, int64_t experts, int k, int groups,
+                    int keep_groups, bool renormalize, float scaling, uintptr_t ids, uintptr_t weights) {
+  r.grouped_topk({.scores = as<const float>(scores), .bias = as<const float>(bias), .tokens = tokens,
+                  .experts = experts, .k = k, .groups = groups, .keep_groups = keep_groups,
+                  .renormalize = renormalize, .scaling = scaling, .ids = as<int32_t>(ids),
+                  .weights = as<float>(weights)});
+}
+
+void k_paged_attention(MoeRunner& r, uintptr_t q, uintptr_t out, bool f32, int num_seqs, int num_heads,
+                       int num_kv_heads, int head_dim, int v_head_dim, uintptr_t k, uintptr_t v,
+                       int64_t k_token_stride, int64_t k_head_stride, int64_t v_token_stride, int64_t v_head_stride,
+                       int block_size, uintptr_t block_tables, int table_width, uintptr_t context_lens,
+                       uintptr_t query_lens, float scale, int64_t num_queries, int64_t num_blocks, int isa) {
+  hybridd::PagedAttention a;
+  a.q = as<const void>(q);
+  a.out = as<void>(out);
+  a.f32 = f32;
+  a.num_seqs = num_seqs;
+  a.num_heads = num_heads;
+  a.num_kv_heads = num_kv_heads;
+  a.head_dim = head_dim;
+  a.v_head_dim = v_head_dim;
+  a.k = as<const void>(k);
+  a.v = as<const void>(v);
+  a.k_token_stride = k_token_stride;
+  a.k_head_stride = k_head_stride;
+  a.v_token_stride = v_token_stride;
+  a.v_head_stride = v_head_stride;
+  a.block_size = block_size;
+  a.block_tables = as<const int32_t>(block_tables);
+  a.table_width = table_width;
+  a.context_lens = as<const int32_t>(context_lens);
+  a.query_lens = as<const int32_t>(query_lens);
+  a.scale = scale;
+  a.num_queries = num_queries;
+  a.num_blocks = num_blocks;
+  r.attention(a, static_cast<Isa>(isa));
+}
+
+void k_add(MoeRunner& r, uintptr_t a, uintptr_t b, uintptr_t out, int64_t n, bool f32) {
+  r.add({.a = as<const void>(a), .b = as<const void>(b), .out = as<void>(out), .n = n, .f32 = f32});
+}
+
+void k_silu_mul(MoeRunner& r, uintptr_t g, int64_t g_stride, uintptr_t u, int64_t u_stride, uintptr_t out,
+                int64_t rows, int64_t cols, bool f32, int isa) {
+  r.silu_mul({.g = as<const void>(g), .u = as<const void>(u), .g_stride = g_stride, .u_stride = u_stride,
+              .out = as<void>(out), .rows = rows, .cols = cols, .f32 = f32},
+             static_cast<Isa>(isa));
+}
+
+void k_widen(MoeRunner& r, uintptr_t x, uintptr_t out, int64_t n) {
+  r.widen({.x = as<const uint16_t>(x), .out = as<float>(out), .n = n});
+}
+
+void k_store_rows(MoeRunner&, uintptr_t cache, int64_t num_slots, uintptr_t slots, uintptr_t src, int64_t src_stride,
+                  int64_t rows, int64_t row_bytes) {
+  hybridd::store_rows({.cache = as<void>(cache), .num_slots = num_slots, .slots = as<const int64_t>(slots),
+                       .src = as<const void>(src), .src_stride = src_stride, .rows = rows, .row_bytes = row_bytes});
+}
+
+// fn as MoeRunner.<name> (run now, without the GIL) and as KernelProgram.<name>(runner, ...), which records the
+// call with copies of its arguments (raw addresses, sizes and the packed weights' descriptions).
+template <typename... Args>
+void def_kernel(py::class_<MoeRunner>& runner, py::class_<KernelProgram>& program, const char* name,
+                void (*fn)(MoeRunner&, Args...)) {
+  runner.def(name, fn, py::call_guard<py::gil_scoped_release>());
+  program.def(name, [fn](KernelProgram& p, MoeRunner& r, Args... args) {
+    p.add([fn, runner = &r, args...] { fn(*runner, args...); });
+  });
 }
 }  // namespace
 
@@ -166,96 +273,29 @@ PYBIND11_MODULE(_C, m) {
       },
       py::call_guard<py::gil_scoped_release>());
 
-  py::class_<MoeRunner>(m, "MoeRunner")
+  auto runner = py::class_<MoeRunner>(m, "MoeRunner");
+  runner
       .def(py::init<std::vector<int>, std::vector<int>, int>(), py::arg("cpus"), py::arg("nodes"), py::arg("spin_us"))
       .def_property_readonly("num_threads", &MoeRunner::num_threads)
       .def_property("spin_us", &MoeRunner::spin_us, &MoeRunner::set_spin_us)
-      .def_property_readonly("num_nodes", &MoeRunner::num_nodes)
-      .def(
-          "forward",
-          [](MoeRunner& r, const ExpertLayer& layer, uintptr_t x, bool f32_io, int tokens, int topk, uintptr_t ids,
-             uintptr_t weights, float scale, uintptr_t out, int isa) {
-            r.forward(layer, reinterpret_cast<const void*>(x), f32_io, tokens, topk,
-                      reinterpret_cast<const int32_t*>(ids), reinterpret_cast<const float*>(weights), scale,
-                      reinterpret_cast<void*>(out), static_cast<Isa>(isa));
-          },
-          py::call_guard<py::gil_scoped_release>())
-      .def(
-          "linear",
-          [](MoeRunner& r, int fmt, const PackedMatrices& w, int n, int k, int block_k, int group, uintptr_t x,
-             bool f32_io, int tokens, uintptr_t out, int isa) {
-            r.linear(static_cast<Format>(fmt), w, n, k, block_k, group, reinterpret_cast<const void*>(x), f32_io,
-                     tokens, reinterpret_cast<void*>(out), static_cast<Isa>(isa));
-          },
-          py::call_guard<py::gil_scoped_release>())
-      .def(
-          "rms_norm",
-          [](MoeRunner& r, uintptr_t x, uintptr_t out, uintptr_t weight, int64_t rows, int64_t dim, float eps,
-             bool f32) {
-            r.rms_norm({.x = as<const void>(x), .out = as<void>(out), .weight = as<const void>(weight),
-                        .rows = rows, .dim = dim, .eps = eps, .f32 = f32});
-          },
-          py::call_guard<py::gil_scoped_release>())
-      .def(
-          "rope",
-          [](MoeRunner& r, uintptr_t x, int64_t token_stride, int64_t head_stride, uintptr_t out, uintptr_t cos,
-             uintptr_t sin, int64_t tokens, int64_t heads, int64_t dim, bool interleave, bool f32) {
-            r.rope({.x = as<const void>(x), .token_stride = token_stride, .head_stride = head_stride,
-                    .out = as<void>(out), .cos = as<const void>(cos), .sin = as<const void>(sin), .tokens = tokens,
-                    .heads = heads, .dim = dim, .interleave = interleave, .f32 = f32});
-          },
-          py::call_guard<py::gil_scoped_release>())
-      .def(
-          "softmax_topk",
-          [](MoeRunner& r, uintptr_t logits, bool f32, int64_t tokens, int64_t experts, int k, bool renormalize,
-             uintptr_t ids, uintptr_t weights) {
-            r.softmax_topk({.logits = as<const void>(logits), .f32 = f32, .tokens = tokens, .experts = experts,
-                            .k = k, .renormalize = renormalize, .ids = as<int32_t>(ids), .weights = as<void>(weights)});
-          },
-          py::call_guard<py::gil_scoped_release>())
-      .def(
-          "grouped_topk",
-          [](MoeRunner& r, uintptr_t scores, uintptr_t bias, int64_t tokens, int64_t experts, int k, int groups,
-             int keep_groups, bool renormalize, float scaling, uintptr_t ids, uintptr_t weights) {
-            r.grouped_topk({.scores = as<const float>(scores), .bias = as<const float>(bias), .tokens = tokens,
-                            .experts = experts, .k = k, .groups = groups, .keep_groups = keep_groups,
-                            .renormalize = renormalize, .scaling = scaling, .ids = as<int32_t>(ids),
-                            .weights = as<float>(weights)});
-          },
-          py::call_guard<py::gil_scoped_release>())
-      .def(
-          "paged_attention",
-          [](MoeRunner& r, uintptr_t q, uintptr_t out, bool f32, int num_seqs, int num_heads, int num_kv_heads,
-             int head_dim, int v_head_dim, uintptr_t k, uintptr_t v, int64_t k_token_stride, int64_t k_head_stride,
-             int64_t v_token_stride, int64_t v_head_stride, int block_size, uintptr_t block_tables, int table_width,
-             uintptr_t context_lens, uintptr_t query_lens, float scale, int64_t num_queries, int64_t num_blocks,
-             int isa) {
-            hybridd::PagedAttention a;
-            a.q = reinterpret_cast<const void*>(q);
-            a.out = reinterpret_cast<void*>(out);
-            a.f32 = f32;
-            a.num_seqs = num_seqs;
-            a.num_heads = num_heads;
-            a.num_kv_heads = num_kv_heads;
-            a.head_dim = head_dim;
-            a.v_head_dim = v_head_dim;
-            a.k = reinterpret_cast<const void*>(k);
-            a.v = reinterpret_cast<const void*>(v);
-            a.k_token_stride = k_token_stride;
-            a.k_head_stride = k_head_stride;
-            a.v_token_stride = v_token_stride;
-            a.v_head_stride = v_head_stride;
-            a.block_size = block_size;
-            a.block_tables = reinterpret_cast<const int32_t*>(block_tables);
-            a.table_width = table_width;
-            a.context_lens = reinterpret_cast<const int32_t*>(context_lens);
-            a.query_lens = reinterpret_cast<const int32_t*>(query_lens);
-            a.scale = scale;
-            a.num_queries = num_queries;
-            a.num_blocks = num_blocks;
-            r.attention(a, static_cast<Isa>(isa));
-          },
-          py::call_guard<py::gil_scoped_release>());
+      .def_property_readonly("num_nodes", &MoeRunner::num_nodes);
+
+  auto program = py::class_<KernelProgram>(m, "KernelProgram");
+  program.def(py::init<>())
+      .def("run", &KernelProgram::run, py::call_guard<py::gil_scoped_release>())
+      .def("run_timed", &KernelProgram::run_timed, py::call_guard<py::gil_scoped_release>())
+      .def("__len__", &KernelProgram::size);
+  def_kernel(runner, program, "forward", &k_forward);
+  def_kernel(runner, program, "linear", &k_linear);
+  def_kernel(runner, program, "rms_norm", &k_rms_norm);
+  def_kernel(runner, program, "rope", &k_rope);
+  def_kernel(runner, program, "softmax_topk", &k_softmax_topk);
+  def_kernel(runner, program, "grouped_topk", &k_grouped_topk);
+  def_kernel(runner, program, "paged_attention", &k_paged_attention);
+  def_kernel(runner, program, "add", &k_add);
+  def_kernel(runner, program, "silu_mul", &k_silu_mul);
+  def_kernel(runner, program, "widen", &k_widen);
+  def_kernel(runner, program, "store_rows", &k_store_rows);
 
   py::class_<SlotServer>(m, "SlotServer")
       .def(py::init([](uintptr_t slot, const SlotOffsets& o, MoeRunner& runner, std::map<int, ExpertLayer> layers,

@@ -108,6 +108,9 @@ struct RmsNorm;         // norm.h
 struct Rope;            // rope.h
 struct SoftmaxTopK;     // routing.h
 struct GroupedTopK;     // routing.h
+struct Add;             // elementwise.h
+struct SiluMul;         // elementwise.h
+struct Widen;           // elementwise.h
 
 // Where each active expert's activation rows sit once sorted by expert: R rows per slot from row first[e].
 // The rows of a packed[e] expert (those tile_span_amx reads) are its A operands (pack_amx_block), padded to
@@ -142,6 +145,10 @@ class MoeRunner {
   // Softmax / grouped top-k routing of every token (routing.cpp).
   void softmax_topk(const SoftmaxTopK& r);
   void grouped_topk(const GroupedTopK& r);
+  // Elementwise ops (elementwise.cpp).
+  void add(const Add& a);
+  void silu_mul(const SiluMul& s, Isa isa);
+  void widen(const Widen& w);
 
  private:
   void run(int ntasks, int64_t elements, const std::function<void(int, int)>& fn);

@@ -33,7 +33,7 @@ void normalize(const RmsNorm& n, int64_t r0, int64_t r1) {
   w.resize(d);
   for (int64_t j = 0; j < d; ++j) w[j] = element_f32(static_cast<const T*>(n.weight)[j]);
   for (int64_t i = r0; i < r1; ++i) {
-    const T* src = static_cast<const T*>(n.x) + i * d;
+    const T* src = static_cast<const T*>(n.x) + (i / n.heads) * n.token_stride + (i % n.heads) * d;
     for (int64_t j = 0; j < d; ++j) x[j] = element_f32(src[j]);
     // torch: mean = sum / dim, then rsqrt(mean + eps) = 1 / sqrt(...), each rounded to fp32.
     const float inv = 1.0f / std::sqrt(sum_squares(x.data(), d) / static_cast<float>(d) + n.eps);

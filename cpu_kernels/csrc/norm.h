@@ -7,8 +7,11 @@
 namespace hybridd {
 
 struct RmsNorm {
-  const void* x = nullptr;       // [rows, dim]
-  void* out = nullptr;           // [rows, dim]
+  // [tokens, heads, dim] with rows = tokens * heads: row i at x + (i / heads) * token_stride + (i % heads) * dim
+  // elements (a token's heads contiguous; tokens may be strided, as q / k columns of a fused projection are)
+  const void* x = nullptr;
+  int64_t heads = 1, token_stride = 0;
+  void* out = nullptr;           // [rows, dim], contiguous
   const void* weight = nullptr;  // [dim]
   int64_t rows = 0, dim = 0;
   float eps = 0.0f;

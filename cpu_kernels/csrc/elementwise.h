@@ -1,0 +1,43 @@
+// Elementwise ops of a decode step that sit between the weight-streaming kernels: the residual add, the dense
+// MLP's silu(gate) * up and the widening of bf16 router weights. Each rounds as torch's ops do, so a step of
+// kernels computes what the torch ops it replaces compute.
+#pragma once
+
+#include <cstdint>
+
+namespace hybridd {
+
+enum class Isa : int;
+
+// out = a + b over n elements, the fp32 sum rounded to the dtype (torch's bf16 add).
+struct Add {
+  const void* a = nullptr;
+  const void* b = nullptr;
+  void* out = nullptr;
+  int64_t n = 0;
+  bool f32 = false;  // every tensor is fp32 (else bf16)
+};
+
+// out[r] = dtype(dtype(silu(g[r])) * u[r]) for rows r of `cols` values (torch: F.silu(g) * u); g and u rows may
+// be strided (columns of one matrix), out is contiguous.
+struct SiluMul {
+  const void* g = nullptr;
+  const void* u = nullptr;
+  int64_t g_stride = 0, u_stride = 0;  // elements between rows
+  void* out = nullptr;
+  int64_t rows = 0, cols = 0;
+  bool f32 = false;
+};
+
+// out = fp32(x) for n bf16 values (exact).
+struct Widen {
+  const uint16_t* x = nullptr;
+  float* out = nullptr;
+  int64_t n = 0;
+};
+
+void add_range(const Add& a, int64_t i0, int64_t i1);
+void silu_mul_rows(const SiluMul& s, int64_t r0, int64_t r1, Isa isa);
+void widen_range(const Widen& w, int64_t i0, int64_t i1);
+
+}  // namespace hybridd

@@ -1,0 +1,69 @@
+"""The elementwise ops between a decode step's weight-streaming kernels (csrc/elementwise.cpp): the residual add,
+the dense MLP's silu(gate) * up and the widening of bf16 values to fp32, on the kernels' thread pool, and their
+torch references. Each rounds as the torch ops it stands for."""
+
+from __future__ import annotations
+
+import torch
+
+from cpu_kernels.moe import resolve_isa, runner
+
+DTYPES = (torch.bfloat16, torch.float32)
+
+
+def add(a: torch.Tensor, b: torch.Tensor, num_threads: int | None = None) -> torch.Tensor:
+    """a + b for two bf16 or fp32 CPU tensors of one shape and dtype (the fp32 sum rounded, as torch adds)."""
+    if a.shape != b.shape or a.dtype != b.dtype or a.dtype not in DTYPES or a.device.type != "cpu" \
+            or b.device.type != "cpu":
+        raise ValueError(f"add needs two bfloat16 or float32 CPU tensors of one shape, got {tuple(a.shape)} "
+                         f"{a.dtype} and {tuple(b.shape)} {b.dtype}")
+    a, b = a.contiguous(), b.contiguous()
+    out = torch.empty(a.shape, dtype=a.dtype)
+    if a.numel():
+        runner(num_threads).add(a.data_ptr(), b.data_ptr(), out.data_ptr(), a.numel(), a.dtype == torch.float32)
+    return out
+
+
+def add_reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a + b
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, num_threads: int | None = None,
+             isa: int | None = None) -> torch.Tensor:
+    """silu(gate) * up for gate and up [rows, cols] (rows may be strided: the two halves of a fused gate/up
+    projection), bf16 or fp32 -> [rows, cols] contiguous, silu rounded to the dtype before the product as
+    F.silu(gate) * up rounds. silu's exp is the MoE kernels' vector exp, not torch's: a bf16 result may differ
+    from the reference in the last bit."""
+    if (gate.dim() != 2 or gate.shape != up.shape or gate.dtype != up.dtype or gate.dtype not in DTYPES
+            or gate.device.type != "cpu" or up.device.type != "cpu"):
+        raise ValueError(f"silu_mul needs gate and up [rows, cols] of one bfloat16 or float32 dtype on the CPU, "
+                         f"got {tuple(gate.shape)} {gate.dtype} and {tuple(up.shape)} {up.dtype}")
+    if gate.stride(1) != 1:
+        gate = gate.contiguous()
+    if up.stride(1) != 1:
+        up = up.contiguous()
+    rows, cols = gate.shape
+    out = torch.empty(rows, cols, dtype=gate.dtype)
+    if out.numel():
+        runner(num_threads).silu_mul(gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0), out.data_ptr(),
+                                     rows, cols, gate.dtype == torch.float32, resolve_isa(isa))
+    return out
+
+
+def silu_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.silu(gate) * up
+
+
+def widen(x: torch.Tensor, num_threads: int | None = None) -> torch.Tensor:
+    """A bf16 CPU tensor as fp32 (exact), contiguous."""
+    if x.dtype != torch.bfloat16 or x.device.type != "cpu":
+        raise ValueError(f"widen reads a bfloat16 CPU tensor, got {x.dtype} on {x.device}")
+    x = x.contiguous()
+    out = torch.empty(x.shape, dtype=torch.float32)
+    if x.numel():
+        runner(num_threads).widen(x.data_ptr(), out.data_ptr(), x.numel())
+    return out
+
+
+def widen_reference(x: torch.Tensor) -> torch.Tensor:
+    return x.float()

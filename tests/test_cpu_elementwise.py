@@ -1,0 +1,85 @@
+"""The elementwise kernels and the KV-cache store against their torch references: odd and model-sized shapes,
+fp32 and bf16, strided rows where the model passes them (gate / up halves, a fused projection's v columns), and
+every instruction set for silu (its vector exp)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import ISAS
+
+from cpu_kernels.attention import store_kv, store_kv_reference
+from cpu_kernels.elementwise import add, add_reference, silu_mul, silu_mul_reference, widen, widen_reference
+
+SHAPES = [(1, 1), (1, 7), (3, 17), (1, 2048), (5, 4097), (64, 2048)]
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+
+
+def randn(*shape: int, seed: int, dtype: torch.dtype, scale: float = 3.0) -> torch.Tensor:
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(dtype)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@DTYPES
+def test_add_rounds_as_torch(shape, dtype):
+    a, b = randn(*shape, seed=1, dtype=dtype), randn(*shape, seed=2, dtype=dtype)
+    assert torch.equal(add(a, b), add_reference(a, b))
+    assert torch.equal(add(a[:0], b[:0]), a[:0])
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_widen_is_exact(shape):
+    x = randn(*shape, seed=3, dtype=torch.bfloat16)
+    assert torch.equal(widen(x), widen_reference(x))
+
+
+@pytest.mark.parametrize("rows,cols", [(1, 1), (1, 15), (2, 17), (3, 768), (5, 1407), (40, 96)], ids=str)
+@DTYPES
+def test_silu_mul_matches_reference(rows, cols, dtype):
+    """gate / up as the two halves of one fused projection output (strided rows). fp32: another exp, so fp32
+    rounding; bf16: silu is rounded before the product as torch rounds it, so the bits agree but where the
+    exp's last fp32 bit moves a rounding."""
+    fused = randn(rows, 2 * cols, seed=rows * 13 + cols, dtype=dtype)
+    gate, up = fused[:, :cols], fused[:, cols:]
+    ref = silu_mul_reference(gate, up)
+    for isa in ISAS:
+        out = silu_mul(gate, up, isa=isa)
+        assert out.is_contiguous()
+        if dtype == torch.float32:
+            torch.testing.assert_close(out, ref, rtol=3e-6, atol=1e-7)
+        else:
+            torch.testing.assert_close(out.float(), ref.float(), rtol=2 ** -7, atol=0)
+            assert (out != ref).float().mean().item() < 0.01
+
+
+@pytest.mark.parametrize("heads,dim,block_size", [(4, 128, 16), (1, 576, 64), (3, 5, 7)], ids=str)
+@DTYPES
+def test_store_kv_writes_the_slots_torch_writes(heads, dim, block_size, dtype):
+    blocks, n = 6, 5
+    g = torch.Generator().manual_seed(heads * dim)
+    slots = torch.randperm(blocks * block_size, generator=g)[:n]
+    fused = randn(n, 3 * heads * dim + 1, seed=4, dtype=dtype)
+    for values in (fused[:, 1:1 + heads * dim].reshape(n, heads, dim),  # strided rows, as v of a fused qkv
+                   fused[:, 1:1 + heads * dim].contiguous().view(n, heads, dim)):
+        cache, ref = (randn(blocks, block_size, heads, dim, seed=5, dtype=dtype) for _ in range(2))
+        store_kv(cache, slots, values)
+        store_kv_reference(ref, slots, values)
+        assert torch.equal(cache, ref)
+
+
+def test_bad_inputs_are_rejected():
+    x = torch.zeros(2, 8, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="one shape"):
+        add(x, x.float())
+    with pytest.raises(ValueError, match="one shape"):
+        add(x, x[:1])
+    with pytest.raises(ValueError, match="gate and up"):
+        silu_mul(x, x[:, :4])
+    with pytest.raises(ValueError, match="bfloat16 CPU"):
+        widen(x.float())
+    cache = torch.zeros(2, 4, 1, 8, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="outside the cache"):
+        store_kv(cache, torch.tensor([3, 8]), x.view(2, 1, 8))
+    assert torch.equal(cache, torch.zeros_like(cache))  # nothing written before the check
+    with pytest.raises(ValueError, match="store_kv needs"):
+        store_kv(cache, torch.tensor([0, 1]), x.view(2, 8, 1))
