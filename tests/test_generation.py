@@ -112,7 +112,6 @@ def test_inconsistent_engine_settings_are_refused(model_dirs):
                           ({"backend": "torch", "expert_format": "int4"}, "need the cpu backend"),
                           ({"backend": "torch", "experts": "process"}, "use backend=cpu"),
                           ({"expert_server": "ipc:///nowhere"}, "use experts=process"),
-                          ({"enforce_eager": True}, "use it with --gpus"),
                           ({"max_model_len": 10**6, "num_kv_blocks": 2}, "KV pool holds"),
                           ({"dtype": "float16"}, "not float16")):
         with pytest.raises(ConfigError, match=match):

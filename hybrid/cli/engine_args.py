@@ -32,8 +32,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="with --gpus: dual-batch attention/MoE overlap in decode; auto splits a step where the "
                    "engine's measured steps say it pays (default)")
     p.add_argument("--no-overlap", dest="overlap", action="store_const", const="off", help="--overlap off")
-    p.add_argument("--enforce-eager", action="store_true", help="with --gpus: run decode eagerly instead of "
-                   "replaying captured CUDA graphs")
+    p.add_argument("--enforce-eager", action="store_true", help="run decode eagerly instead of replaying "
+                   "captured CUDA graphs (--gpus) or recorded kernel programs (CPU-only)")
     p.add_argument("--gpu-experts", type=int, default=0, help="with --gpus: keep the N most used experts of each "
                    "layer on the GPU (from --expert-profile, else from routing counts collected while serving)")
     p.add_argument("--expert-profile", help="routing-frequency profile JSON {layer: [count per expert]}")

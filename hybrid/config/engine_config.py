@@ -106,8 +106,6 @@ class EngineConfig:
             raise ConfigError("num_threads must be >= 1")
         if (self.gpu_experts or self.expert_profile) and self.gpus is None:
             raise ConfigError("gpu_experts / expert_profile keep experts on a GPU: use them with --gpus")
-        if self.enforce_eager and self.gpus is None:
-            raise ConfigError("enforce_eager turns off the hybrid path's decode graphs: use it with --gpus")
         if self.gpu_experts < 0:
             raise ConfigError("gpu_experts must be >= 0")
         self._parallel()

@@ -1,8 +1,9 @@
 """Loads a model onto its device, owns its KV pool and runs one scheduled batch to next-token logits.
 
 The runner builds itself in named steps: parallel run, threads, experts, attention backend, model, KV pool,
-decode graphs. In a parallel run (--tp / --pp) every rank builds a runner over its part of the model; the driver's
-steps run on all of them (hybrid/engine/stage_executor.py), the others `follow`.
+decode graphs (CUDA graphs on the hybrid path, recorded kernel programs CPU-only). In a parallel run (--tp /
+--pp) every rank builds a runner over its part of the model; the driver's steps run on all of them
+(hybrid/engine/stage_executor.py), the others `follow`.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from hybrid.models.causal_lm import CausalLM
 if TYPE_CHECKING:
     from hybrid.distributed.launcher import ParallelRun
     from hybrid.engine.stage_executor import StageExecutor
+    from hybrid.graphs.cpu_decode_programs import CpuDecodePrograms
     from hybrid.graphs.decode_graphs import DecodeGraphs
 
 
@@ -107,6 +109,18 @@ class ModelRunner:
         """Graph replays keep per-sequence values in device tensors, which only a graph-safe backend reads."""
         return self.engine_config.hybrid and not self.engine_config.enforce_eager and self.attention.graph_safe
 
+    @property
+    def uses_programs(self) -> bool:
+        """CPU-only decode steps replay kernel programs where every call of the step is a kernel of this process:
+        the cpu backend's attention and in-process kernel experts, one rank (another process's part of a step
+        would not be recorded)."""
+        from hybrid.experts.kernel_experts import KernelExperts
+        from hybrid.layers.attention.cpu_backend import CpuAttention
+
+        return (self.engine_config.backend == "cpu" and not self.engine_config.hybrid
+                and not self.engine_config.enforce_eager and self.parallel is None
+                and type(self.experts) is KernelExperts and type(self.attention) is CpuAttention)
+
     def init_kv_pool(self) -> KVPool:
         """Sizes the pool from the engine's limits (which also fixes the context length) and allocates it."""
         token_shapes = [s[2:] for s in self.model.kv_cache_shapes(1, 1)]
@@ -118,7 +132,12 @@ class ModelRunner:
         return KVPool(token_shapes, layers, num_blocks, self.block_size, self.dtype, self.device,
                       extra_blocks=1 if self.uses_graphs else 0, held_layers=held)
 
-    def init_graphs(self) -> DecodeGraphs | None:
+    def init_graphs(self) -> DecodeGraphs | CpuDecodePrograms | None:
+        if self.uses_programs:
+            from hybrid.graphs.cpu_decode_programs import CpuDecodePrograms
+
+            return CpuDecodePrograms(self.model.model, self.kv_pool.caches, self.attention, self.block_size,
+                                     self.max_model_len, self.engine_config.max_num_seqs, self.dtype)
         if not self.uses_graphs:
             return None
         from hybrid.graphs.decode_graphs import DecodeGraphs  # Triton: only engines that replay graphs need it
@@ -193,9 +212,10 @@ class ModelRunner:
                 hidden_a, hidden_b = self.model.model.forward_overlapped(ids_a, fb_a, ids_b, fb_b)
             return self.model.compute_logits(torch.cat([hidden_a[a.sample_rows], hidden_b[b.sample_rows]])).float()
         host = self.host_batch(batch)
+        hidden = None
         if not all_logits and self.graphs is not None and self.graphs.fits(host):
             hidden = self.graphs.run(host)
-        else:
+        if hidden is None:
             input_ids, fb = host.to_device(self.device, self.kv_pool.caches, self.attention)
             hidden = self.model(input_ids, fb)
         if not all_logits:

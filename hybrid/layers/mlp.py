@@ -23,8 +23,19 @@ class GatedMLP(nn.Module):
         self.up_proj = column_parallel(hidden, intermediate, dtype, self.tp, what="intermediate features")
         self.down_proj = row_parallel(intermediate, hidden, dtype, self.tp, what="intermediate features")
         self.gate_up = SharedInputLinears(self.gate_proj, self.up_proj)
+        self.kernel = False
+
+    def use_kernel(self) -> None:
+        """silu(gate) * up through the CPU kernels (cpu_kernels.elementwise.silu_mul)."""
+        self.kernel = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x)
-        out = self.down_proj(F.silu(gate) * up)
+        if self.kernel:
+            from cpu_kernels.elementwise import silu_mul
+
+            act = silu_mul(gate.reshape(-1, gate.shape[-1]), up.reshape(-1, up.shape[-1])).view(gate.shape)
+        else:
+            act = F.silu(gate) * up
+        out = self.down_proj(act)
         return self.tp.all_reduce(out) if self.reduce else out

@@ -12,6 +12,7 @@ from torch import nn
 
 from hybrid.distributed.tensor_parallel import TensorParallel
 from hybrid.experts.base import Experts
+from hybrid.layers.add import Add
 
 
 class RoutedMoe(nn.Module):
@@ -25,6 +26,7 @@ class RoutedMoe(nn.Module):
         self.tp = tp or TensorParallel()
         self.gate: nn.Module | None = None
         self.shared_experts: nn.Module | None = None
+        self.add = Add()
 
     @property
     def has_device_part(self) -> bool:
@@ -35,4 +37,4 @@ class RoutedMoe(nn.Module):
         return None if self.shared_experts is None else self.shared_experts(x)
 
     def combine(self, routed: torch.Tensor, device_out: torch.Tensor | None) -> torch.Tensor:
-        return self.tp.all_reduce(routed if device_out is None else routed + device_out)
+        return self.tp.all_reduce(routed if device_out is None else self.add(routed, device_out))

@@ -77,9 +77,13 @@ class RotaryEmbedding(nn.Module):
         sin = emb.sin() * self.attention_scaling
         return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
+    def step_key(self, dtype: torch.dtype) -> tuple[int, torch.dtype]:
+        """Where a step's ForwardBatch keeps this embedding's cos / sin for `dtype` (ForwardBatch.derived)."""
+        return id(self), dtype
+
     def forward(self, batch: ForwardBatch, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q and k rotated at batch.positions; the cos / sin of a step are computed once for all layers."""
-        cos, sin = batch.derived((id(self), q.dtype), lambda: self.cos_sin(batch.positions, q.dtype))
+        cos, sin = batch.derived(self.step_key(q.dtype), lambda: self.cos_sin(batch.positions, q.dtype))
         if self.kernel:
             from cpu_kernels.rope import rope
 

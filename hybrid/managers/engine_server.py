@@ -155,7 +155,11 @@ class EngineServer:
         if c.hybrid:
             decode = "decode graphs" if self.engine.runner.graphs is not None else "eager decode"
             return f"experts {kernel_isa_name()}, attention {c.attention} on {c.device}, {decode}"
-        return f"{kernel_isa_name()}, attention {c.attention}" if c.backend == "cpu" else "torch reference"
+        if c.backend != "cpu":
+            return "torch reference"
+        programs = self.engine.runner.graphs
+        decode = "eager decode" if programs is None or programs.refused else "decode programs"
+        return f"{kernel_isa_name()}, attention {c.attention}, {decode}"
 
     def stats(self) -> EngineStats:
         e = self.engine

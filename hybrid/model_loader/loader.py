@@ -1,6 +1,6 @@
 """Builds a model from the registry, fills its weights from the checkpoint and puts it on its device. With the
-cpu backend its dense linears (routers' logits included) are packed for the C++ kernels first and its norms and
-rotary embedding switch to their kernels."""
+cpu backend its dense linears (routers' logits included) are packed for the C++ kernels first and its norms,
+rotary embedding, adds and dense MLPs' activation switch to their kernels."""
 
 from __future__ import annotations
 
@@ -10,13 +10,15 @@ from hybrid.checkpoint.reader import CheckpointReader
 from hybrid.config import EngineConfig, ModelConfig
 from hybrid.distributed.tensor_parallel import ModelShard
 from hybrid.experts.base import Experts
+from hybrid.layers.add import Add
+from hybrid.layers.mlp import GatedMLP
 from hybrid.layers.norm import RMSNorm
 from hybrid.layers.rotary_embedding import RotaryEmbedding
 from hybrid.model_loader.dense_pack import pack_dense_linears
 from hybrid.models.causal_lm import CausalLM
 from hybrid.models.registry import build_model
 
-KERNEL_MODULES = (RMSNorm, RotaryEmbedding)
+KERNEL_MODULES = (RMSNorm, RotaryEmbedding, Add, GatedMLP)
 
 
 def load_weights(module: torch.nn.Module, reader: CheckpointReader, tied_embeddings: bool = False) -> None:

@@ -15,6 +15,7 @@ from torch import nn
 from hybrid.config import ModelConfig
 from hybrid.distributed.tensor_parallel import ModelShard
 from hybrid.experts.base import Experts
+from hybrid.layers.add import Add
 from hybrid.layers.forward_batch import ForwardBatch
 from hybrid.layers.linear import Linear
 from hybrid.layers.mlp import GatedMLP
@@ -32,15 +33,16 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, self_attn: nn.Module, mlp: nn.Module, dtype: torch.dtype):
         super().__init__()
         self.self_attn, self.mlp = self_attn, mlp
+        self.residual = Add()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
     def attend(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        return x + self.self_attn(self.input_layernorm(x), batch)
+        return self.residual(x, self.self_attn(self.input_layernorm(x), batch))
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         h = self.attend(x, batch)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        return self.residual(h, self.mlp(self.post_attention_layernorm(h)))
 
 
 class MissingLayer(nn.Module):

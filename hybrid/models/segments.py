@@ -71,7 +71,7 @@ class MoeStage:
         return self.mlp.device_part(r.hidden)
 
     def combine(self, r: Routed, routed: torch.Tensor, device_out: torch.Tensor | None) -> torch.Tensor:
-        return r.residual + self.mlp.combine(routed, device_out)
+        return self.layer.residual(r.residual, self.mlp.combine(routed, device_out))
 
     def begin(self, x: torch.Tensor, batch: ForwardBatch) -> Callable[[], torch.Tensor]:
         """The eager composition: route, start the experts, run the device part meanwhile; the returned call

@@ -1,5 +1,6 @@
 """The cpu backend's attention: every row (decode, prefill and extend spans) through the C++ paged attention
-kernel (cpu_kernels.attention), straight from the block tables, one call per layer.
+kernel (cpu_kernels.attention), straight from the block tables, one call per layer; the step's keys and values go
+into their cache slots through the kernels' store (which a CPU decode program records).
 
 DeepSeek's MLA attends in latent space only for decode steps here; its prefill keeps the expanded form
 (fewer FLOPs than latent space for long spans), whose per-head K and V are computed, not cached, and go
@@ -12,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from cpu_kernels.attention import paged_attention
+from cpu_kernels.attention import paged_attention, store_kv
 from hybrid.layers.attention.backend import AttentionBackend
 
 if TYPE_CHECKING:
@@ -22,6 +23,9 @@ if TYPE_CHECKING:
 class CpuAttention(AttentionBackend):
     def __init__(self, num_threads: int | None = None):
         self.num_threads = num_threads
+
+    def store(self, cache: torch.Tensor, slot_mapping: torch.Tensor, values: torch.Tensor) -> None:
+        store_kv(cache, slot_mapping, values)
 
     def paged(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
               scale: float) -> torch.Tensor:

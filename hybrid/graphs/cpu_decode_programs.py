@@ -1,0 +1,109 @@
+"""CPU-only decode steps replayed from kernel programs (cpu_kernels/program.py): the CPU's decode graphs.
+
+With the cpu backend and in-process experts, a decode step's layers are nothing but C++ kernel calls with Python
+between them, and that Python (plus the small torch ops it used to run) cost ~0.1 ms per layer with the caches
+warm and ~0.4 ms right after the experts' weights streamed through them: at 16 cores as long as a Qwen3-30B-A3B
+layer's whole bandwidth budget. A program records the calls of `forward_layers` once per batch size, over static
+inputs (ids, positions, slots, block tables, context lengths, the rotary tables and the embedded rows) that each
+step rewrites in place, and replays them from C++.
+
+Programs are recorded per exact batch size up to `MAX_PROGRAM_BATCH` (no padding rows: a padding row would stream
+the weights of the experts it routes to); larger batches run eagerly, as does any model whose step does more
+than call kernels: recording raises RecordError at the first torch op that computes (DeepSeek's MLA decode, for
+one), and the engine logs why and runs eagerly from then on. A program holds its step's intermediates: about
+62 KB per row and layer for Qwen3-30B-A3B shapes in bf16 (3 MB per row for its 48 layers).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from cpu_kernels.program import Program, RecordError, record
+from hybrid.layers.attention.backend import AttentionBackend
+from hybrid.layers.forward_batch import ForwardBatch, HostBatch
+from hybrid.layers.rotary_embedding import RotaryEmbedding
+
+log = logging.getLogger(__name__)
+
+MAX_PROGRAM_BATCH = 8
+
+
+class StaticStep:
+    """The static inputs of decode steps of `size` sequences, and the program recorded over them."""
+
+    def __init__(self, size: int, max_blocks: int, hidden: int, dtype: torch.dtype, kv_caches: list,
+                 attention: AttentionBackend, ropes: list[RotaryEmbedding]):
+        self.io = torch.zeros(3, size, dtype=torch.long)  # ids, positions, slots
+        self.tables = torch.zeros(size, max_blocks, dtype=torch.int32)
+        self.ctx = torch.ones(size, dtype=torch.int32)
+        self.x = torch.zeros(size, hidden, dtype=dtype)
+        self.ropes, self.dtype = ropes, dtype
+        self.batch = ForwardBatch(self.io[1], self.io[2], list(range(size)), [1] * size, [1] * size,
+                                  list(self.tables), kv_caches, attention)
+        self.batch.padded_tables = (self.tables, self.ctx)
+        self.batch.query_lens_tensor = torch.ones(size, dtype=torch.int32)
+        for rope in ropes:
+            self.batch.memo[rope.step_key(dtype)] = rope.cos_sin(self.io[1], dtype)
+        self.program: Program | None = None
+
+    def load(self, host: HostBatch, embed: torch.Tensor) -> None:
+        self.io.copy_(torch.tensor([host.ids, host.positions, host.slots], dtype=torch.long))
+        width = max(len(t) for t in host.block_tables)
+        rows = [t + [0] * (width - len(t)) for t in host.block_tables]
+        self.tables[:, :width].copy_(torch.tensor(rows, dtype=torch.int32))
+        self.ctx.copy_(torch.tensor(host.context_lens, dtype=torch.int32))
+        for rope in self.ropes:
+            for static, fresh in zip(self.batch.memo[rope.step_key(self.dtype)], rope.cos_sin(self.io[1], self.dtype)):
+                static.copy_(fresh)
+        torch.index_select(embed, 0, self.io[0], out=self.x)
+
+
+class CpuDecodePrograms:
+    """Decode steps of up to MAX_PROGRAM_BATCH sequences through recorded programs (`fits` / `run`, as
+    DecodeGraphs offers them), recorded at first use of each batch size."""
+
+    def __init__(self, body: nn.Module, kv_caches: list, attention: AttentionBackend, block_size: int,
+                 max_model_len: int, max_batch: int, dtype: torch.dtype):
+        self.body, self.kv_caches, self.attention, self.dtype = body, kv_caches, attention, dtype
+        self.max_blocks = -(-max_model_len // block_size)
+        self.max_batch = min(max_batch, MAX_PROGRAM_BATCH)
+        self.ropes = list({id(m): m for m in body.modules() if isinstance(m, RotaryEmbedding)}.values())
+        self.steps: dict[int, StaticStep] = {}
+        self.refused: str | None = None  # why this model's steps cannot be recorded
+
+    @property
+    def num_captured(self) -> int:
+        return sum(step.program is not None for step in self.steps.values())
+
+    @property
+    def nbytes(self) -> int:
+        return sum(step.program.nbytes for step in self.steps.values() if step.program is not None)
+
+    def fits(self, host: HostBatch) -> bool:
+        return (self.refused is None and host.is_decode and len(host.ids) <= self.max_batch
+                and max(len(t) for t in host.block_tables) <= self.max_blocks)
+
+    def run(self, host: HostBatch) -> torch.Tensor | None:
+        """Final hidden states [n, H] of the decode step, or None where its program could not be recorded (the
+        caller runs the step eagerly; `refused` says why, and no later step is tried)."""
+        n = len(host.ids)
+        step = self.steps.get(n)
+        if step is None:
+            embed = self.body.embed_tokens.weight
+            step = StaticStep(n, self.max_blocks, embed.shape[1], self.dtype, self.kv_caches, self.attention,
+                              self.ropes)
+            self.steps[n] = step
+        if step.program is None:
+            try:
+                step.program = record(lambda: self.body.forward_layers(step.x, step.batch))
+            except RecordError as e:
+                self.refused = str(e)
+                log.warning("decode steps run eagerly: %s", e)
+                return None
+            log.info("recorded the decode step of %d sequences: %d kernel calls, %.1f MB of intermediates", n,
+                     len(step.program), step.program.nbytes / 2**20)
+        step.load(host, self.body.embed_tokens.weight)
+        return step.program.run()

@@ -1,0 +1,117 @@
+"""Kernel programs (cpu_kernels/program.py) and the CPU-only decode steps replayed from them
+(hybrid/graphs/cpu_decode_programs.py): a replay computes what the recorded Python computed, over inputs rewritten
+in place; recording refuses code that computes in torch; engines replaying programs draw the same tokens as eager
+ones, and models whose steps cannot be recorded run eagerly and say why."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from conftest import prompt_ids
+
+from cpu_kernels.attention import store_kv
+from cpu_kernels.elementwise import add, silu_mul
+from cpu_kernels.norm import rms_norm
+from cpu_kernels.program import RecordError, record
+from hybrid import LLM, SamplingParams
+from hybrid.graphs.cpu_decode_programs import MAX_PROGRAM_BATCH, CpuDecodePrograms
+
+
+def test_replays_follow_inputs_rewritten_in_place():
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(3, 64, generator=g).bfloat16(), torch.randn(64, generator=g).bfloat16()
+    fused = torch.randn(3, 32, generator=g).bfloat16()
+
+    def piece() -> torch.Tensor:
+        h = add(rms_norm(x, w, 1e-6), x)
+        return silu_mul(h[:, :32], fused)
+
+    with torch.inference_mode():
+        program = record(piece)
+        assert program.names == ["rms_norm", "add", "silu_mul"] and len(program) == 3
+        for _ in range(3):
+            assert torch.equal(program.run(), piece())
+            x.copy_(torch.randn(3, 64, generator=g))
+            fused.copy_(torch.randn(3, 32, generator=g))
+        out, spent = program.run_timed()
+        assert torch.equal(out, piece()) and set(spent) == {"rms_norm", "add", "silu_mul"}
+        assert program.nbytes >= 3 * (64 + 64 + 32) * 2
+
+
+def test_nothing_runs_while_recording():
+    cache = torch.zeros(4, 2, 1, 8)
+    values = torch.ones(2, 1, 8)
+    slots = torch.tensor([1, 6])
+    with torch.inference_mode():
+        program = record(lambda: store_kv(cache, slots, values))
+        assert not cache.any()
+        program.run()
+    assert cache.view(-1, 8)[[1, 6]].eq(1).all() and cache.sum() == 16
+
+
+@pytest.mark.parametrize("piece,what", [
+    (lambda x: x + 1, "aten.add"),
+    (lambda x: x.float(), "aten.to.dtype .* had to copy"),
+    (lambda x: x.t().reshape(-1), "had to copy"),
+    (lambda x: x.sum().item(), "aten.sum"),
+    (lambda x: torch.ones(3), "aten.ones"),
+], ids=["add", "cast", "reshape-copy", "host-read", "constant"])
+def test_recording_refuses_torch_compute(piece, what):
+    x = torch.randn(4, 6).bfloat16()
+    with torch.inference_mode(), pytest.raises(RecordError, match=what):
+        record(lambda: piece(x))
+    assert torch.equal(add(x, x), x + x)  # kernels run again once the recording is over
+
+
+def _generate(model, dtype: str, eager: bool, prompts, params, **kw) -> tuple[list, LLM]:
+    llm = LLM(model, dtype=dtype, enforce_eager=eager, max_num_seqs=16, **kw)
+    return [o.token_ids for o in llm.generate(prompts, params)], llm
+
+
+def _staggered(n: int, seed: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    """Prompts of different lengths stopping at different steps: decode batches of every size from n down."""
+    prompts = [prompt_ids(9 + 13 * i, seed=seed + i) for i in range(n)]
+    return prompts, [SamplingParams(temperature=0, max_tokens=6 + 5 * i, ignore_eos=True) for i in range(n)]
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-qwen3-moe-fp8"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_programs_draw_the_eager_tokens(model_dirs, preset, dtype):
+    prompts, params = _staggered(MAX_PROGRAM_BATCH + 2, seed=3)
+    eager, _ = _generate(model_dirs[preset], dtype, True, prompts, params)
+    replayed, llm = _generate(model_dirs[preset], dtype, False, prompts, params)
+    assert replayed == eager
+    programs = llm.engine.runner.graphs
+    assert isinstance(programs, CpuDecodePrograms) and programs.refused is None
+    # every batch size up to the cap was recorded once; the two larger ones ran eagerly
+    assert sorted(programs.steps) == list(range(1, MAX_PROGRAM_BATCH + 1)) == sorted(
+        n for n, s in programs.steps.items() if s.program is not None)
+    assert programs.nbytes > 0
+
+
+def test_sampled_decode_matches_too(model_dirs):
+    prompts, _ = _staggered(4, seed=8)
+    params = [SamplingParams(temperature=1.0, top_p=0.9, seed=11 + i, max_tokens=12) for i in range(4)]
+    eager, _ = _generate(model_dirs["tiny-qwen3-moe"], "bfloat16", True, prompts, params)
+    assert _generate(model_dirs["tiny-qwen3-moe"], "bfloat16", False, prompts, params)[0] == eager
+
+
+def test_a_step_that_computes_in_torch_runs_eagerly_and_says_why(model_dirs, caplog):
+    """DeepSeek's MLA decode computes in torch (einsum over the latent), so its steps cannot be recorded."""
+    prompts, params = _staggered(3, seed=5)
+    eager, _ = _generate(model_dirs["tiny-deepseek-v3"], "bfloat16", True, prompts, params)
+    with caplog.at_level(logging.WARNING, logger="hybrid.graphs.cpu_decode_programs"):
+        replayed, llm = _generate(model_dirs["tiny-deepseek-v3"], "bfloat16", False, prompts, params)
+    assert replayed == eager
+    programs = llm.engine.runner.graphs
+    assert programs.refused and "a kernel program replays kernel calls only" in programs.refused
+    assert programs.num_captured == 0 and "decode steps run eagerly" in caplog.text
+
+
+def test_only_cpu_only_engines_with_in_process_kernels_record(model_dirs):
+    model = model_dirs["tiny-qwen3-moe"]
+    assert LLM(model, enforce_eager=True).engine.runner.graphs is None
+    assert LLM(model, backend="torch", dtype="float32").engine.runner.graphs is None
+    assert isinstance(LLM(model).engine.runner.graphs, CpuDecodePrograms)
