@@ -9,6 +9,12 @@ runs of each run's fraction of the mean of the probes either side: the machine's
     python scripts/bench_decode.py --model /path/to/checkpoint
     python scripts/bench_decode.py --prompt-len 4096 --attention torch   # long context, torch attention
     python scripts/bench_decode.py --breakdown              # and where a decode step's time goes
+    python scripts/bench_decode.py --compare-eager          # decode programs against eager steps, paired
+
+CPU-only decode replays recorded kernel programs (hybrid/graphs/cpu_decode_programs.py) unless --enforce-eager.
+--compare-eager alternates rounds of the same engine with its programs on and off and reports each round's decode
+step and the time each spends outside the kernels that stream weights: the fixed cost per layer that the bandwidth
+of a many-core machine does not shrink.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from make_tiny_model import make_model  # noqa: E402
 from membw import BandwidthProbe, interleaved  # noqa: E402
-from step_breakdown import breakdown  # noqa: E402
+from step_breakdown import breakdown, decode_steps, program_breakdown  # noqa: E402
 
 from cpu_kernels.moe import kernel_isa_name  # noqa: E402
 from hybrid import LLM, SamplingParams  # noqa: E402
@@ -59,6 +65,33 @@ def bytes_per_decode_token(llm: LLM, context: int) -> dict[str, int]:
     return {"dense": dense + cfg.hidden_size * embed.element_size(), "routed": routed, "kv": kv}
 
 
+def compare_eager(llm: LLM, programs, a, vocab: int, gen: torch.Generator, make_params, console: Console) -> dict:
+    """Rounds of one engine alternating between eager steps and program replays (a request of --decode-tokens
+    steps each): the median step of each and their paired difference."""
+    engine = llm.engine
+    layers = len(engine.runner.model.model.layers)
+    prompt = torch.randint(10, vocab, (a.prompt_len,), generator=gen).tolist()
+    steps: dict[str, list[float]] = {"eager": [], "program": []}
+    for _ in range(a.compare_eager):
+        for mode in ("eager", "program"):
+            engine.runner.graphs = None if mode == "eager" else programs
+            steps[mode].append(decode_steps(engine, prompt, a.decode_tokens, make_params(a.decode_tokens + 2)))
+    engine.runner.graphs = programs
+    med = {mode: statistics.median(v) for mode, v in steps.items()}
+    saved = statistics.median(e - p for e, p in zip(steps["eager"], steps["program"]))
+    faster = sum(e > p for e, p in zip(steps["eager"], steps["program"]))
+    t = Table(title=f"decode programs vs eager steps, {a.compare_eager} alternating pairs, {layers} layers")
+    t.add_column("metric")
+    t.add_column("value", justify="right")
+    t.add_row("eager decode step, median", f"{med['eager'] * 1e3:.3f} ms")
+    t.add_row("program decode step, median", f"{med['program'] * 1e3:.3f} ms")
+    t.add_row("paired saving, median", f"{saved * 1e3:.3f} ms per step, {saved / layers * 1e6:.0f} us per layer "
+                                       f"({faster}/{a.compare_eager} pairs faster)")
+    t.add_row("[bold]eager / program step", f"[bold]{med['eager'] / med['program']:.3f}x")
+    console.print(t)
+    return {"step_s": med, "paired_saving_s": saved, "pairs_faster": faster, "pairs": a.compare_eager}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="checkpoint directory (default: generate --preset under bench_models/)")
@@ -76,6 +109,9 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--breakdown", action="store_true", help="also split a decode step into kernels, torch ops "
                     "and Python")
+    ap.add_argument("--enforce-eager", action="store_true", help="decode eagerly (no kernel programs)")
+    ap.add_argument("--compare-eager", type=int, default=0, metavar="PAIRS",
+                    help="also run PAIRS alternating rounds with the decode programs on and off")
     ap.add_argument("--json", help="also write the results to this file")
     a = ap.parse_args()
     console = Console()
@@ -91,7 +127,8 @@ def main() -> None:
     t0 = time.perf_counter()
     llm = LLM(model_dir, dtype=a.dtype, max_num_batched_tokens=max(512, a.prompt_len),
               max_model_len=a.prompt_len + a.decode_tokens + 8, max_num_seqs=1, backend=a.backend,
-              expert_format=a.expert_format, num_threads=a.threads, attention=a.attention)
+              expert_format=a.expert_format, num_threads=a.threads, attention=a.attention,
+              enforce_eager=a.enforce_eager)
     load_s = time.perf_counter() - t0
     vocab = llm.engine.model_config.vocab_size
     gen = torch.Generator().manual_seed(0)
@@ -135,18 +172,25 @@ def main() -> None:
     t.add_row("effective GB/s in decode", f"{res['effective_gbps']:.1f}")
     t.add_row("[bold]decode / roofline", f"[bold]{res['decode_fraction_of_roofline']:.3f}")
     console.print(t)
+    make_params = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)  # noqa: E731
+    programs = llm.engine.runner.graphs
     if a.breakdown:
         prompt = torch.randint(10, vocab, (a.prompt_len,), generator=gen).tolist()
-        split = breakdown(llm.engine, prompt, a.decode_tokens,
-                          lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
-        res["breakdown_s"] = split
-        step = split.pop("step")
-        t = Table(title=f"one decode step ({step * 1e3:.2f} ms), {a.threads} threads")
-        for col in ("part", "ms", "share"):
-            t.add_column(col, justify="right" if col != "part" else "left")
-        for part, s in split.items():
-            t.add_row(part, f"{s * 1e3:.3f}", f"{s / step:.1%}")
-        console.print(t)
+        splits = {"eager": breakdown(llm.engine, prompt, a.decode_tokens, make_params)}
+        if programs is not None:
+            splits["program"] = program_breakdown(llm.engine, prompt, a.decode_tokens, make_params)
+        res["breakdown_s"] = splits
+        for mode, split in splits.items():
+            split = dict(split)
+            step = split.pop("step")
+            t = Table(title=f"one {mode} decode step ({step * 1e3:.2f} ms), {a.threads} threads")
+            for col in ("part", "ms", "share"):
+                t.add_column(col, justify="right" if col != "part" else "left")
+            for part, s in split.items():
+                t.add_row(part, f"{s * 1e3:.3f}", f"{s / step:.1%}")
+            console.print(t)
+    if a.compare_eager and programs is not None:
+        res["compare_eager"] = compare_eager(llm, programs, a, vocab, gen, make_params, console)
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=2))
 

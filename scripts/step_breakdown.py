@@ -1,6 +1,12 @@
-"""Where a CPU-only decode step's time goes: the C++ kernels by family (each timed around its Python call, so a
-family's time includes its thread pool's fork and join), torch's own small ops (torch.profiler's self time of
-aten ops, in a second pass), and the rest: Python and dispatch between them."""
+"""Where a CPU-only decode step's time goes.
+
+`breakdown`: an eager step (decode programs off): the C++ kernels by family (each timed around its Python call, so
+a family's time includes its thread pool's fork and join), torch's own small ops (torch.profiler's self time of
+aten ops, in a second pass), and the rest: Python and dispatch between them.
+
+`program_breakdown`: a step that replays its kernel program (hybrid/graphs/cpu_decode_programs.py): each recorded
+call timed in C++ by kernel, and the rest of the step (sampling, scheduling, embedding, lm_head) outside it.
+"""
 
 from __future__ import annotations
 
@@ -21,8 +27,10 @@ KERNELS = {
 }
 
 
-def _decode_steps(engine, prompt: list[int], steps: int, params, window: list[bool]) -> float:
-    """Seconds of `steps` decode steps of one request (after its prefill); window[0] is set while they run."""
+def decode_steps(engine, prompt: list[int], steps: int, params, window: list[bool] | None = None) -> float:
+    """Seconds per decode step over `steps` steps of one request (after its prefill); window[0] is set while they
+    run."""
+    window = window if window is not None else [False]
     engine.add_request(prompt, params)
     engine.step()
     window[0] = True
@@ -33,11 +41,49 @@ def _decode_steps(engine, prompt: list[int], steps: int, params, window: list[bo
     window[0] = False
     while engine.has_unfinished():
         engine.step()
-    return wall
+    return wall / steps
+
+
+# The kernels that stream weights (dense linears, experts) or the KV cache: what the roofline counts.
+STREAMING = {"forward": "routed experts (fused MoE kernel)", "linear": "dense linears (kernel)",
+             "paged_attention": "attention (kernel)"}
+
+
+def program_breakdown(engine, prompt: list[int], steps: int, make_params: Callable[[int], object]) -> dict[str, float]:
+    """Seconds per decode step of one sequence by kernel (replayed from its program, timed call by call), the
+    rest of the step, and the step itself ("step")."""
+    programs = engine.runner.graphs
+    engine.add_request(prompt, make_params(steps + 2))
+    engine.step()
+    engine.step()  # records the one-sequence program if it was not yet
+    program = programs.steps[1].program
+    spent: dict[str, float] = defaultdict(float)
+    for _ in range(steps):  # a replay repeats the last step: the same rows into the same cache slots
+        for name, seconds in program.run_timed()[1].items():
+            spent[STREAMING.get(name, f"{name} (kernel)")] += seconds
+    start = time.perf_counter()
+    for _ in range(steps):
+        program.run()
+    replay = (time.perf_counter() - start) / steps
+    while engine.has_unfinished():
+        engine.step()
+    step = decode_steps(engine, prompt, steps, make_params(steps + 2))
+    out = {k: v / steps for k, v in spent.items()}
+    out["outside the program (embedding, lm_head, sampling, scheduling)"] = max(0.0, step - replay)
+    out["step"] = step
+    return out
 
 
 def breakdown(engine, prompt: list[int], steps: int, make_params: Callable[[int], object]) -> dict[str, float]:
-    """Seconds per decode step by category, and the step itself ("step")."""
+    """Seconds per eager decode step by category, and the step itself ("step")."""
+    programs, engine.runner.graphs = engine.runner.graphs, None
+    try:
+        return _eager_breakdown(engine, prompt, steps, make_params)
+    finally:
+        engine.runner.graphs = programs
+
+
+def _eager_breakdown(engine, prompt: list[int], steps: int, make_params: Callable[[int], object]) -> dict[str, float]:
     spent: dict[str, float] = defaultdict(float)
     window = [False]
     patched = []
@@ -57,7 +103,7 @@ def breakdown(engine, prompt: list[int], steps: int, make_params: Callable[[int]
             setattr(module, attr, timed)
             patched.append((module, attr, fn))
     try:
-        wall = _decode_steps(engine, prompt, steps, make_params(steps + 2), window)
+        wall = decode_steps(engine, prompt, steps, make_params(steps + 2), window) * steps
     finally:
         for module, attr, fn in patched:
             setattr(module, attr, fn)
