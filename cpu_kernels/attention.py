@@ -77,23 +77,24 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 def store_kv(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
     """values[i] into flat slot slots[i] of cache [blocks, block_size, ...] (slot = block * block_size + offset):
     a step's keys, values or latents. values [N, ...] with the cache's row shape and dtype; its rows may be
-    strided (a column slice of a fused projection) but each row is contiguous. A slot outside the cache raises
-    ValueError before anything is written."""
+    strided (a column slice of a fused projection) but each row is contiguous. The cache may be a column view
+    of a wider one (MLA's latent and rope key share a row) as long as each slot's part is contiguous. A slot
+    outside the cache raises ValueError before anything is written."""
     row = cache.shape[2:]
     if (values.dtype != cache.dtype or values.shape[1:] != row or slots.dim() != 1
             or slots.shape[0] != values.shape[0] or cache.device.type != "cpu" or values.device.type != "cpu"):
         raise ValueError(f"store_kv needs values [N, {', '.join(map(str, row))}] {cache.dtype} and N slots, got "
                          f"{tuple(values.shape)} {values.dtype} and slots {tuple(slots.shape)}")
-    if not cache.is_contiguous():
-        raise ValueError("store_kv writes a contiguous cache")
+    if not cache[0, 0].is_contiguous() or cache.stride(0) != cache.shape[1] * cache.stride(1):
+        raise ValueError(f"store_kv writes equally spaced contiguous slots, got a cache of strides {cache.stride()}")
     row_elems = cache[0, 0].numel()
     if values.shape[0] and not values[0].is_contiguous():
         values = values.contiguous()
     slots = slots.to(torch.int64).contiguous()
     if values.shape[0]:
-        runner().store_rows(cache.data_ptr(), cache.shape[0] * cache.shape[1], slots.data_ptr(), values.data_ptr(),
-                            values.stride(0) * values.element_size(), values.shape[0],
-                            row_elems * values.element_size())
+        runner().store_rows(cache.data_ptr(), cache.shape[0] * cache.shape[1], cache.stride(1) * cache.element_size(),
+                            slots.data_ptr(), values.data_ptr(), values.stride(0) * values.element_size(),
+                            values.shape[0], row_elems * values.element_size())
 
 
 def store_kv_reference(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:

@@ -1,6 +1,6 @@
 """The elementwise ops between a decode step's weight-streaming kernels (csrc/elementwise.cpp): the residual add,
-the dense MLP's silu(gate) * up and the widening of bf16 values to fp32, on the kernels' thread pool, and their
-torch references. Each rounds as the torch ops it stands for."""
+the dense MLP's silu(gate) * up, the widening of bf16 values to fp32, DeepSeek's router sigmoid and strided row
+copies, on the kernels' thread pool, and their torch references. Each rounds as the torch ops it stands for."""
 
 from __future__ import annotations
 
@@ -67,3 +67,36 @@ def widen(x: torch.Tensor, num_threads: int | None = None) -> torch.Tensor:
 
 def widen_reference(x: torch.Tensor) -> torch.Tensor:
     return x.float()
+
+
+def sigmoid(x: torch.Tensor, num_threads: int | None = None, isa: int | None = None) -> torch.Tensor:
+    """1 / (1 + exp(-x)) of an fp32 CPU tensor (the kernels' vector exp: within a few ulps of torch's)."""
+    if x.dtype != torch.float32 or x.device.type != "cpu":
+        raise ValueError(f"sigmoid reads a float32 CPU tensor, got {x.dtype} on {x.device}")
+    x = x.contiguous()
+    out = torch.empty(x.shape, dtype=torch.float32)
+    if x.numel():
+        runner(num_threads).sigmoid(x.data_ptr(), out.data_ptr(), x.numel(), resolve_isa(isa))
+    return out
+
+
+def sigmoid_reference(x: torch.Tensor) -> torch.Tensor:
+    return x.sigmoid()
+
+
+def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst[...] = src for two CPU tensors of one shape and dtype whose last dimension is contiguous and whose
+    leading dimensions flatten to equally spaced rows (e.g. q_rope into the last columns of MLA's query)."""
+    if dst.shape != src.shape or dst.dtype != src.dtype or dst.device.type != "cpu" or src.device.type != "cpu":
+        raise ValueError(f"copy_into needs two CPU tensors of one shape and dtype, got {tuple(dst.shape)} "
+                         f"{dst.dtype} and {tuple(src.shape)} {src.dtype}")
+    width = src.shape[-1] if src.dim() else 1
+    try:
+        d, s = dst.view(-1, width), src.view(-1, width)
+    except RuntimeError as e:
+        raise ValueError(f"copy_into needs rows of {width} contiguous values: {e}") from e
+    if d.stride(1) != 1 or s.stride(1) != 1:
+        raise ValueError("copy_into needs the last dimension contiguous")
+    if d.shape[0]:
+        runner().copy_rows(s.data_ptr(), s.stride(0) * s.element_size(), d.data_ptr(), d.stride(0) * d.element_size(),
+                           d.shape[0], width * d.element_size())

@@ -9,8 +9,8 @@ from cpu_kernels.moe import runner
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, num_threads: int | None = None) -> torch.Tensor:
     """x [..., dim] and weight [dim], both bf16 or both fp32 on the CPU -> weight * dtype(x * rsqrt(mean(x^2) +
-    eps)) with the mean over fp32 squares, as the reference models compute it; contiguous. x [tokens, heads, dim]
-    may have strided tokens (the q or k columns of a fused projection's output) and is read in place."""
+    eps)) with the mean over fp32 squares, as the reference models compute it; contiguous. x [tokens, dim] or
+    [tokens, heads, dim] may have strided tokens (columns of a fused projection's output) and is read in place."""
     dim = weight.shape[-1]
     if (x.dtype not in (torch.bfloat16, torch.float32) or weight.dtype != x.dtype or weight.dim() != 1
             or x.shape[-1] != dim or x.device.type != "cpu" or weight.device.type != "cpu"):
@@ -20,6 +20,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, num_threads: int
     weight = weight.contiguous()
     if x.dim() == 3 and x.stride(2) == 1 and (x.shape[1] == 1 or x.stride(1) == dim):
         heads, token_stride = x.shape[1], x.stride(0)
+    elif x.dim() == 2 and x.stride(1) == 1:
+        heads, token_stride = 1, x.stride(0)
     else:
         x = x.contiguous()
         heads, token_stride = 1, dim

@@ -1,6 +1,6 @@
-"""The elementwise kernels and the KV-cache store against their torch references: odd and model-sized shapes,
-fp32 and bf16, strided rows where the model passes them (gate / up halves, a fused projection's v columns), and
-every instruction set for silu (its vector exp)."""
+"""The elementwise kernels, the KV-cache store and the per-head linear against their torch references: odd and
+model-sized shapes, fp32 and bf16, strided rows where the models pass them (gate / up halves, a fused
+projection's v or q columns, MLA's cache and query parts), and every instruction set for the vector exp."""
 
 from __future__ import annotations
 
@@ -9,7 +9,18 @@ import torch
 from conftest import ISAS
 
 from cpu_kernels.attention import store_kv, store_kv_reference
-from cpu_kernels.elementwise import add, add_reference, silu_mul, silu_mul_reference, widen, widen_reference
+from cpu_kernels.elementwise import (
+    add,
+    add_reference,
+    copy_into,
+    sigmoid,
+    sigmoid_reference,
+    silu_mul,
+    silu_mul_reference,
+    widen,
+    widen_reference,
+)
+from cpu_kernels.linear import PackedHeads, head_linear, head_linear_reference
 
 SHAPES = [(1, 1), (1, 7), (3, 17), (1, 2048), (5, 4097), (64, 2048)]
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
@@ -67,6 +78,57 @@ def test_store_kv_writes_the_slots_torch_writes(heads, dim, block_size, dtype):
         assert torch.equal(cache, ref)
 
 
+@pytest.mark.parametrize("n", [1, 15, 256, 4097])
+def test_sigmoid_agrees_within_a_few_ulps(n):
+    x = randn(n, seed=n, dtype=torch.float32, scale=8.0)
+    x[0] = 100.0  # saturated ends
+    if n > 1:
+        x[1] = -100.0
+    for isa in ISAS:
+        torch.testing.assert_close(sigmoid(x, isa=isa), sigmoid_reference(x), rtol=2e-6, atol=1e-30)
+
+
+def test_mla_latent_and_rope_key_go_into_their_parts_of_the_cache_row():
+    cache, ref = torch.zeros(3, 4, 9), torch.zeros(3, 4, 9)
+    latent, rope = randn(2, 6, seed=6, dtype=torch.float32), randn(2, 3, seed=7, dtype=torch.float32)
+    slots = torch.tensor([5, 10])
+    store_kv(cache[..., :6], slots, latent)
+    store_kv(cache[..., 6:], slots, rope)
+    store_kv_reference(ref, slots, torch.cat([latent, rope], dim=-1))
+    assert torch.equal(cache, ref)
+
+
+def test_copy_into_strided_rows():
+    dst = torch.zeros(3, 4, 10, dtype=torch.bfloat16)
+    src = randn(3, 4, 3, seed=8, dtype=torch.bfloat16)
+    copy_into(dst[..., 7:], src)
+    assert torch.equal(dst[..., 7:], src) and not dst[..., :7].any()
+    with pytest.raises(ValueError, match="one shape"):
+        copy_into(dst[..., :2], src)
+
+
+@pytest.mark.parametrize("tokens,heads,n,k", [(1, 128, 512, 128), (3, 16, 128, 512), (2, 5, 24, 17), (4, 1, 7, 33)],
+                         ids=str)
+@DTYPES
+def test_head_linear_matches_reference(tokens, heads, n, k, dtype):
+    """Strided input rows (q's nope columns of a [q | kv_a] projection) and output written into the first columns
+    of a wider buffer, as MLA's absorbed decode passes them; every instruction set."""
+    w = randn(heads, n, k, seed=heads + n, dtype=torch.bfloat16, scale=0.2)
+    packed = PackedHeads.pack(w)
+    fused = randn(tokens, heads * (k + 5) + 3, seed=tokens + k, dtype=dtype)
+    x = fused[:, :heads * (k + 5)].view(tokens, heads, k + 5)[..., :k]
+    ref = head_linear_reference(w, x)
+    for isa in ISAS:
+        buf = torch.zeros(tokens, heads, n + 4, dtype=dtype)
+        out = head_linear(packed, x, out=buf[..., :n], isa=isa)
+        assert not buf[..., n:].any()
+        if dtype == torch.float32:  # fp32 inputs as hi + lo bf16 halves, fp32 sums in another order
+            torch.testing.assert_close(out, ref, rtol=1e-4, atol=5e-4)
+        else:
+            torch.testing.assert_close(out.float(), ref.float(), rtol=2 ** -7, atol=1e-2)
+        assert torch.equal(head_linear(packed, x.contiguous(), isa=isa), out)
+
+
 def test_bad_inputs_are_rejected():
     x = torch.zeros(2, 8, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="one shape"):
@@ -83,3 +145,8 @@ def test_bad_inputs_are_rejected():
     assert torch.equal(cache, torch.zeros_like(cache))  # nothing written before the check
     with pytest.raises(ValueError, match="store_kv needs"):
         store_kv(cache, torch.tensor([0, 1]), x.view(2, 8, 1))
+    with pytest.raises(ValueError, match="sigmoid reads"):
+        sigmoid(x)
+    packed = PackedHeads.pack(torch.zeros(2, 16, 8).bfloat16())
+    with pytest.raises(ValueError, match=r"\[tokens, 2, 8\]"):
+        head_linear(packed, torch.zeros(1, 3, 8, dtype=torch.bfloat16))

@@ -478,7 +478,7 @@ void store_rows(const StoreRows& s) {
       throw std::invalid_argument("cache slot " + std::to_string(s.slots[i]) + " of row " + std::to_string(i) +
                                   " is outside the cache's " + std::to_string(s.num_slots) + " slots");
   for (int64_t i = 0; i < s.rows; ++i)
-    std::memcpy(static_cast<uint8_t*>(s.cache) + s.slots[i] * s.row_bytes,
+    std::memcpy(static_cast<uint8_t*>(s.cache) + s.slots[i] * s.slot_stride,
                 static_cast<const uint8_t*>(s.src) + i * s.src_stride, s.row_bytes);
 }
 

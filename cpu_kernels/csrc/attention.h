@@ -37,10 +37,11 @@ void check_paged_attention(const PagedAttention& a);
 void paged_attention(ThreadPool& pool, const PagedAttention& a, Isa isa);
 
 // A step's key (or value, or latent) rows into their cache slots: row i, at src + i * src_stride bytes, to
-// cache + slots[i] * row_bytes.
+// cache + slots[i] * slot_stride (a slot's row may be part of a wider one: MLA's latent and rope key).
 struct StoreRows {
   void* cache = nullptr;
   int64_t num_slots = 0;  // slots of the cache: blocks * block_size
+  int64_t slot_stride = 0;  // bytes between slots
   const int64_t* slots = nullptr;
   const void* src = nullptr;
   int64_t src_stride = 0;  // bytes between source rows

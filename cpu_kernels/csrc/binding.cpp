@@ -65,6 +65,14 @@ void k_linear(MoeRunner& r, int fmt, const PackedMatrices& w, int n, int k, int 
            static_cast<Isa>(isa));
 }
 
+void k_head_linear(MoeRunner& r, int fmt, const PackedMatrices& w, int heads, int n, int k, int block_k, int group,
+                   uintptr_t x, int64_t x_token_stride, int64_t x_head_stride, bool f32_io, int tokens, uintptr_t out,
+                   int64_t out_token_stride, int64_t out_head_stride, int isa) {
+  const int64_t x_strides[2] = {x_token_stride, x_head_stride}, out_strides[2] = {out_token_stride, out_head_stride};
+  r.head_linear(static_cast<Format>(fmt), w, heads, n, k, block_k, group, as<const void>(x), x_strides, f32_io, tokens,
+                as<void>(out), out_strides, static_cast<Isa>(isa));
+}
+
 void k_rms_norm(MoeRunner& r, uintptr_t x, int64_t heads, int64_t token_stride, uintptr_t out, uintptr_t weight,
                 int64_t rows, int64_t dim, float eps, bool f32) {
   r.rms_norm({.x = as<const void>(x), .heads = heads, .token_stride = token_stride, .out = as<void>(out),
@@ -138,10 +146,21 @@ void k_widen(MoeRunner& r, uintptr_t x, uintptr_t out, int64_t n) {
   r.widen({.x = as<const uint16_t>(x), .out = as<float>(out), .n = n});
 }
 
-void k_store_rows(MoeRunner&, uintptr_t cache, int64_t num_slots, uintptr_t slots, uintptr_t src, int64_t src_stride,
-                  int64_t rows, int64_t row_bytes) {
-  hybridd::store_rows({.cache = as<void>(cache), .num_slots = num_slots, .slots = as<const int64_t>(slots),
-                       .src = as<const void>(src), .src_stride = src_stride, .rows = rows, .row_bytes = row_bytes});
+void k_sigmoid(MoeRunner& r, uintptr_t x, uintptr_t out, int64_t n, int isa) {
+  r.sigmoid({.x = as<const float>(x), .out = as<float>(out), .n = n}, static_cast<Isa>(isa));
+}
+
+void k_copy_rows(MoeRunner&, uintptr_t src, int64_t src_stride, uintptr_t dst, int64_t dst_stride, int64_t rows,
+                 int64_t row_bytes) {
+  hybridd::copy_rows({.src = as<const void>(src), .dst = as<void>(dst), .src_stride = src_stride,
+                      .dst_stride = dst_stride, .rows = rows, .row_bytes = row_bytes});
+}
+
+void k_store_rows(MoeRunner&, uintptr_t cache, int64_t num_slots, int64_t slot_stride, uintptr_t slots, uintptr_t src,
+                  int64_t src_stride, int64_t rows, int64_t row_bytes) {
+  hybridd::store_rows({.cache = as<void>(cache), .num_slots = num_slots, .slot_stride = slot_stride,
+                       .slots = as<const int64_t>(slots), .src = as<const void>(src), .src_stride = src_stride,
+                       .rows = rows, .row_bytes = row_bytes});
 }
 
 // fn as MoeRunner.<name> (run now, without the GIL) and as KernelProgram.<name>(runner, ...), which records the
@@ -287,6 +306,7 @@ PYBIND11_MODULE(_C, m) {
       .def("__len__", &KernelProgram::size);
   def_kernel(runner, program, "forward", &k_forward);
   def_kernel(runner, program, "linear", &k_linear);
+  def_kernel(runner, program, "head_linear", &k_head_linear);
   def_kernel(runner, program, "rms_norm", &k_rms_norm);
   def_kernel(runner, program, "rope", &k_rope);
   def_kernel(runner, program, "softmax_topk", &k_softmax_topk);
@@ -295,6 +315,8 @@ PYBIND11_MODULE(_C, m) {
   def_kernel(runner, program, "add", &k_add);
   def_kernel(runner, program, "silu_mul", &k_silu_mul);
   def_kernel(runner, program, "widen", &k_widen);
+  def_kernel(runner, program, "sigmoid", &k_sigmoid);
+  def_kernel(runner, program, "copy_rows", &k_copy_rows);
   def_kernel(runner, program, "store_rows", &k_store_rows);
 
   py::class_<SlotServer>(m, "SlotServer")

@@ -3,6 +3,7 @@
 #include "elementwise.h"
 
 #include <algorithm>
+#include <cstring>
 
 #include "moe.h"
 #include "row_ops.h"
@@ -56,6 +57,16 @@ void widen_range(const Widen& w, int64_t i0, int64_t i1) {
   for (int64_t i = i0; i < i1; ++i) w.out[i] = bf16_to_f32(w.x[i]);
 }
 
+void sigmoid_range(const Sigmoid& s, int64_t i0, int64_t i1, Isa isa) {
+  float x[kRows], y[kRows];
+  for (int64_t c0 = i0; c0 < i1; c0 += kRows) {
+    const int len = static_cast<int>(std::min<int64_t>(kRows, i1 - c0));
+    for (int c = 0; c < kRows; ++c) x[c] = c < len ? s.x[c0 + c] : 0.0f;
+    sigmoid_row(isa, x, y);
+    std::copy(y, y + len, s.out + c0);
+  }
+}
+
 void MoeRunner::add(const Add& a) {
   run_rows((a.n + kChunk - 1) / kChunk, kChunk, [&](int64_t c0, int64_t c1) {
     add_range(a, c0 * kChunk, std::min(a.n, c1 * kChunk));
@@ -64,6 +75,18 @@ void MoeRunner::add(const Add& a) {
 
 void MoeRunner::silu_mul(const SiluMul& s, Isa isa) {
   run_rows(s.rows, s.cols, [&](int64_t r0, int64_t r1) { silu_mul_rows(s, r0, r1, isa); });
+}
+
+void MoeRunner::sigmoid(const Sigmoid& s, Isa isa) {
+  run_rows((s.n + kChunk - 1) / kChunk, kChunk, [&](int64_t c0, int64_t c1) {
+    sigmoid_range(s, c0 * kChunk, std::min(s.n, c1 * kChunk), isa);
+  });
+}
+
+void copy_rows(const CopyRows& c) {
+  for (int64_t i = 0; i < c.rows; ++i)
+    std::memcpy(static_cast<uint8_t*>(c.dst) + i * c.dst_stride, static_cast<const uint8_t*>(c.src) + i * c.src_stride,
+                c.row_bytes);
 }
 
 void MoeRunner::widen(const Widen& w) {

@@ -29,6 +29,20 @@ struct SiluMul {
   bool f32 = false;
 };
 
+// out = 1 / (1 + exp(-x)) for n fp32 values (DeepSeek's router scores); the exp is the kernels' vector exp.
+struct Sigmoid {
+  const float* x = nullptr;
+  float* out = nullptr;
+  int64_t n = 0;
+};
+
+// Row i of `rows` rows of row_bytes bytes from src + i * src_stride to dst + i * dst_stride (strides in bytes).
+struct CopyRows {
+  const void* src = nullptr;
+  void* dst = nullptr;
+  int64_t src_stride = 0, dst_stride = 0, rows = 0, row_bytes = 0;
+};
+
 // out = fp32(x) for n bf16 values (exact).
 struct Widen {
   const uint16_t* x = nullptr;
@@ -39,5 +53,8 @@ struct Widen {
 void add_range(const Add& a, int64_t i0, int64_t i1);
 void silu_mul_rows(const SiluMul& s, int64_t r0, int64_t r1, Isa isa);
 void widen_range(const Widen& w, int64_t i0, int64_t i1);
+void sigmoid_range(const Sigmoid& s, int64_t i0, int64_t i1, Isa isa);
+// On the calling thread: a few rows per decode step.
+void copy_rows(const CopyRows& c);
 
 }  // namespace hybridd

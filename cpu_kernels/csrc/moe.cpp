@@ -824,6 +824,51 @@ void MoeRunner::linear(Format f, const PackedMatrices& w, int n, int k, int bloc
   });
 }
 
+void MoeRunner::head_linear(Format f, const PackedMatrices& w, int heads, int n, int k, int block_k, int group,
+                            const void* x, const int64_t x_strides[2], bool f32_io, int T, void* out,
+                            const int64_t out_strides[2], Isa isa) {
+  check_isa(isa);
+  check_flags(f, w);
+  // A head's rows are picked from every head's rows, which AMX spans do not read: its tiles run as on the
+  // avx512_bf16 path.
+  if (isa == Isa::kAmx) isa = Isa::kAvx512Bf16;
+  std::lock_guard<std::mutex> lock(mutex_);
+  const bool int_fmt = f == Format::kINT8 || f == Format::kINT4;
+  const int R = (f32_io && !int_fmt) ? 2 : 1;
+  const int m = T * R;
+  const size_t io_bytes = f32_io ? 4 : 2;
+  const int in_rows = T * heads;
+  const void* dense = x;
+  if (x_strides[1] != k || (T > 1 && x_strides[0] != int64_t(heads) * k)) {  // gathered into [T * heads][k]
+    xdense_.resize(size_t(in_rows) * k * io_bytes);
+    for (int t = 0; t < T; ++t)
+      for (int h = 0; h < heads; ++h)
+        std::memcpy(&xdense_[(size_t(t) * heads + h) * k * io_bytes],
+                    static_cast<const uint8_t*>(x) + (t * x_strides[0] + h * x_strides[1]) * io_bytes,
+                    size_t(k) * io_bytes);
+    dense = xdense_.data();
+  }
+  Act xa = prepare_input(f, group, dense, f32_io, in_rows, k, w.kp, R, isa);
+  std::vector<int> rows(size_t(heads) * m);  // head h's activation rows: token t's R rows of input row (t, h)
+  for (int h = 0; h < heads; ++h)
+    for (int t = 0; t < T; ++t)
+      for (int j = 0; j < R; ++j) rows[size_t(h) * m + t * R + j] = (t * heads + h) * R + j;
+  const int per_task = std::max(1, std::min(w.tiles, w.tiles * heads / (8 * num_threads())));
+  const int chunks = (w.tiles + per_task - 1) / per_task;
+  pool_.run(heads * chunks, [&](int task, int) {
+    const int h = task / chunks, t0 = (task % chunks) * per_task, t1 = std::min(w.tiles, t0 + per_task);
+    TaskBuffers& buf = task_buffers();
+    buf.prepare(m, w.kp, per_task);
+    uint8_t* head_out = static_cast<uint8_t*>(out) + size_t(h) * out_strides[1] * io_bytes;
+    const auto store = [&](const float* y, int ti) {
+      put_tile(isa, y, R, T, std::min(kRows, n - ti * kRows), f32_io, head_out + size_t(ti) * kRows * io_bytes,
+               size_t(out_strides[0]));
+    };
+    tile_range(isa, f, w, h, t0, t1, block_k, group, xa, rows.data() + size_t(h) * m, m, buf.scratch.data(),
+               [&](int ti) { return buf.ys[ti - t0].data(); }, store);
+  });
+}
+
 void MoeRunner::forward(const ExpertLayer& L, const void* x, bool f32_io, int T, int topk, const int32_t* ids,
                         const float* weights, float scale, void* out, Isa isa) {
   check_isa(isa);

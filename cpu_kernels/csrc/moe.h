@@ -111,6 +111,7 @@ struct GroupedTopK;     // routing.h
 struct Add;             // elementwise.h
 struct SiluMul;         // elementwise.h
 struct Widen;           // elementwise.h
+struct Sigmoid;         // elementwise.h
 
 // Where each active expert's activation rows sit once sorted by expert: R rows per slot from row first[e].
 // The rows of a packed[e] expert (those tile_span_amx reads) are its A operands (pack_amx_block), padded to
@@ -136,6 +137,12 @@ class MoeRunner {
   // out[t] = W x[t] for one packed matrix W [n, k] (expert 0 of `w`); x [T, k], out [T, n].
   void linear(Format format, const PackedMatrices& w, int n, int k, int block_k, int group, const void* x,
               bool f32_io, int num_tokens, void* out, Isa isa);
+  // out[t, h] = W_h x[t, h] for `heads` packed matrices W_h [n, k] (expert h of `w`): input row (t, h) at
+  // x + t * x_strides[0] + h * x_strides[1] elements, output row (t, h) likewise in out (MLA's absorbed
+  // per-head projections).
+  void head_linear(Format format, const PackedMatrices& w, int heads, int n, int k, int block_k, int group,
+                   const void* x, const int64_t x_strides[2], bool f32_io, int num_tokens, void* out,
+                   const int64_t out_strides[2], Isa isa);
   // Paged attention on this runner's threads (attention.cpp).
   void attention(const PagedAttention& a, Isa isa);
   // RMSNorm of every row (norm.cpp).
@@ -149,6 +156,7 @@ class MoeRunner {
   void add(const Add& a);
   void silu_mul(const SiluMul& s, Isa isa);
   void widen(const Widen& w);
+  void sigmoid(const Sigmoid& s, Isa isa);
 
  private:
   void run(int ntasks, int64_t elements, const std::function<void(int, int)>& fn);
@@ -171,6 +179,7 @@ class MoeRunner {
   AlignedVector<float> ybuf_;
   std::vector<float> actf_;
   std::vector<uint16_t> xbf_;
+  std::vector<uint8_t> xdense_;  // head_linear: strided head rows gathered contiguous
   AlignedVector<uint16_t> xpacked_, actbf_, sortbf_;
   std::vector<int8_t> xq_, actq_;
   std::vector<float> xscale_, actscale_;

@@ -47,6 +47,10 @@ void silu_mul_generic(const float* g, const float* u, float* out) {
   for (int c = 0; c < kRows; ++c) out[c] = g[c] / (1.0f + std::exp(-g[c])) * u[c];
 }
 
+void sigmoid_generic(const float* x, float* out) {
+  for (int c = 0; c < kRows; ++c) out[c] = 1.0f / (1.0f + std::exp(-x[c]));
+}
+
 void quantize_row_generic(const float* v, int k, int kp, Format f, int group, int8_t* q, float* scale,
                           int32_t* gsum) {
   float amax = 0.0f;
@@ -133,6 +137,12 @@ AVX512F_TARGET void axpy_tiles_avx512(float w, const float* hi, const float* lo,
     if (lo) y = _mm512_add_ps(y, _mm512_maskz_loadu_ps(m, lo + at));
     _mm512_mask_storeu_ps(acc + i, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, acc + i), _mm512_mul_ps(wv, y)));
   }
+}
+
+AVX512F_TARGET void sigmoid_avx512(const float* x, float* out) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  const __m512 den = _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_loadu_ps(x))));
+  _mm512_storeu_ps(out, _mm512_div_ps(one, den));
 }
 
 AVX512F_TARGET void silu_mul_avx512(const float* g, const float* u, float* out) {
@@ -231,6 +241,14 @@ AVX2_TARGET void axpy_tiles_avx2(float w, const float* hi, const float* lo, size
     _mm256_storeu_ps(acc + i, _mm256_add_ps(_mm256_loadu_ps(acc + i), _mm256_mul_ps(wv, y)));
   }
   axpy_tiles_generic(w, hi, lo, stride, i, n, acc);
+}
+
+AVX2_TARGET void sigmoid_avx2(const float* x, float* out) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  for (int c = 0; c < kRows; c += 8) {
+    const __m256 den = _mm256_add_ps(one, exp256(_mm256_sub_ps(_mm256_setzero_ps(), _mm256_loadu_ps(x + c))));
+    _mm256_storeu_ps(out + c, _mm256_div_ps(one, den));
+  }
 }
 
 AVX2_TARGET void silu_mul_avx2(const float* g, const float* u, float* out) {
@@ -337,6 +355,12 @@ void silu_mul_row(Isa isa, const float* g, const float* u, float* out) {
   if (avx512(isa)) return silu_mul_avx512(g, u, out);
   if (runs_avx2(isa)) return silu_mul_avx2(g, u, out);
   silu_mul_generic(g, u, out);
+}
+
+void sigmoid_row(Isa isa, const float* x, float* out) {
+  if (avx512(isa)) return sigmoid_avx512(x, out);
+  if (runs_avx2(isa)) return sigmoid_avx2(x, out);
+  sigmoid_generic(x, out);
 }
 
 void quantize_row(Isa isa, const float* v, int k, int kp, Format f, int group, int8_t* q, float* scale,

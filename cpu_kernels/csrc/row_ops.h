@@ -30,6 +30,8 @@ void axpy_tiles(Isa isa, float w, const float* hi, const float* lo, size_t strid
 
 // out[0..16) = silu(g) * u for one tile row of 16 values.
 void silu_mul_row(Isa isa, const float* g, const float* u, float* out);
+// out[0..16) = 1 / (1 + exp(-x)) for 16 values.
+void sigmoid_row(Isa isa, const float* x, float* out);
 
 // Symmetric per-row int8 quantization of v[0..k), zero-padded to kp: the int8 format stores q + 128 (its u8
 // operand), int4 stores q and the sums of q over each group of `group` columns.

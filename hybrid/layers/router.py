@@ -65,10 +65,11 @@ class GroupedSigmoidRouter(Router):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.kernel:  # fp32 inputs give fp32 logits (cpu_kernels.linear)
-            logits = super().forward(x.float())
+            from cpu_kernels.elementwise import sigmoid, widen
+
+            scores = sigmoid(super().forward(widen(x) if x.dtype == torch.bfloat16 else x.float()))
         else:
-            logits = F.linear(x.float(), self.weight.float())
-        scores = logits.sigmoid()
+            scores = F.linear(x.float(), self.weight.float()).sigmoid()
         if self.kernel:
             from cpu_kernels.routing import grouped_topk
 

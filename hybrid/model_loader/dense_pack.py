@@ -43,6 +43,26 @@ def _pack_stacked(reader: CheckpointReader, parts: list[Part], fmt: str):
     return PackedLinear.pack(weight, "bf16" if fmt == "auto" or all(fp8) else fmt)
 
 
+def pack_mla_absorption(model: torch.nn.Module, reader: CheckpointReader, dtype: torch.dtype) -> None:
+    """DeepSeek's kv_b_proj also as per-head bf16 matrices for the cpu backend's latent-space decode
+    (CpuAttention.mla): W_UK^T [lora, nope] to absorb into the query, W_UV [v_dim, lora] to apply after the
+    weighted sum. The torch weight stays for the expanded prefill path (its bytes once more, in bf16). Only where
+    the model's kv_b values are bf16 values (always in bf16 runs): an fp8 checkpoint's dequantized kv_b in an
+    fp32 run is not, and keeps torch's fp32 einsums."""
+    from cpu_kernels.linear import PackedHeads
+    from hybrid.models.deepseek_v3 import DeepseekV3Attention
+
+    for name, module in model.named_modules():
+        if isinstance(module, DeepseekV3Attention):
+            kv_b = module.kv_b_proj
+            w = reader.weight(f"{name}.kv_b_proj.weight", tuple(kv_b.weight.shape), dtype, kv_b.shard)
+            if not torch.equal(w, w.bfloat16().to(dtype)):
+                continue
+            w = w.bfloat16().view(module.num_heads, module.nope + module.v_dim, module.lora)
+            module.absorbed = (PackedHeads.pack(w[:, :module.nope].transpose(1, 2)),
+                               PackedHeads.pack(w[:, module.nope:]))
+
+
 def pack_dense_linears(model: torch.nn.Module, reader: CheckpointReader, fmt: str = "auto",
                        tied_embeddings: bool = False) -> None:
     """Moves every dense Linear to the CPU kernels straight from the checkpoint (before the other weights

@@ -14,7 +14,7 @@ from hybrid.layers.add import Add
 from hybrid.layers.mlp import GatedMLP
 from hybrid.layers.norm import RMSNorm
 from hybrid.layers.rotary_embedding import RotaryEmbedding
-from hybrid.model_loader.dense_pack import pack_dense_linears
+from hybrid.model_loader.dense_pack import pack_dense_linears, pack_mla_absorption
 from hybrid.models.causal_lm import CausalLM
 from hybrid.models.registry import build_model
 
@@ -39,6 +39,7 @@ def load_model(model_config: ModelConfig, engine_config: EngineConfig, reader: C
     model = build_model(model_config, experts, dtype, shard)
     if engine_config.backend == "cpu":
         pack_dense_linears(model, reader, engine_config.dense_format, model_config.tie_word_embeddings)
+        pack_mla_absorption(model, reader, dtype)
         for module in model.modules():
             if isinstance(module, KERNEL_MODULES):
                 module.use_kernel()

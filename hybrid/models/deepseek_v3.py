@@ -54,6 +54,7 @@ class DeepseekV3Attention(nn.Module):
         self.scale = yarn_softmax_scale(cfg.rope, qk ** -0.5)
         first = self.q_proj if cfg.q_lora_rank is None else self.q_a_proj
         self.x_projections = SharedInputLinears(first, self.kv_a_proj_with_mqa)
+        self.absorbed = None  # kv_b_proj per head, packed by the cpu backend's loader (pack_mla_absorption)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         n = x.shape[0]
@@ -66,7 +67,8 @@ class DeepseekV3Attention(nn.Module):
         latent = self.kv_a_layernorm(latent)
         q_rope, k_rope = self.rope(batch, q_rope, k_rope.view(n, 1, self.rope_dim))
         (cache,) = batch.kv_caches[self.layer]
-        weights = MlaWeights(self.kv_b_proj.weight, self.num_heads, self.nope, self.rope_dim, self.v_dim)
+        weights = MlaWeights(self.kv_b_proj.weight, self.num_heads, self.nope, self.rope_dim, self.v_dim,
+                             self.absorbed)
         out = batch.attention.mla(q_nope, q_rope, latent, k_rope.view(n, self.rope_dim), cache, weights, batch,
                                   self.scale)
         return self.tp.all_reduce(self.o_proj(out))

@@ -32,6 +32,7 @@ class MlaWeights:
     nope: int
     rope: int
     v_dim: int
+    absorbed: tuple | None = None  # (W_UK^T, W_UV) packed per head for the CPU kernels (cpu_kernels.linear)
 
     def absorption(self) -> tuple[torch.Tensor, torch.Tensor]:
         """W_UK [H, nope, lora] and W_UV [H, v_dim, lora], views of kv_b."""

@@ -14,7 +14,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from cpu_kernels.attention import paged_attention, store_kv
-from hybrid.layers.attention.backend import AttentionBackend
+from cpu_kernels.elementwise import copy_into
+from cpu_kernels.linear import head_linear
+from hybrid.layers.attention.backend import AttentionBackend, MlaWeights
 
 if TYPE_CHECKING:
     from hybrid.layers.forward_batch import ForwardBatch
@@ -41,3 +43,20 @@ class CpuAttention(AttentionBackend):
 
     def mla_in_latent_space(self, batch: ForwardBatch) -> bool:
         return max(batch.query_lens) == 1
+
+    def mla(self, q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor,
+            cache: torch.Tensor, weights: MlaWeights, batch: ForwardBatch, scale: float) -> torch.Tensor:
+        """Latent-space decode with kv_b's per-head matrices on the kernels (the backend's torch einsums ran
+        single-threaded over them: 33 MB per DeepSeek-V3 layer and step): the latent and rope key stored into
+        their parts of the cache rows, the query absorbed into [latent | rope] in one buffer."""
+        if weights.absorbed is None or not self.mla_in_latent_space(batch):
+            return super().mla(q_nope, q_rope, latent, k_rope, cache, weights, batch, scale)
+        w_uk_t, w_uv = weights.absorbed
+        n, lora = latent.shape
+        self.store(cache[..., :lora], batch.slot_mapping, latent)
+        self.store(cache[..., lora:], batch.slot_mapping, k_rope)
+        q = latent.new_empty(n, weights.num_heads, lora + weights.rope)
+        head_linear(w_uk_t, q_nope, out=q[..., :lora])
+        copy_into(q[..., lora:], q_rope)
+        out_latent = self.paged(q, cache.unsqueeze(2), cache[..., :lora].unsqueeze(2), batch, scale)
+        return head_linear(w_uv, out_latent).flatten(1)
