@@ -9,12 +9,13 @@ runs of each run's fraction of the mean of the probes either side: the machine's
     python scripts/bench_decode.py --model /path/to/checkpoint
     python scripts/bench_decode.py --prompt-len 4096 --attention torch   # long context, torch attention
     python scripts/bench_decode.py --breakdown              # and where a decode step's time goes
-    python scripts/bench_decode.py --compare-eager          # decode programs against eager steps, paired
+    python scripts/bench_decode.py --compare eager,program  # decode programs against eager steps, paired
+    python scripts/bench_decode.py --preset moonlight --layers 3 --compare mla-torch,eager
 
 CPU-only decode replays recorded kernel programs (hybrid/graphs/cpu_decode_programs.py) unless --enforce-eager.
---compare-eager alternates rounds of the same engine with its programs on and off and reports each round's decode
-step and the time each spends outside the kernels that stream weights: the fixed cost per layer that the bandwidth
-of a many-core machine does not shrink.
+--compare runs rounds of one engine switching between modes (eager steps, program replays, or eager steps with
+MLA's absorbed projections in torch's einsums instead of the kernels) and reports each mode's median decode step
+and the paired ratio against the first mode.
 """
 
 from __future__ import annotations
@@ -65,31 +66,45 @@ def bytes_per_decode_token(llm: LLM, context: int) -> dict[str, int]:
     return {"dense": dense + cfg.hidden_size * embed.element_size(), "routed": routed, "kv": kv}
 
 
-def compare_eager(llm: LLM, programs, a, vocab: int, gen: torch.Generator, make_params, console: Console) -> dict:
-    """Rounds of one engine alternating between eager steps and program replays (a request of --decode-tokens
-    steps each): the median step of each and their paired difference."""
+def set_mode(engine, mode: str, programs, absorbed: dict) -> None:
+    """eager: steps run eagerly; program: replays; mla-torch: eager with MLA's kv_b absorption in torch."""
+    engine.runner.graphs = programs if mode == "program" else None
+    for module, packed in absorbed.items():
+        module.absorbed = None if mode == "mla-torch" else packed
+
+
+def compare(llm: LLM, programs, a, vocab: int, gen: torch.Generator, make_params, console: Console) -> dict:
+    """Rounds of one engine cycling through the --compare modes (a request of --decode-tokens steps each): the
+    median step of each and the median of each round's ratio against the first mode's step."""
     engine = llm.engine
+    modes = a.compare.split(",")
+    absorbed = {m: m.absorbed for m in engine.runner.model.modules() if getattr(m, "absorbed", None) is not None}
+    if "program" in modes and programs is None:
+        raise SystemExit("--compare program needs decode programs (CPU-only, inline experts, no --enforce-eager)")
+    if "mla-torch" in modes and not absorbed:
+        raise SystemExit("--compare mla-torch needs an MLA model whose kv_b the kernels hold (bf16 runs)")
     layers = len(engine.runner.model.model.layers)
     prompt = torch.randint(10, vocab, (a.prompt_len,), generator=gen).tolist()
-    steps: dict[str, list[float]] = {"eager": [], "program": []}
-    for _ in range(a.compare_eager):
-        for mode in ("eager", "program"):
-            engine.runner.graphs = None if mode == "eager" else programs
+    steps: dict[str, list[float]] = {mode: [] for mode in modes}
+    for _ in range(a.pairs):
+        for mode in modes:
+            set_mode(engine, mode, programs, absorbed)
             steps[mode].append(decode_steps(engine, prompt, a.decode_tokens, make_params(a.decode_tokens + 2)))
-    engine.runner.graphs = programs
-    med = {mode: statistics.median(v) for mode, v in steps.items()}
-    saved = statistics.median(e - p for e, p in zip(steps["eager"], steps["program"]))
-    faster = sum(e > p for e, p in zip(steps["eager"], steps["program"]))
-    t = Table(title=f"decode programs vs eager steps, {a.compare_eager} alternating pairs, {layers} layers")
-    t.add_column("metric")
-    t.add_column("value", justify="right")
-    t.add_row("eager decode step, median", f"{med['eager'] * 1e3:.3f} ms")
-    t.add_row("program decode step, median", f"{med['program'] * 1e3:.3f} ms")
-    t.add_row("paired saving, median", f"{saved * 1e3:.3f} ms per step, {saved / layers * 1e6:.0f} us per layer "
-                                       f"({faster}/{a.compare_eager} pairs faster)")
-    t.add_row("[bold]eager / program step", f"[bold]{med['eager'] / med['program']:.3f}x")
+    set_mode(engine, "program", programs, absorbed)
+    base = modes[0]
+    t = Table(title=f"decode step by mode, {a.pairs} rounds, {layers} layers ({a.threads} threads)")
+    for col in ("mode", "median step", f"{base} / mode (median of rounds)", "rounds faster than " + base):
+        t.add_column(col, justify="left" if col == "mode" else "right")
+    res = {}
+    for mode in modes:
+        ratios = [b / m for b, m in zip(steps[base], steps[mode])]
+        faster = sum(r > 1 for r in ratios)
+        res[mode] = {"step_s": statistics.median(steps[mode]), "ratio": statistics.median(ratios),
+                     "rounds_faster": faster}
+        t.add_row(mode, f"{res[mode]['step_s'] * 1e3:.3f} ms", f"{res[mode]['ratio']:.3f}x",
+                  "" if mode == base else f"{faster}/{a.pairs}")
     console.print(t)
-    return {"step_s": med, "paired_saving_s": saved, "pairs_faster": faster, "pairs": a.compare_eager}
+    return res
 
 
 def main() -> None:
@@ -110,8 +125,9 @@ def main() -> None:
     ap.add_argument("--breakdown", action="store_true", help="also split a decode step into kernels, torch ops "
                     "and Python")
     ap.add_argument("--enforce-eager", action="store_true", help="decode eagerly (no kernel programs)")
-    ap.add_argument("--compare-eager", type=int, default=0, metavar="PAIRS",
-                    help="also run PAIRS alternating rounds with the decode programs on and off")
+    ap.add_argument("--compare", metavar="MODES", help="also time rounds switching between modes (comma list of "
+                    "eager, program, mla-torch; ratios against the first)")
+    ap.add_argument("--pairs", type=int, default=8, help="rounds of --compare")
     ap.add_argument("--json", help="also write the results to this file")
     a = ap.parse_args()
     console = Console()
@@ -189,8 +205,8 @@ def main() -> None:
             for part, s in split.items():
                 t.add_row(part, f"{s * 1e3:.3f}", f"{s / step:.1%}")
             console.print(t)
-    if a.compare_eager and programs is not None:
-        res["compare_eager"] = compare_eager(llm, programs, a, vocab, gen, make_params, console)
+    if a.compare:
+        res["compare"] = compare(llm, programs, a, vocab, gen, make_params, console)
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=2))
 
