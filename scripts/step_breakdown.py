@@ -21,6 +21,7 @@ KERNELS = {
     "routed experts (fused MoE kernel)": [("cpu_kernels.moe", "fused_moe")],
     "dense linears (kernel)": [("cpu_kernels.linear", "linear")],
     "attention (kernel)": [("hybrid.layers.attention.cpu_backend", "paged_attention")],
+    "MLA per-head projections (kernel)": [("hybrid.layers.attention.cpu_backend", "head_linear")],
     "norm / rope / routing (kernels)": [("cpu_kernels.norm", "rms_norm"), ("cpu_kernels.rope", "rope"),
                                         ("cpu_kernels.routing", "softmax_topk"),
                                         ("cpu_kernels.routing", "grouped_topk")],
@@ -46,6 +47,7 @@ def decode_steps(engine, prompt: list[int], steps: int, params, window: list[boo
 
 # The kernels that stream weights (dense linears, experts) or the KV cache: what the roofline counts.
 STREAMING = {"forward": "routed experts (fused MoE kernel)", "linear": "dense linears (kernel)",
+             "head_linear": "MLA per-head projections (kernel)",
              "paged_attention": "attention (kernel)"}
 
 

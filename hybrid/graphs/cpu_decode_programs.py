@@ -2,16 +2,17 @@
 
 With the cpu backend and in-process experts, a decode step's layers are nothing but C++ kernel calls with Python
 between them, and that Python (plus the small torch ops it used to run) cost ~0.1 ms per layer with the caches
-warm and ~0.4 ms right after the experts' weights streamed through them: at 16 cores as long as a Qwen3-30B-A3B
-layer's whole bandwidth budget. A program records the calls of `forward_layers` once per batch size, over static
+warm and ~0.4 ms right after the experts' weights streamed through them (Qwen3-30B-A3B shapes, 2-core EPYC): at
+16 cores as long as such a layer's whole read. A program records the calls of `forward_layers` once per batch size, over static
 inputs (ids, positions, slots, block tables, context lengths, the rotary tables and the embedded rows) that each
 step rewrites in place, and replays them from C++.
 
 Programs are recorded per exact batch size up to `MAX_PROGRAM_BATCH` (no padding rows: a padding row would stream
 the weights of the experts it routes to); larger batches run eagerly, as does any model whose step does more
-than call kernels: recording raises RecordError at the first torch op that computes (DeepSeek's MLA decode, for
-one), and the engine logs why and runs eagerly from then on. A program holds its step's intermediates: about
-62 KB per row and layer for Qwen3-30B-A3B shapes in bf16 (3 MB per row for its 48 layers).
+than call kernels: recording raises RecordError at the first torch op that computes (an fp32 run of an fp8
+DeepSeek checkpoint keeps MLA's absorption in torch, for one), and the engine logs why and runs eagerly from then
+on. A program holds its step's intermediates: about 61 KB per row and layer for Qwen3-30B-A3B shapes in bf16
+(3 MB per row for its 48 layers).
 """
 
 from __future__ import annotations
