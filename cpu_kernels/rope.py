@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from cpu_kernels.moe import runner
+from cpu_kernels.moe import resolve_isa, runner
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool = False,
-         num_threads: int | None = None) -> torch.Tensor:
+         num_threads: int | None = None, isa: int | None = None) -> torch.Tensor:
     """x [T, H, R] (rows may be strided; the last dimension contiguous), cos and sin [T, R] or [T, 1, R], all
     bf16 or all fp32 on the CPU -> x rotated, [T, H, R] contiguous: the same bits as `rope_reference`."""
     if (x.dim() != 3 or x.dtype not in (torch.bfloat16, torch.float32) or x.device.type != "cpu"
@@ -25,7 +25,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool
     out = torch.empty(t, h, r, dtype=x.dtype)
     if out.numel():
         runner(num_threads).rope(x.data_ptr(), x.stride(0), x.stride(1), out.data_ptr(), cos.data_ptr(),
-                                 sin.data_ptr(), t, h, r, interleave, x.dtype == torch.float32)
+                                 sin.data_ptr(), t, h, r, interleave, x.dtype == torch.float32, resolve_isa(isa))
     return out
 
 

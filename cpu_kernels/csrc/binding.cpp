@@ -80,10 +80,11 @@ void k_rms_norm(MoeRunner& r, uintptr_t x, int64_t heads, int64_t token_stride, 
 }
 
 void k_rope(MoeRunner& r, uintptr_t x, int64_t token_stride, int64_t head_stride, uintptr_t out, uintptr_t cos,
-            uintptr_t sin, int64_t tokens, int64_t heads, int64_t dim, bool interleave, bool f32) {
+            uintptr_t sin, int64_t tokens, int64_t heads, int64_t dim, bool interleave, bool f32, int isa) {
   r.rope({.x = as<const void>(x), .token_stride = token_stride, .head_stride = head_stride, .out = as<void>(out),
           .cos = as<const void>(cos), .sin = as<const void>(sin), .tokens = tokens, .heads = heads, .dim = dim,
-          .interleave = interleave, .f32 = f32});
+          .interleave = interleave, .f32 = f32},
+         static_cast<Isa>(isa));
 }
 
 void k_softmax_topk(MoeRunner& r, uintptr_t logits, bool f32, int64_t tokens, int64_t experts, int k,

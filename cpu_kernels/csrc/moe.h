@@ -148,7 +148,7 @@ class MoeRunner {
   // RMSNorm of every row (norm.cpp).
   void rms_norm(const RmsNorm& n);
   // Rotary embedding of every row (rope.cpp).
-  void rope(const Rope& r);
+  void rope(const Rope& r, Isa isa);
   // Softmax / grouped top-k routing of every token (routing.cpp).
   void softmax_topk(const SoftmaxTopK& r);
   void grouped_topk(const GroupedTopK& r);

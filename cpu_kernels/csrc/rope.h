@@ -19,7 +19,10 @@ struct Rope {
   bool f32 = false;  // every tensor is fp32 (else bf16)
 };
 
-// Rotates the rows of tokens [t0, t1).
-void rope_rows(const Rope& r, int64_t t0, int64_t t1);
+enum class Isa : int;
+
+// Rotates the rows of tokens [t0, t1): 16 pairs at a time on the AVX-512 paths, one at a time elsewhere, the same
+// bits either way.
+void rope_rows(const Rope& r, int64_t t0, int64_t t1, Isa isa);
 
 }  // namespace hybridd
