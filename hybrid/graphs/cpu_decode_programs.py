@@ -3,9 +3,9 @@
 With the cpu backend and in-process experts, a decode step's layers are nothing but C++ kernel calls with Python
 between them, and that Python (plus the small torch ops it used to run) cost ~0.1 ms per layer with the caches
 warm and ~0.4 ms right after the experts' weights streamed through them (Qwen3-30B-A3B shapes, 2-core EPYC): at
-16 cores as long as such a layer's whole read. A program records the calls of `forward_layers` once per batch size, over static
-inputs (ids, positions, slots, block tables, context lengths, the rotary tables and the embedded rows) that each
-step rewrites in place, and replays them from C++.
+16 cores as long as such a layer's whole read. A program records the calls of `forward_layers` once per batch
+size, over static inputs (ids, positions, slots, block tables, context lengths, the rotary tables and the
+embedded rows) that each step rewrites in place, and replays them from C++.
 
 Programs are recorded per exact batch size up to `MAX_PROGRAM_BATCH` (no padding rows: a padding row would stream
 the weights of the experts it routes to); larger batches run eagerly, as does any model whose step does more
