@@ -125,3 +125,35 @@ def test_only_cpu_only_engines_with_in_process_kernels_record(model_dirs):
     assert LLM(model, enforce_eager=True).engine.runner.graphs is None
     assert LLM(model, backend="torch", dtype="float32").engine.runner.graphs is None
     assert isinstance(LLM(model).engine.runner.graphs, CpuDecodePrograms)
+
+
+def test_a_daemon_with_inline_experts_streams_replayed_decode_steps(tmp_path):
+    """`hybridd start --experts inline`: concurrent streams through an engine that replays decode programs give
+    the eager in-process engine's text, and status says the engine decodes from programs."""
+    import threading
+
+    from daemon_harness import MODEL, Daemon, free_port, openai_client
+
+    prompts = [prompt_ids(12 + 9 * i, seed=20 + i) for i in range(3)]
+    want = LLM(experts="inline", enforce_eager=True).generate(
+        prompts, [SamplingParams(temperature=0, max_tokens=10 + 6 * i, ignore_eos=True) for i in range(3)])
+    d = Daemon(tmp_path / "home", free_port())
+    d.start("--experts", "inline")
+    try:
+        assert "decode programs" in d.status()["info"]["kernel_path"]
+        client, got = openai_client(d), {}
+
+        def stream(i: int) -> None:
+            chunks = client.completions.create(model=MODEL, prompt=prompts[i], max_tokens=10 + 6 * i, temperature=0,
+                                               stream=True, extra_body={"ignore_eos": True})
+            got[i] = "".join(c.choices[0].text for c in chunks if c.choices)
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert [got.get(i) for i in range(3)] == [w.text for w in want]
+        assert "recorded the decode step of 3 sequences" in d.logs()
+    finally:
+        d.stop()
