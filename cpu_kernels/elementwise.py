@@ -54,14 +54,14 @@ def silu_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
-def widen(x: torch.Tensor, num_threads: int | None = None) -> torch.Tensor:
+def widen(x: torch.Tensor, num_threads: int | None = None, isa: int | None = None) -> torch.Tensor:
     """A bf16 CPU tensor as fp32 (exact), contiguous."""
     if x.dtype != torch.bfloat16 or x.device.type != "cpu":
         raise ValueError(f"widen reads a bfloat16 CPU tensor, got {x.dtype} on {x.device}")
     x = x.contiguous()
     out = torch.empty(x.shape, dtype=torch.float32)
     if x.numel():
-        runner(num_threads).widen(x.data_ptr(), out.data_ptr(), x.numel())
+        runner(num_threads).widen(x.data_ptr(), out.data_ptr(), x.numel(), resolve_isa(isa))
     return out
 
 

@@ -232,8 +232,9 @@ def fused_moe(p: PackedExperts, x: torch.Tensor, topk_ids: torch.Tensor, topk_we
     if x.shape[0] == 0:
         return out
     if topk_weights.dtype == torch.bfloat16:  # widened by a kernel: a decode program records it (program.py)
-        w = torch.empty(topk_weights.shape, dtype=torch.float32)
-        runner(num_threads).widen(topk_weights.contiguous().data_ptr(), w.data_ptr(), w.numel())
+        from cpu_kernels.elementwise import widen  # it imports this module
+
+        w = widen(topk_weights, num_threads)
     else:
         w = topk_weights.to(torch.float32).contiguous()
     runner(num_threads).forward(p.layer, x.data_ptr(), x.dtype == torch.float32, x.shape[0], ids.shape[1],

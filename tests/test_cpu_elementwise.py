@@ -41,7 +41,8 @@ def test_add_rounds_as_torch(shape, dtype):
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_widen_is_exact(shape):
     x = randn(*shape, seed=3, dtype=torch.bfloat16)
-    assert torch.equal(widen(x), widen_reference(x))
+    for isa in ISAS:
+        assert torch.equal(widen(x, isa=isa), widen_reference(x))
 
 
 @pytest.mark.parametrize("rows,cols", [(1, 1), (1, 15), (2, 17), (3, 768), (5, 1407), (40, 96)], ids=str)

@@ -143,8 +143,8 @@ void k_silu_mul(MoeRunner& r, uintptr_t g, int64_t g_stride, uintptr_t u, int64_
              static_cast<Isa>(isa));
 }
 
-void k_widen(MoeRunner& r, uintptr_t x, uintptr_t out, int64_t n) {
-  r.widen({.x = as<const uint16_t>(x), .out = as<float>(out), .n = n});
+void k_widen(MoeRunner& r, uintptr_t x, uintptr_t out, int64_t n, int isa) {
+  r.widen({.x = as<const uint16_t>(x), .out = as<float>(out), .n = n}, static_cast<Isa>(isa));
 }
 
 void k_sigmoid(MoeRunner& r, uintptr_t x, uintptr_t out, int64_t n, int isa) {

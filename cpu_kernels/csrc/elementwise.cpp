@@ -53,8 +53,8 @@ void silu_mul_rows(const SiluMul& s, int64_t r0, int64_t r1, Isa isa) {
   else silu_mul_typed<uint16_t>(s, r0, r1, isa);
 }
 
-void widen_range(const Widen& w, int64_t i0, int64_t i1) {
-  for (int64_t i = i0; i < i1; ++i) w.out[i] = bf16_to_f32(w.x[i]);
+void widen_range(const Widen& w, int64_t i0, int64_t i1, Isa isa) {
+  to_f32(isa, w.x + i0, false, static_cast<int>(i1 - i0), w.out + i0);
 }
 
 void sigmoid_range(const Sigmoid& s, int64_t i0, int64_t i1, Isa isa) {
@@ -89,9 +89,9 @@ void copy_rows(const CopyRows& c) {
                 c.row_bytes);
 }
 
-void MoeRunner::widen(const Widen& w) {
+void MoeRunner::widen(const Widen& w, Isa isa) {
   run_rows((w.n + kChunk - 1) / kChunk, kChunk, [&](int64_t c0, int64_t c1) {
-    widen_range(w, c0 * kChunk, std::min(w.n, c1 * kChunk));
+    widen_range(w, c0 * kChunk, std::min(w.n, c1 * kChunk), isa);
   });
 }
 

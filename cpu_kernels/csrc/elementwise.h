@@ -1,6 +1,6 @@
 // Elementwise ops of a decode step that sit between the weight-streaming kernels: the residual add, the dense
-// MLP's silu(gate) * up and the widening of bf16 router weights. Each rounds as torch's ops do, so a step of
-// kernels computes what the torch ops it replaces compute.
+// MLP's silu(gate) * up, the widening of bf16 routing weights, DeepSeek's router sigmoid and strided row copies.
+// Each rounds as torch's ops do, so a step of kernels computes what the torch ops it replaces compute.
 #pragma once
 
 #include <cstdint>
@@ -52,7 +52,8 @@ struct Widen {
 
 void add_range(const Add& a, int64_t i0, int64_t i1);
 void silu_mul_rows(const SiluMul& s, int64_t r0, int64_t r1, Isa isa);
-void widen_range(const Widen& w, int64_t i0, int64_t i1);
+// The kernels' row conversion (row_ops.h to_f32) over chunks of at most kChunk values.
+void widen_range(const Widen& w, int64_t i0, int64_t i1, Isa isa);
 void sigmoid_range(const Sigmoid& s, int64_t i0, int64_t i1, Isa isa);
 // On the calling thread: a few rows per decode step.
 void copy_rows(const CopyRows& c);

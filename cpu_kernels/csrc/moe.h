@@ -155,7 +155,7 @@ class MoeRunner {
   // Elementwise ops (elementwise.cpp).
   void add(const Add& a);
   void silu_mul(const SiluMul& s, Isa isa);
-  void widen(const Widen& w);
+  void widen(const Widen& w, Isa isa);
   void sigmoid(const Sigmoid& s, Isa isa);
 
  private:
