@@ -82,10 +82,6 @@ class PackedHeads:
         """w [heads, n, k]."""
         return cls([pack_matrix(w[h], fmt) for h in range(w.shape[0])])
 
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.data, self.scales, self.comp, self.flags)
-                   if t is not None)
-
 
 def _head_rows(t: torch.Tensor, heads: int, width: int, what: str) -> tuple[int, int]:
     """(token, head) element strides of t [T, heads, width], whose rows must be contiguous."""

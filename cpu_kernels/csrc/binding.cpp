@@ -106,30 +106,14 @@ void k_paged_attention(MoeRunner& r, uintptr_t q, uintptr_t out, bool f32, int n
                        int64_t k_token_stride, int64_t k_head_stride, int64_t v_token_stride, int64_t v_head_stride,
                        int block_size, uintptr_t block_tables, int table_width, uintptr_t context_lens,
                        uintptr_t query_lens, float scale, int64_t num_queries, int64_t num_blocks, int isa) {
-  hybridd::PagedAttention a;
-  a.q = as<const void>(q);
-  a.out = as<void>(out);
-  a.f32 = f32;
-  a.num_seqs = num_seqs;
-  a.num_heads = num_heads;
-  a.num_kv_heads = num_kv_heads;
-  a.head_dim = head_dim;
-  a.v_head_dim = v_head_dim;
-  a.k = as<const void>(k);
-  a.v = as<const void>(v);
-  a.k_token_stride = k_token_stride;
-  a.k_head_stride = k_head_stride;
-  a.v_token_stride = v_token_stride;
-  a.v_head_stride = v_head_stride;
-  a.block_size = block_size;
-  a.block_tables = as<const int32_t>(block_tables);
-  a.table_width = table_width;
-  a.context_lens = as<const int32_t>(context_lens);
-  a.query_lens = as<const int32_t>(query_lens);
-  a.scale = scale;
-  a.num_queries = num_queries;
-  a.num_blocks = num_blocks;
-  r.attention(a, static_cast<Isa>(isa));
+  r.attention({.q = as<const void>(q), .out = as<void>(out), .f32 = f32, .num_seqs = num_seqs, .num_heads = num_heads,
+               .num_kv_heads = num_kv_heads, .head_dim = head_dim, .v_head_dim = v_head_dim, .k = as<const void>(k),
+               .v = as<const void>(v), .k_token_stride = k_token_stride, .k_head_stride = k_head_stride,
+               .v_token_stride = v_token_stride, .v_head_stride = v_head_stride, .block_size = block_size,
+               .block_tables = as<const int32_t>(block_tables), .table_width = table_width,
+               .context_lens = as<const int32_t>(context_lens), .query_lens = as<const int32_t>(query_lens),
+               .scale = scale, .num_queries = num_queries, .num_blocks = num_blocks},
+              static_cast<Isa>(isa));
 }
 
 void k_add(MoeRunner& r, uintptr_t a, uintptr_t b, uintptr_t out, int64_t n, bool f32) {

@@ -66,15 +66,12 @@ class GroupedSigmoidRouter(Router):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.kernel:  # fp32 inputs give fp32 logits (cpu_kernels.linear)
             from cpu_kernels.elementwise import sigmoid, widen
-
-            scores = sigmoid(super().forward(widen(x) if x.dtype == torch.bfloat16 else x.float()))
-        else:
-            scores = F.linear(x.float(), self.weight.float()).sigmoid()
-        if self.kernel:
             from cpu_kernels.routing import grouped_topk
 
+            scores = sigmoid(super().forward(widen(x) if x.dtype == torch.bfloat16 else x.float()))
             return grouped_topk(scores, self.e_score_correction_bias, self.top_k, self.n_group, self.topk_group,
                                 self.norm_topk_prob, self.scaling)
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()
         choice = scores + self.e_score_correction_bias
         per_group = self.num_experts // self.n_group
         group_scores = choice.view(-1, self.n_group, per_group).topk(2, dim=-1)[0].sum(dim=-1)
