@@ -54,15 +54,22 @@ def silu_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
-def widen(x: torch.Tensor, num_threads: int | None = None, isa: int | None = None) -> torch.Tensor:
-    """A bf16 CPU tensor as fp32 (exact), contiguous."""
-    if x.dtype != torch.bfloat16 or x.device.type != "cpu":
-        raise ValueError(f"widen reads a bfloat16 CPU tensor, got {x.dtype} on {x.device}")
+def _map_to_fp32(kernel: str, x: torch.Tensor, dtype: torch.dtype, num_threads: int | None,
+                 isa: int | None) -> torch.Tensor:
+    """runner.<kernel> (x, out, n, isa) over a CPU tensor of `dtype` into a new contiguous fp32 tensor."""
+    if x.dtype != dtype or x.device.type != "cpu":
+        raise ValueError(f"{kernel} reads a {str(dtype).removeprefix('torch.')} CPU tensor, got {x.dtype} on "
+                         f"{x.device}")
     x = x.contiguous()
     out = torch.empty(x.shape, dtype=torch.float32)
     if x.numel():
-        runner(num_threads).widen(x.data_ptr(), out.data_ptr(), x.numel(), resolve_isa(isa))
+        getattr(runner(num_threads), kernel)(x.data_ptr(), out.data_ptr(), x.numel(), resolve_isa(isa))
     return out
+
+
+def widen(x: torch.Tensor, num_threads: int | None = None, isa: int | None = None) -> torch.Tensor:
+    """A bf16 CPU tensor as fp32 (exact), contiguous."""
+    return _map_to_fp32("widen", x, torch.bfloat16, num_threads, isa)
 
 
 def widen_reference(x: torch.Tensor) -> torch.Tensor:
@@ -71,13 +78,7 @@ def widen_reference(x: torch.Tensor) -> torch.Tensor:
 
 def sigmoid(x: torch.Tensor, num_threads: int | None = None, isa: int | None = None) -> torch.Tensor:
     """1 / (1 + exp(-x)) of an fp32 CPU tensor (the kernels' vector exp: within a few ulps of torch's)."""
-    if x.dtype != torch.float32 or x.device.type != "cpu":
-        raise ValueError(f"sigmoid reads a float32 CPU tensor, got {x.dtype} on {x.device}")
-    x = x.contiguous()
-    out = torch.empty(x.shape, dtype=torch.float32)
-    if x.numel():
-        runner(num_threads).sigmoid(x.data_ptr(), out.data_ptr(), x.numel(), resolve_isa(isa))
-    return out
+    return _map_to_fp32("sigmoid", x, torch.float32, num_threads, isa)
 
 
 def sigmoid_reference(x: torch.Tensor) -> torch.Tensor:
