@@ -42,20 +42,15 @@ class StaticStep:
         self.ctx = torch.ones(size, dtype=torch.int32)
         self.x = torch.zeros(size, hidden, dtype=dtype)
         self.ropes, self.dtype = ropes, dtype
-        self.batch = ForwardBatch(self.io[1], self.io[2], list(range(size)), [1] * size, [1] * size,
-                                  list(self.tables), kv_caches, attention)
-        self.batch.padded_tables = (self.tables, self.ctx)
+        self.batch = ForwardBatch.static_decode(self.io[1], self.io[2], self.tables, self.ctx, kv_caches, attention,
+                                                None)
         self.batch.query_lens_tensor = torch.ones(size, dtype=torch.int32)
-        for rope in ropes:
-            self.batch.memo[rope.step_key(dtype)] = rope.cos_sin(self.io[1], dtype)
+        # The rotary tables live in static tensors that `load` rewrites, not made again at each replay.
+        self.batch.memo = {rope.step_key(dtype): rope.cos_sin(self.io[1], dtype) for rope in ropes}
         self.program: Program | None = None
 
     def load(self, host: HostBatch, embed: torch.Tensor) -> None:
-        self.io.copy_(torch.tensor([host.ids, host.positions, host.slots], dtype=torch.long))
-        width = max(len(t) for t in host.block_tables)
-        rows = [t + [0] * (width - len(t)) for t in host.block_tables]
-        self.tables[:, :width].copy_(torch.tensor(rows, dtype=torch.int32))
-        self.ctx.copy_(torch.tensor(host.context_lens, dtype=torch.int32))
+        host.write_static(self.io, self.tables, self.ctx, pad_block=0)
         for rope in self.ropes:
             for static, fresh in zip(self.batch.memo[rope.step_key(self.dtype)], rope.cos_sin(self.io[1], self.dtype)):
                 static.copy_(fresh)

@@ -62,11 +62,7 @@ class StaticDecode:
 
     def load(self, host: HostBatch) -> None:
         n = len(host.ids)
-        self.io[:, :n].copy_(torch.tensor([host.ids, host.positions, host.slots], dtype=torch.long))
-        width = max(len(t) for t in host.block_tables)
-        rows = [t + [self.pad_block] * (width - len(t)) for t in host.block_tables]
-        self.tables[:n, :width].copy_(torch.tensor(rows, dtype=torch.int32))
-        self.ctx[:n].copy_(torch.tensor(host.context_lens, dtype=torch.int32))
+        host.write_static(self.io, self.tables, self.ctx, self.pad_block)
         if n < self.n:
             self.io[2, n:self.n] = self.pad_slot
             self.tables[n:self.n, 0] = self.pad_block

@@ -47,7 +47,7 @@ class ForwardBatch:
     @classmethod
     def static_decode(cls, positions: torch.Tensor, slot_mapping: torch.Tensor, tables: torch.Tensor,
                       context_lens: torch.Tensor, kv_caches: list[tuple[torch.Tensor, ...]],
-                      attention: AttentionBackend, decode_splits: int) -> "ForwardBatch":
+                      attention: AttentionBackend, decode_splits: int | None) -> "ForwardBatch":
         """A decode step of len(positions) sequences whose per-sequence values live only in device tensors,
         rewritten before every graph replay. Its host-side context lengths and block tables are
         placeholders: the attention backend reads the padded tensors, never the lists."""
@@ -103,6 +103,16 @@ class HostBatch:
     @property
     def is_decode(self) -> bool:
         return all(n == 1 for n in self.query_lens)
+
+    def write_static(self, io: torch.Tensor, tables: torch.Tensor, context_lens: torch.Tensor, pad_block: int) -> None:
+        """A decode step into the first rows of the static inputs a replayed step reads: ids, positions and slots
+        into io [3, size], block tables padded with pad_block into tables, context lengths into context_lens."""
+        n = len(self.ids)
+        io[:, :n].copy_(torch.tensor([self.ids, self.positions, self.slots], dtype=torch.long))
+        width = max(len(t) for t in self.block_tables)
+        rows = [t + [pad_block] * (width - len(t)) for t in self.block_tables]
+        tables[:n, :width].copy_(torch.tensor(rows, dtype=torch.int32))
+        context_lens[:n].copy_(torch.tensor(self.context_lens, dtype=torch.int32))
 
     def to_device(self, device: torch.device, kv_caches: list[tuple[torch.Tensor, ...]],
                   attention: AttentionBackend) -> tuple[torch.Tensor, ForwardBatch]:
