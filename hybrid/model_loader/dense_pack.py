@@ -11,7 +11,8 @@ from hybrid.checkpoint.shard import Shard
 from hybrid.layers.linear import Linear, shared_input_groups
 from hybrid.layers.router import Router
 
-# kv_b_proj stays a torch weight: MLA's absorbed decode reads it as per-head matrices.
+# kv_b_proj stays a torch weight: MLA's expanded prefill reads it as one matrix, its absorbed decode as per-head
+# matrices (pack_mla_absorption packs those from it).
 UNPACKED_LINEARS = ("kv_b_proj",)
 
 
@@ -43,8 +44,8 @@ def _pack_stacked(reader: CheckpointReader, parts: list[Part], fmt: str):
     return PackedLinear.pack(weight, "bf16" if fmt == "auto" or all(fp8) else fmt)
 
 
-def pack_mla_absorption(model: torch.nn.Module, reader: CheckpointReader, dtype: torch.dtype) -> None:
-    """DeepSeek's kv_b_proj also as per-head bf16 matrices for the cpu backend's latent-space decode
+def pack_mla_absorption(model: torch.nn.Module) -> None:
+    """DeepSeek's loaded kv_b_proj also as per-head bf16 matrices for the cpu backend's latent-space decode
     (CpuAttention.mla): W_UK^T [lora, nope] to absorb into the query, W_UV [v_dim, lora] to apply after the
     weighted sum. The torch weight stays for the expanded prefill path (its bytes once more, in bf16). Only where
     the model's kv_b values are bf16 values (always in bf16 runs): an fp8 checkpoint's dequantized kv_b in an
@@ -52,11 +53,10 @@ def pack_mla_absorption(model: torch.nn.Module, reader: CheckpointReader, dtype:
     from cpu_kernels.linear import PackedHeads
     from hybrid.models.deepseek_v3 import DeepseekV3Attention
 
-    for name, module in model.named_modules():
+    for module in model.modules():
         if isinstance(module, DeepseekV3Attention):
-            kv_b = module.kv_b_proj
-            w = reader.weight(f"{name}.kv_b_proj.weight", tuple(kv_b.weight.shape), dtype, kv_b.shard)
-            if not torch.equal(w, w.bfloat16().to(dtype)):
+            w = module.kv_b_proj.weight.data
+            if not torch.equal(w, w.bfloat16().to(w.dtype)):
                 continue
             w = w.bfloat16().view(module.num_heads, module.nope + module.v_dim, module.lora)
             module.absorbed = (PackedHeads.pack(w[:, :module.nope].transpose(1, 2)),

@@ -39,9 +39,10 @@ def load_model(model_config: ModelConfig, engine_config: EngineConfig, reader: C
     model = build_model(model_config, experts, dtype, shard)
     if engine_config.backend == "cpu":
         pack_dense_linears(model, reader, engine_config.dense_format, model_config.tie_word_embeddings)
-        pack_mla_absorption(model, reader, dtype)
         for module in model.modules():
             if isinstance(module, KERNEL_MODULES):
                 module.use_kernel()
     load_weights(model, reader, model_config.tie_word_embeddings)
+    if engine_config.backend == "cpu":
+        pack_mla_absorption(model)
     return model.to(device)
