@@ -17,11 +17,16 @@ from collections.abc import Callable
 
 import torch
 
+# The kernels that stream weights (dense linears, experts) or the KV cache, what the roofline counts: the
+# kernel's name in a program -> its row in the breakdowns.
+STREAMING = {"forward": "routed experts (fused MoE kernel)", "linear": "dense linears (kernel)",
+             "head_linear": "MLA per-head projections (kernel)", "paged_attention": "attention (kernel)"}
+
 KERNELS = {
-    "routed experts (fused MoE kernel)": [("cpu_kernels.moe", "fused_moe")],
-    "dense linears (kernel)": [("cpu_kernels.linear", "linear")],
-    "attention (kernel)": [("hybrid.layers.attention.cpu_backend", "paged_attention")],
-    "MLA per-head projections (kernel)": [("hybrid.layers.attention.cpu_backend", "head_linear")],
+    STREAMING["forward"]: [("cpu_kernels.moe", "fused_moe")],
+    STREAMING["linear"]: [("cpu_kernels.linear", "linear")],
+    STREAMING["paged_attention"]: [("hybrid.layers.attention.cpu_backend", "paged_attention")],
+    STREAMING["head_linear"]: [("hybrid.layers.attention.cpu_backend", "head_linear")],
     "norm / rope / routing (kernels)": [("cpu_kernels.norm", "rms_norm"), ("cpu_kernels.rope", "rope"),
                                         ("cpu_kernels.routing", "softmax_topk"),
                                         ("cpu_kernels.routing", "grouped_topk")],
@@ -45,10 +50,6 @@ def decode_steps(engine, prompt: list[int], steps: int, params, window: list[boo
     return wall / steps
 
 
-# The kernels that stream weights (dense linears, experts) or the KV cache: what the roofline counts.
-STREAMING = {"forward": "routed experts (fused MoE kernel)", "linear": "dense linears (kernel)",
-             "head_linear": "MLA per-head projections (kernel)",
-             "paged_attention": "attention (kernel)"}
 
 
 def program_breakdown(engine, prompt: list[int], steps: int, make_params: Callable[[int], object]) -> dict[str, float]:
