@@ -80,12 +80,10 @@ class _Recording(TorchDispatchMode):
         super().__init__()
         self.program = program
         self.tensors: list[torch.Tensor] = []
-        self.pools: set[_C.MoeRunner] = set()
         self.names: list[str] = []
         self.allocated = 0  # bytes of the tensors made while recording (the rest are views)
 
     def recorder(self, pool: _C.MoeRunner) -> _Recorder:
-        self.pools.add(pool)
         return _Recorder(self.program, pool, self.names)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -116,9 +114,10 @@ class Program:
     """A recorded piece: `run()` replays its kernel calls and returns the outputs fn returned at recording."""
 
     def __init__(self, program: _C.KernelProgram, outputs: Any, names: list[str], keep: list[torch.Tensor],
-                 pools: set, nbytes: int):
+                 nbytes: int):
         self.program, self.outputs, self.names = program, outputs, names  # names: each call's kernel
-        self._keep, self._pools = keep, pools  # what the recorded addresses and runners point at
+        # What the recorded addresses point at (the runners they name live as long as the process: moe._pools).
+        self._keep = keep
         self.nbytes = nbytes  # of the intermediates and outputs it holds
 
     def __len__(self) -> int:
@@ -143,4 +142,4 @@ def record(fn: Callable[[], Any]) -> Program:
     recording = _Recording(program)
     with recording:
         outputs = fn()
-    return Program(program, outputs, recording.names, recording.tensors, recording.pools, recording.allocated)
+    return Program(program, outputs, recording.names, recording.tensors, recording.allocated)
