@@ -6,6 +6,8 @@ ones for every test model, and a step that cannot be recorded runs eagerly and s
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -125,6 +127,15 @@ def test_only_cpu_only_engines_with_in_process_kernels_record(model_dirs):
     assert LLM(model, enforce_eager=True).engine.runner.graphs is None
     assert LLM(model, backend="torch", dtype="float32").engine.runner.graphs is None
     assert isinstance(LLM(model).engine.runner.graphs, CpuDecodePrograms)
+
+
+def test_recording_loads_no_compiler():
+    """A TorchDispatchMode's first dispatch imports torch._dynamo (and sympy) unless the mode opts out: ~145 MB
+    of RSS in every engine process that records."""
+    code = ("import sys, torch\nfrom cpu_kernels.program import record\nfrom cpu_kernels.elementwise import add\n"
+            "x = torch.ones(8)\nrecord(lambda: add(x, x)).run()\nprint('torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
 
 
 def test_a_daemon_with_inline_experts_streams_replayed_decode_steps(tmp_path):
