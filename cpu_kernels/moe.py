@@ -194,7 +194,13 @@ def runner(num_threads: int | None = None) -> _C.MoeRunner:
         cpus, nodes = pool_layout(num_threads)
         pool = _pools.get(len(cpus)) or _C.MoeRunner(cpus, nodes, _spin_us)
         _pools[num_threads] = _pools[len(cpus)] = pool
-    return _recording[-1].recorder(pool) if _recording else pool
+    return recordable(pool)
+
+
+def recordable(target):
+    """target (a MoeRunner, a SlotCall) itself, or while a program records, its recorder: the kernel calls made
+    on it then go into the program."""
+    return _recording[-1].recorder(target) if _recording else target
 
 
 def pool_started() -> bool:

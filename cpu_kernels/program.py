@@ -7,7 +7,9 @@ kernels is checked while it records: allocate tensors and take views of them; an
 (an add, a copy, a cast, a host read) raises `RecordError`, because a replay would not repeat it.
 
 A replay reads and writes the addresses recorded: fn's inputs must be static tensors rewritten in place between
-replays, and every tensor fn allocated is kept alive by the Program (they are its intermediates and outputs).
+replays, and every tensor fn allocated is kept alive by the Program (they are its intermediates and outputs), as
+is every object its calls ran on (thread pools, expert-process slots; what a slot points at, the shared memory of
+one expert process, is the owner's to keep: a program recorded over it must go when that process goes).
 """
 
 from __future__ import annotations
@@ -57,18 +59,19 @@ def _caller() -> str:
 
 
 class _Recorder:
-    """Stands in for a MoeRunner while recording: its kernel methods record the call for that runner."""
+    """Stands in for a kernel target (a MoeRunner, a SlotCall) while recording: its kernel methods record the
+    call for that target."""
 
-    def __init__(self, program: _C.KernelProgram, pool: _C.MoeRunner, names: list[str]):
-        self.program, self.pool, self.names = program, pool, names
+    def __init__(self, program: _C.KernelProgram, target: Any, names: list[str]):
+        self.program, self.target, self.names = program, target, names
 
     def __getattr__(self, name: str) -> Any:
         record = getattr(self.program, name, None)
         if record is None:
-            return getattr(self.pool, name)
+            return getattr(self.target, name)
 
         def call(*args: Any) -> None:
-            record(self.pool, *args)
+            record(self.target, *args)
             self.names.append(name)
         return call
 
@@ -86,11 +89,14 @@ class _Recording(TorchDispatchMode):
         super().__init__()
         self.program = program
         self.tensors: list[torch.Tensor] = []
+        self.targets: list[Any] = []  # what the recorded calls run on
         self.names: list[str] = []
         self.allocated = 0  # bytes of the tensors made while recording (the rest are views)
 
-    def recorder(self, pool: _C.MoeRunner) -> _Recorder:
-        return _Recorder(self.program, pool, self.names)
+    def recorder(self, target: Any) -> _Recorder:
+        if all(target is not t for t in self.targets):
+            self.targets.append(target)
+        return _Recorder(self.program, target, self.names)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func not in NON_COMPUTING and func not in VIEW_IF_POSSIBLE:
@@ -119,11 +125,9 @@ class _Recording(TorchDispatchMode):
 class Program:
     """A recorded piece: `run()` replays its kernel calls and returns the outputs fn returned at recording."""
 
-    def __init__(self, program: _C.KernelProgram, outputs: Any, names: list[str], keep: list[torch.Tensor],
-                 nbytes: int):
+    def __init__(self, program: _C.KernelProgram, outputs: Any, names: list[str], keep: list[Any], nbytes: int):
         self.program, self.outputs, self.names = program, outputs, names  # names: each call's kernel
-        # What the recorded addresses point at (the runners they name live as long as the process: moe._pools).
-        self._keep = keep
+        self._keep = keep  # what the recorded addresses point at: the tensors made and the calls' targets
         self.nbytes = nbytes  # of the intermediates and outputs it holds
 
     def __len__(self) -> int:
@@ -148,4 +152,4 @@ def record(fn: Callable[[], Any]) -> Program:
     recording = _Recording(program)
     with recording:
         outputs = fn()
-    return Program(program, outputs, recording.names, recording.tensors, recording.allocated)
+    return Program(program, outputs, recording.names, recording.tensors + recording.targets, recording.allocated)

@@ -42,6 +42,8 @@ from cpu_kernels.moe import kernel_isa_name  # noqa: E402
 from hybrid import LLM, SamplingParams  # noqa: E402
 from hybrid.config import ModelConfig  # noqa: E402
 from hybrid.experts.kernel_experts import KernelExperts  # noqa: E402
+from hybrid.experts.pack import EXPERTS_FILE, engine_pack  # noqa: E402
+from hybrid.experts.process.process_experts import ProcessExperts  # noqa: E402
 from hybrid.layers.linear import Linear, SharedInputLinears, shared_input_groups  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,6 +60,9 @@ def bytes_per_decode_token(llm: LLM, context: int) -> dict[str, int]:
                  if isinstance(m, (Linear, SharedInputLinears)) and m.packed is not None)
     if isinstance(runner.experts, KernelExperts):
         expert = next(iter(runner.experts.layers.values())).expert_bytes()
+    elif isinstance(runner.experts, ProcessExperts):  # the pack the expert process maps
+        _, pack = engine_pack(cfg, llm.engine.config.expert_format, llm.engine.config.expert_pack)
+        expert = (pack / EXPERTS_FILE).stat().st_size // (len(cfg.moe_layers) * cfg.num_experts)
     else:
         expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size * runner.dtype.itemsize
     routed = len(cfg.moe_layers) * cfg.num_experts_per_tok * expert
@@ -80,7 +85,7 @@ def compare(llm: LLM, programs, a, vocab: int, gen: torch.Generator, make_params
     modes = a.compare.split(",")
     absorbed = {m: m.absorbed for m in engine.runner.model.modules() if getattr(m, "absorbed", None) is not None}
     if "program" in modes and programs is None:
-        raise SystemExit("--compare program needs decode programs (CPU-only, inline experts, no --enforce-eager)")
+        raise SystemExit("--compare program needs decode programs (CPU-only, no --enforce-eager)")
     if "mla-torch" in modes and not absorbed:
         raise SystemExit("--compare mla-torch needs an MLA model whose kv_b the kernels hold (bf16 runs)")
     layers = len(engine.runner.model.model.layers)
@@ -118,6 +123,8 @@ def main() -> None:
     ap.add_argument("--expert-format", default="auto", help="auto (checkpoint's), bf16, fp8, int8, int4")
     ap.add_argument("--attention", default="auto", choices=["auto", "cpu", "torch"],
                     help="decode attention: C++ kernel (cpu, the cpu backend's default) or torch")
+    ap.add_argument("--experts", default="inline", choices=["inline", "process"],
+                    help="routed experts in the engine or in the expert process (hybridd start's default)")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--decode-tokens", type=int, default=32)
@@ -144,7 +151,7 @@ def main() -> None:
     llm = LLM(model_dir, dtype=a.dtype, max_num_batched_tokens=max(512, a.prompt_len),
               max_model_len=a.prompt_len + a.decode_tokens + 8, max_num_seqs=1, backend=a.backend,
               expert_format=a.expert_format, num_threads=a.threads, attention=a.attention,
-              enforce_eager=a.enforce_eager)
+              enforce_eager=a.enforce_eager, experts=a.experts)
     load_s = time.perf_counter() - t0
     vocab = llm.engine.model_config.vocab_size
     gen = torch.Generator().manual_seed(0)

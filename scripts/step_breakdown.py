@@ -20,13 +20,17 @@ import torch
 # The kernels that stream weights (dense linears, experts) or the KV cache, what the roofline counts: the
 # kernel's name in a program -> its row in the breakdowns.
 STREAMING = {"forward": "routed experts (fused MoE kernel)", "linear": "dense linears (kernel)",
-             "head_linear": "MLA per-head projections (kernel)", "paged_attention": "attention (kernel)"}
+             "head_linear": "MLA per-head projections (kernel)", "paged_attention": "attention (kernel)",
+             "expert_submit": "routed experts (expert process: submit)",
+             "expert_wait": "routed experts (expert process: wait)"}
 
 KERNELS = {
     STREAMING["forward"]: [("cpu_kernels.moe", "fused_moe")],
     STREAMING["linear"]: [("cpu_kernels.linear", "linear")],
     STREAMING["paged_attention"]: [("hybrid.layers.attention.cpu_backend", "paged_attention")],
     STREAMING["head_linear"]: [("hybrid.layers.attention.cpu_backend", "head_linear")],
+    STREAMING["expert_submit"]: [("hybrid.experts.process.client", "ExpertClient.submit")],
+    STREAMING["expert_wait"]: [("hybrid.experts.process.client", "ExpertClient._wait")],
     "norm / rope / routing (kernels)": [("cpu_kernels.norm", "rms_norm"), ("cpu_kernels.rope", "rope"),
                                         ("cpu_kernels.routing", "softmax_topk"),
                                         ("cpu_kernels.routing", "grouped_topk")],
@@ -91,8 +95,11 @@ def _eager_breakdown(engine, prompt: list[int], steps: int, make_params: Callabl
     window = [False]
     patched = []
     for category, places in KERNELS.items():
-        for module_name, attr in places:
+        for module_name, path in places:
+            *owners, attr = path.split(".")
             module = importlib.import_module(module_name)
+            for owner in owners:  # a method: patched on its class
+                module = getattr(module, owner)
             fn = getattr(module, attr)
 
             def timed(*args, _fn=fn, _cat=category, **kwargs):

@@ -167,6 +167,7 @@ def test_a_killed_expert_process_fails_the_request_fast_and_a_new_start_works(mo
         while engine.has_unfinished():
             engine.step()
     assert time.monotonic() - start < 5
+    assert engine.runner.graphs.num_captured == 1  # the wait that saw it die was a replayed decode step's
     llm.close()
     assert not run_dir.exists(), "a killed expert process's socket directory is left in /tmp"
     again = LLM(model, experts="process")

@@ -122,7 +122,7 @@ def test_a_step_that_computes_in_torch_runs_eagerly_and_says_why(model_dirs, cap
     assert programs.num_captured == 0 and caplog.text.count("decode steps run eagerly") == 1
 
 
-def test_only_cpu_only_engines_with_in_process_kernels_record(model_dirs):
+def test_only_cpu_only_engines_with_kernel_experts_record(model_dirs):
     model = model_dirs["tiny-qwen3-moe"]
     assert LLM(model, enforce_eager=True).engine.runner.graphs is None
     assert LLM(model, backend="torch", dtype="float32").engine.runner.graphs is None
@@ -138,9 +138,51 @@ def test_recording_loads_no_compiler():
     assert out.strip() == "False"
 
 
-def test_a_daemon_with_inline_experts_streams_replayed_decode_steps(tmp_path):
-    """`hybridd start --experts inline`: concurrent streams through an engine that replays decode programs give
-    the eager in-process engine's text, and status says the engine decodes from programs."""
+@pytest.mark.parametrize("preset,dtype", [("tiny-qwen3-moe", "bfloat16"), ("tiny-deepseek-v3-fp8", "bfloat16"),
+                                          ("tiny-deepseek-v3", "float32")])
+def test_decode_programs_record_the_expert_process_calls(model_dirs, preset, dtype):
+    """The daemon's default path: a step's routed experts are a submit and a wait on the expert process's slot,
+    recorded like any kernel, with the shared experts (DeepSeek) recorded between them; the tokens are the eager
+    in-process engine's."""
+    prompts, params = _staggered(4, seed=13)
+    want, _ = _generate(model_dirs[preset], dtype, True, prompts, params, experts="inline")
+    got, llm = _generate(model_dirs[preset], dtype, False, prompts, params, experts="process")
+    try:
+        assert got == want
+        programs = llm.engine.runner.graphs
+        assert programs.refused is None and programs.num_captured == 4
+        names = programs.steps[1].program.names
+        layers = llm.engine.runner.config.moe_layers
+        assert names.count("expert_submit") == names.count("expert_wait") == len(layers)
+        assert "forward" not in names  # no expert computed in the engine
+        submit, wait = names.index("expert_submit"), names.index("expert_wait")
+        between = names[submit + 1:wait]
+        assert ("linear" in between) == ("deepseek" in preset)  # the shared experts run while the experts do
+    finally:
+        llm.close()
+
+
+def test_a_restarted_expert_process_gets_its_programs_recorded_again(model_dirs):
+    """A restart maps new slots: programs recorded over the old ones are dropped and recorded again, and decode
+    draws the same tokens through the new process."""
+    prompts, params = _staggered(3, seed=17)
+    got, llm = _generate(model_dirs["tiny-qwen3-moe"], "bfloat16", False, prompts, params, experts="process")
+    try:
+        programs, experts = llm.engine.runner.graphs, llm.engine.runner.experts
+        old = {n: s.program for n, s in programs.steps.items()}
+        assert sorted(old) == [1, 2, 3]
+        experts.restart()
+        again = [o.token_ids for o in llm.generate(prompts, params)]
+        assert again == got
+        assert programs.epoch == experts.epoch == 1
+        assert all(s.program is not old[n] for n, s in programs.steps.items()) and sorted(programs.steps) == [1, 2, 3]
+    finally:
+        llm.close()
+
+
+def test_a_daemon_streams_replayed_decode_steps(tmp_path):
+    """`hybridd start` (routed experts in the expert process): concurrent streams through an engine that replays
+    decode programs give the eager in-process engine's text, and status says the engine decodes from programs."""
     import threading
 
     from daemon_harness import MODEL, Daemon, free_port, openai_client
@@ -149,7 +191,7 @@ def test_a_daemon_with_inline_experts_streams_replayed_decode_steps(tmp_path):
     want = LLM(experts="inline", enforce_eager=True).generate(
         prompts, [SamplingParams(temperature=0, max_tokens=10 + 6 * i, ignore_eos=True) for i in range(3)])
     d = Daemon(tmp_path / "home", free_port())
-    d.start("--experts", "inline")
+    d.start()
     try:
         assert "decode programs" in d.status()["info"]["kernel_path"]
         client, got = openai_client(d), {}

@@ -25,6 +25,7 @@ using hybridd::KernelProgram;
 using hybridd::MoeRunner;
 using hybridd::PackedMatrices;
 using hybridd::ShmGroup;
+using hybridd::SlotCall;
 using hybridd::SlotOffsets;
 using hybridd::SlotServer;
 
@@ -148,14 +149,24 @@ void k_store_rows(MoeRunner&, uintptr_t cache, int64_t num_slots, int64_t slot_s
                        .rows = rows, .row_bytes = row_bytes});
 }
 
-// fn as MoeRunner.<name> (run now, without the GIL) and as KernelProgram.<name>(runner, ...), which records the
-// call with copies of its arguments (raw addresses, sizes and the packed weights' descriptions).
-template <typename... Args>
-void def_kernel(py::class_<MoeRunner>& runner, py::class_<KernelProgram>& program, const char* name,
-                void (*fn)(MoeRunner&, Args...)) {
-  runner.def(name, fn, py::call_guard<py::gil_scoped_release>());
-  program.def(name, [fn](KernelProgram& p, MoeRunner& r, Args... args) {
-    p.add([fn, runner = &r, args...] { fn(*runner, args...); });
+// An expert-process call through one slot: submitted, then waited for, as two kernels (the engine runs its shared
+// experts in between).
+void k_expert_submit(SlotCall& c, int layer, int tokens, int topk, bool f32, uintptr_t x, uintptr_t ids, bool ids64,
+                     uintptr_t weights) {
+  c.submit(layer, tokens, topk, f32, as<const void>(x), as<const void>(ids), ids64, as<const float>(weights));
+}
+
+void k_expert_wait(SlotCall& c, uintptr_t out, int64_t out_bytes) { c.wait(as<void>(out), out_bytes); }
+
+// fn as Target.<name> (run now, without the GIL) and as KernelProgram.<name>(target, ...), which records the
+// call with copies of its arguments (raw addresses, sizes and the packed weights' descriptions). The target (a
+// MoeRunner, a SlotCall) must outlive the program.
+template <typename Target, typename... Args>
+void def_kernel(py::class_<Target>& target, py::class_<KernelProgram>& program, const char* name,
+                void (*fn)(Target&, Args...)) {
+  target.def(name, fn, py::call_guard<py::gil_scoped_release>());
+  program.def(name, [fn](KernelProgram& p, Target& t, Args... args) {
+    p.add([fn, target = &t, args...] { fn(*target, args...); });
   });
 }
 }  // namespace
@@ -259,23 +270,15 @@ PYBIND11_MODULE(_C, m) {
            }),
            py::arg("error"), py::arg("error_bytes"), py::arg("x"), py::arg("ids"), py::arg("weights"), py::arg("out"),
            py::arg("hidden"), py::arg("max_tokens"), py::arg("max_topk"));
-  m.def(
-      "slot_submit",
-      [](uintptr_t slot, const SlotOffsets& o, int layer, int tokens, int topk, bool f32, uintptr_t x, uintptr_t ids,
-         bool ids64, uintptr_t weights) {
-        return hybridd::slot_submit(reinterpret_cast<uint8_t*>(slot), o, layer, tokens, topk, f32,
-                                    reinterpret_cast<const void*>(x), reinterpret_cast<const void*>(ids), ids64,
-                                    reinterpret_cast<const float*>(weights));
-      },
-      py::call_guard<py::gil_scoped_release>());
-  m.def(
-      "slot_wait",
-      [](uintptr_t slot, const SlotOffsets& o, int64_t seq, int spin_us, int64_t timeout_us, uintptr_t out,
-         int64_t out_bytes) {
-        return hybridd::slot_wait(reinterpret_cast<uint8_t*>(slot), o, seq, spin_us, timeout_us,
-                                  reinterpret_cast<void*>(out), out_bytes);
-      },
-      py::call_guard<py::gil_scoped_release>());
+  py::register_exception<hybridd::ExpertCallError>(m, "ExpertCallError", PyExc_RuntimeError);
+  auto slot_call = py::class_<SlotCall>(m, "SlotCall");
+  slot_call.def(py::init([](uintptr_t slot, const SlotOffsets& o, int server_pid, int64_t timeout_us, int spin_us,
+                             int64_t poll_us) {
+                  return new SlotCall(as<uint8_t>(slot), o, server_pid, timeout_us, spin_us, poll_us);
+                }),
+                py::arg("slot"), py::arg("offsets"), py::arg("server_pid"), py::arg("timeout_us"), py::arg("spin_us"),
+                py::arg("poll_us"))
+      .def_property_readonly("in_flight", &SlotCall::in_flight);
 
   auto runner = py::class_<MoeRunner>(m, "MoeRunner");
   runner
@@ -303,6 +306,8 @@ PYBIND11_MODULE(_C, m) {
   def_kernel(runner, program, "sigmoid", &k_sigmoid);
   def_kernel(runner, program, "copy_rows", &k_copy_rows);
   def_kernel(runner, program, "store_rows", &k_store_rows);
+  def_kernel(slot_call, program, "expert_submit", &k_expert_submit);
+  def_kernel(slot_call, program, "expert_wait", &k_expert_wait);
 
   py::class_<SlotServer>(m, "SlotServer")
       .def(py::init([](uintptr_t slot, const SlotOffsets& o, MoeRunner& runner, std::map<int, ExpertLayer> layers,

@@ -1,8 +1,12 @@
 #include "slot_channel.h"
 
+#include <algorithm>
 #include <chrono>
 #include <climits>
 #include <cstring>
+#include <fstream>
+#include <iterator>
+#include <sstream>
 #include <stdexcept>
 
 namespace hybridd {
@@ -12,6 +16,29 @@ using Clock = std::chrono::steady_clock;
 
 std::atomic<int64_t>* word(uint8_t* slot, CtrlWord w) {
   return reinterpret_cast<std::atomic<int64_t>*>(slot) + w;
+}
+
+enum class ProcState { kRunning, kStopped, kGone };
+
+// The state letter /proc/<pid>/stat gives after the command name (which may itself hold spaces and parentheses):
+// a zombie counts as gone, as a process that no longer exists does.
+ProcState proc_state(int pid) {
+  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
+  std::string stat((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  const size_t close = stat.rfind(')');  // npos too when the file could not be read: no such process
+  if (close == std::string::npos || close + 2 >= stat.size()) return ProcState::kGone;
+  switch (stat[close + 2]) {
+    case 'Z': case 'X': case 'x': return ProcState::kGone;
+    case 'T': case 't': return ProcState::kStopped;
+    default: return ProcState::kRunning;
+  }
+}
+
+std::string seconds(int64_t us) {
+  std::ostringstream s;
+  s.precision(1);
+  s << std::fixed << us * 1e-6 << "s";
+  return s.str();
 }
 
 }  // namespace
@@ -50,6 +77,35 @@ bool slot_wait(uint8_t* slot, const SlotOffsets& o, int64_t seq, int spin_us, in
     return false;
   if (out) std::memcpy(out, slot + o.out, size_t(out_bytes));
   return true;
+}
+
+void SlotCall::submit(int layer, int tokens, int topk, bool f32, const void* x, const void* ids, bool ids64,
+                      const float* weights) {
+  if (seq_ != 0) throw std::logic_error("this expert slot already has a call in flight");
+  seq_ = slot_submit(slot_, o_, layer, tokens, topk, f32, x, ids, ids64, weights);
+}
+
+void SlotCall::wait(void* out, int64_t out_bytes) {
+  if (seq_ == 0) throw std::logic_error("this expert slot has no call in flight");
+  const auto deadline = Clock::now() + std::chrono::microseconds(timeout_us_);
+  const std::string who = "the expert process (pid " + std::to_string(pid_) + ")";
+  while (!slot_wait(slot_, o_, seq_, spin_us_, poll_us_, out, out_bytes)) {
+    const ProcState state = proc_state(pid_);
+    const char* failure = state == ProcState::kGone      ? " died during a layer call"
+                          : state == ProcState::kStopped ? " is stopped (SIGSTOP?) and cannot finish a layer call"
+                          : Clock::now() > deadline      ? " did not finish a layer call within "
+                                                         : nullptr;
+    if (failure) {
+      seq_ = 0;
+      throw ExpertCallError(who + failure + (state == ProcState::kRunning ? seconds(timeout_us_) : ""));
+    }
+  }
+  seq_ = 0;
+  if (word(slot_, kStatus)->load(std::memory_order_relaxed) != 0) {
+    const int64_t n = std::min(word(slot_, kErrorLen)->load(std::memory_order_relaxed), o_.error_bytes);
+    throw ExpertCallError("expert process: " + std::string(reinterpret_cast<const char*>(slot_ + o_.error),
+                                                            size_t(std::max<int64_t>(n, 0))));
+  }
 }
 
 void SlotServer::serve() {

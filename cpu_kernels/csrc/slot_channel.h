@@ -11,6 +11,7 @@
 #include <atomic>
 #include <cstdint>
 #include <map>
+#include <stdexcept>
 #include <string>
 
 #include "moe.h"
@@ -37,6 +38,35 @@ int64_t slot_submit(uint8_t* slot, const SlotOffsets& o, int layer, int tokens, 
 // after copying out_bytes of the result to `out` when given.
 bool slot_wait(uint8_t* slot, const SlotOffsets& o, int64_t seq, int spin_us, int64_t timeout_us, void* out,
                int64_t out_bytes);
+
+// A call the expert process could not finish: it died, was stopped, missed its timeout, or reported an error.
+class ExpertCallError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// One slot as the engine drives it: submit a call, then wait for its result. Both are kernels a KernelProgram can
+// record: the call's sequence number lives here, not with the caller, and the wait checks the server's liveness
+// itself (every poll_us), so a replayed step fails with ExpertCallError instead of hanging on a dead process.
+class SlotCall {
+ public:
+  SlotCall(uint8_t* slot, SlotOffsets offsets, int server_pid, int64_t timeout_us, int spin_us, int64_t poll_us)
+      : slot_(slot), o_(offsets), pid_(server_pid), timeout_us_(timeout_us), spin_us_(spin_us), poll_us_(poll_us) {}
+  void submit(int layer, int tokens, int topk, bool f32, const void* x, const void* ids, bool ids64,
+              const float* weights);
+  // Copies out_bytes of the submitted call's result to out.
+  void wait(void* out, int64_t out_bytes);
+  bool in_flight() const { return seq_ != 0; }
+
+ private:
+  uint8_t* slot_;
+  SlotOffsets o_;
+  int pid_;
+  int64_t timeout_us_;
+  int spin_us_;
+  int64_t poll_us_;
+  int64_t seq_ = 0;  // of the call in flight, 0 for none
+};
 
 // Server side: serves one slot on the calling thread until stop().
 class SlotServer {

@@ -111,15 +111,14 @@ class ModelRunner:
 
     @property
     def uses_programs(self) -> bool:
-        """CPU-only decode steps replay kernel programs where every call of the step is a kernel of this process:
-        the cpu backend's attention and in-process kernel experts, one rank (another process's part of a step
-        would not be recorded)."""
-        from hybrid.experts.kernel_experts import KernelExperts
+        """CPU-only decode steps replay kernel programs where every call of the step is a kernel: the cpu backend's
+        attention and recordable experts (in-process kernels, or the expert process's slot calls), one rank (the
+        other ranks' part of a step would not be recorded)."""
         from hybrid.layers.attention.cpu_backend import CpuAttention
 
         return (self.engine_config.backend == "cpu" and not self.engine_config.hybrid
                 and not self.engine_config.enforce_eager and self.parallel is None
-                and type(self.experts) is KernelExperts and type(self.attention) is CpuAttention)
+                and self.experts.recordable and type(self.attention) is CpuAttention)
 
     def init_kv_pool(self) -> KVPool:
         """Sizes the pool from the engine's limits (which also fixes the context length) and allocates it."""
@@ -136,8 +135,8 @@ class ModelRunner:
         if self.uses_programs:
             from hybrid.graphs.cpu_decode_programs import CpuDecodePrograms
 
-            return CpuDecodePrograms(self.model.model, self.kv_pool.caches, self.attention, self.block_size,
-                                     self.max_model_len, self.engine_config.max_num_seqs, self.dtype)
+            return CpuDecodePrograms(self.model.model, self.kv_pool.caches, self.attention, self.experts,
+                                     self.block_size, self.max_model_len, self.engine_config.max_num_seqs, self.dtype)
         if not self.uses_graphs:
             return None
         from hybrid.graphs.decode_graphs import DecodeGraphs  # Triton: only engines that replay graphs need it

@@ -20,6 +20,11 @@ def expert_weight_name(layer: int, expert: int, proj: str) -> str:
 class Experts(ABC):
     """Routed experts of every MoE layer: out[t] = sum_j w[t, j] * expert_{ids[t, j]}(x[t])."""
 
+    # Whether a call on CPU tensors is nothing but C++ kernel calls, which a CPU decode program records
+    # (cpu_kernels/program.py); `epoch` changes whenever what such a recording points at goes away.
+    recordable = False
+    epoch = 0
+
     @abstractmethod
     def forward(self, layer: int, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor) -> torch.Tensor:

@@ -59,6 +59,8 @@ class KernelExperts(Experts):
     """The C++ fused-MoE kernels over packed weights (cpu_kernels): fp8 checkpoints stay fp8 in RAM unless
     another format is asked for; activations in the model dtype (bf16, or fp32 carried exactly)."""
 
+    recordable = True
+
     def __init__(self, layers: dict, num_threads: int | None = None):
         self.layers, self.num_threads = layers, num_threads
 

@@ -1,18 +1,20 @@
 """CPU-only decode steps replayed from kernel programs (cpu_kernels/program.py): the CPU's decode graphs.
 
-With the cpu backend and in-process experts, a decode step's layers are nothing but C++ kernel calls with Python
-between them, and that Python (plus the small torch ops it used to run) cost ~0.1 ms per layer with the caches
-warm and ~0.4 ms right after the experts' weights streamed through them (Qwen3-30B-A3B shapes, 2-core EPYC): at
-16 cores as long as such a layer's whole read. A program records the calls of `forward_layers` once per batch
-size, over static inputs (ids, positions, slots, block tables, context lengths, the rotary tables and the
+With the cpu backend and recordable experts (in-process kernels, or the expert process's slot calls: a submit
+and a wait, with the shared experts recorded in between), a decode step's layers are nothing but C++ kernel calls
+with Python between them, and that Python (plus the small torch ops it used to run) cost ~0.1 ms per layer with
+the caches warm and ~0.4 ms right after the experts' weights streamed through them (Qwen3-30B-A3B shapes, 2-core
+EPYC): at 16 cores as long as such a layer's whole read. A program records the calls of `forward_layers` once per
+batch size, over static inputs (ids, positions, slots, block tables, context lengths, the rotary tables and the
 embedded rows) that each step rewrites in place, and replays them from C++.
 
 Programs are recorded per exact batch size up to `MAX_PROGRAM_BATCH` (no padding rows: a padding row would stream
 the weights of the experts it routes to); larger batches run eagerly, as does any model whose step does more
 than call kernels: recording raises RecordError at the first torch op that computes (an fp32 run of an fp8
 DeepSeek checkpoint keeps MLA's absorption in torch, for one), and the engine logs why and runs eagerly from then
-on. A program holds its step's intermediates: about 61 KB per row and layer for Qwen3-30B-A3B shapes in bf16
-(3 MB per row for its 48 layers).
+on. A restarted expert process has new slots: programs recorded over the old ones are dropped (the experts'
+`epoch`) and recorded again. A program holds its step's intermediates: about 61 KB per row and layer for
+Qwen3-30B-A3B shapes in bf16 (3 MB per row for its 48 layers).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 from torch import nn
 
 from cpu_kernels.program import Program, RecordError, record
+from hybrid.experts.base import Experts
 from hybrid.layers.attention.backend import AttentionBackend
 from hybrid.layers.forward_batch import ForwardBatch, HostBatch
 from hybrid.layers.rotary_embedding import RotaryEmbedding
@@ -61,9 +64,10 @@ class CpuDecodePrograms:
     """Decode steps of up to MAX_PROGRAM_BATCH sequences through recorded programs (`fits` / `run`, as
     DecodeGraphs offers them), recorded at first use of each batch size."""
 
-    def __init__(self, body: nn.Module, kv_caches: list, attention: AttentionBackend, block_size: int,
-                 max_model_len: int, max_batch: int, dtype: torch.dtype):
+    def __init__(self, body: nn.Module, kv_caches: list, attention: AttentionBackend, experts: Experts,
+                 block_size: int, max_model_len: int, max_batch: int, dtype: torch.dtype):
         self.body, self.kv_caches, self.attention, self.dtype = body, kv_caches, attention, dtype
+        self.experts, self.epoch = experts, experts.epoch
         self.max_blocks = -(-max_model_len // block_size)
         self.max_batch = min(max_batch, MAX_PROGRAM_BATCH)
         self.ropes = list({id(m): m for m in body.modules() if isinstance(m, RotaryEmbedding)}.values())
@@ -85,6 +89,9 @@ class CpuDecodePrograms:
     def run(self, host: HostBatch) -> torch.Tensor | None:
         """Final hidden states [n, H] of the decode step, or None where its program could not be recorded (the
         caller runs the step eagerly; `refused` says why, and no later step is tried)."""
+        if self.experts.epoch != self.epoch:
+            self.steps.clear()
+            self.epoch = self.experts.epoch
         n = len(host.ids)
         step = self.steps.get(n)
         if step is None:

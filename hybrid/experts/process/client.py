@@ -1,8 +1,9 @@
 """The engine's side of the expert process: spawning it, registering, and per-layer calls through slots.
 
 `ExpertClient.submit(layer, hidden, topk_ids, topk_weights)` copies one call into a free shared-memory
-slot and rings its doorbell; `handle.wait()` returns the output. Every wait is bounded: a dead or
-stalled expert process gives an `ExpertServerError` instead of a hang.
+slot and rings its doorbell; `handle.wait()` returns the output. Both are C++ kernels on the slot's `SlotCall`,
+so a recorded decode step (cpu_kernels/program.py) replays them too. Every wait is bounded, in C++: a dead,
+stopped or stalled expert process gives an `ExpertServerError` instead of a hang.
 """
 
 from __future__ import annotations
@@ -14,21 +15,26 @@ import select
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
 import zmq
 
+from cpu_kernels import _C
+from cpu_kernels.elementwise import widen
+from cpu_kernels.moe import recordable
 from cpu_kernels.thread_pool import unpin_child
 from hybrid.experts.process.liveness import is_stopped
 from hybrid.experts.process.server import RUN_DIR_PREFIX
-from hybrid.experts.process.slots import CLIENT_SPIN_US, DTYPE_CODES, STATUS, ExpertSlots, SlotLayout
+from hybrid.experts.process.slots import CLIENT_SPIN_US, DTYPE_CODES, ExpertSlots, SlotLayout
 
-POLL_S = 0.05
+POLL_S = 0.05  # how often a waiting call checks that the expert process can still answer
 STOP_S = 2.0  # how long a terminated expert process may take to exit before it is killed
 UNREGISTER_S = 1.0
 
+# The expert process died, stalled past its timeout, or refused a call. The C++ slot calls raise it, from an eager
+# call or from a replayed program alike; the engine restarts a process it owns on it.
+ExpertServerError = _C.ExpertCallError
 
 
 def _as_cpu(t: torch.Tensor, dtypes: tuple[torch.dtype, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -36,10 +42,6 @@ def _as_cpu(t: torch.Tensor, dtypes: tuple[torch.dtype, ...], dtype: torch.dtype
     if t.device.type == "cpu" and t.dtype in dtypes and t.is_contiguous():
         return t
     return t.to("cpu", dtype).contiguous()
-
-
-class ExpertServerError(RuntimeError):
-    """The expert process died, stalled past its timeout, or refused a call."""
 
 
 class ExpertServerProcess:
@@ -105,8 +107,8 @@ class ExpertServerProcess:
 class ExpertHandle:
     """One call in flight; `wait` returns its [T, H] output (a copy, in the input dtype)."""
 
-    def __init__(self, client: "ExpertClient", slot: int, seq: int, shape: tuple[int, int], dtype: torch.dtype):
-        self.client, self.slot, self.seq, self.shape, self.dtype = client, slot, seq, shape, dtype
+    def __init__(self, client: "ExpertClient", slot: int, shape: tuple[int, int], dtype: torch.dtype):
+        self.client, self.slot, self.shape, self.dtype = client, slot, shape, dtype
 
     def wait(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """The output, written into `out` ([T, H] contiguous, the call's dtype) when given."""
@@ -125,10 +127,9 @@ class ExpertClient:
                               "slots": num_slots})
         self.client_id = reply["client"]
         self.slots = ExpertSlots.attach(reply["shm"], SlotLayout(reply["hidden"], max_tokens, max_topk), num_slots)
-        self._offsets = self.slots.offsets()
-        # Per-slot addresses and views made once: rebuilding them costs microseconds per call.
-        self._ptrs = [self.slots.slot_ptr(s) for s in range(num_slots)]
-        self._ctrls = [self.slots.ctrl(s) for s in range(num_slots)]
+        offsets = self.slots.offsets()
+        self._calls = [_C.SlotCall(self.slots.slot_ptr(s), offsets, self.server_pid, int(timeout_s * 1e6),
+                                   CLIENT_SPIN_US, int(POLL_S * 1e6)) for s in range(num_slots)]
         self._in_flight: dict[int, ExpertHandle] = {}
 
     def request(self, msg: dict, timeout_s: float | None = None) -> dict:
@@ -162,8 +163,6 @@ class ExpertClient:
 
     def submit(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
                topk_weights: torch.Tensor) -> ExpertHandle:
-        from cpu_kernels import _C
-
         tokens, topk = topk_ids.shape
         if hidden.shape != (tokens, self.slots.layout.hidden):
             raise ValueError(f"hidden states {tuple(hidden.shape)} do not match {tokens} tokens x "
@@ -173,11 +172,14 @@ class ExpertClient:
         dtype = hidden.dtype if hidden.dtype in DTYPE_CODES else torch.float32
         x = _as_cpu(hidden, (dtype,), dtype)
         ids = _as_cpu(topk_ids, (torch.int64, torch.int32), torch.int64)
-        weights = _as_cpu(topk_weights, (torch.float32,), torch.float32)
+        if topk_weights.device.type == "cpu" and topk_weights.dtype == torch.bfloat16:
+            weights = widen(topk_weights)  # a kernel, where a torch cast would keep the step from being recorded
+        else:
+            weights = _as_cpu(topk_weights, (torch.float32,), torch.float32)
         slot = self._free_slot()
-        seq = _C.slot_submit(self._ptrs[slot], self._offsets, layer, tokens, topk, dtype == torch.float32,
-                             x.data_ptr(), ids.data_ptr(), ids.dtype == torch.int64, weights.data_ptr())
-        handle = ExpertHandle(self, slot, seq, (tokens, self.slots.layout.hidden), dtype)
+        recordable(self._calls[slot]).expert_submit(layer, tokens, topk, dtype == torch.float32, x.data_ptr(),
+                                                    ids.data_ptr(), ids.dtype == torch.int64, weights.data_ptr())
+        handle = ExpertHandle(self, slot, (tokens, self.slots.layout.hidden), dtype)
         self._in_flight[slot] = handle
         return handle
 
@@ -190,30 +192,14 @@ class ExpertClient:
         raise ExpertServerError(f"all {self.slots.num_slots} expert slots have a call in flight; wait for one")
 
     def _wait(self, handle: ExpertHandle, out: torch.Tensor | None = None) -> torch.Tensor:
-        from cpu_kernels import _C
-
-        deadline = time.monotonic() + self.timeout_s
         if out is None:
             out = torch.empty(handle.shape, dtype=handle.dtype)
         elif out.shape != handle.shape or out.dtype != handle.dtype or not out.is_contiguous():
             raise ValueError(f"an expert result needs a contiguous {handle.shape} {handle.dtype} tensor")
-        nbytes = out.numel() * out.element_size()
-        while not _C.slot_wait(self._ptrs[handle.slot], self._offsets, handle.seq, CLIENT_SPIN_US, int(POLL_S * 1e6),
-                               out.data_ptr(), nbytes):
-            if not self.alive():
-                self._in_flight.pop(handle.slot, None)
-                raise ExpertServerError(f"the expert process (pid {self.server_pid}) died during a layer call")
-            if is_stopped(self.server_pid):
-                self._in_flight.pop(handle.slot, None)
-                raise ExpertServerError(f"the expert process (pid {self.server_pid}) is stopped (SIGSTOP?) and "
-                                        "cannot finish a layer call")
-            if time.monotonic() > deadline:
-                self._in_flight.pop(handle.slot, None)
-                raise ExpertServerError(f"the expert process (pid {self.server_pid}) did not finish a layer call "
-                                        f"within {self.timeout_s:.1f}s")
-        self._in_flight.pop(handle.slot, None)
-        if self._ctrls[handle.slot][STATUS] != 0:
-            raise ExpertServerError(f"expert process: {self.slots.error_text(handle.slot)}")
+        try:
+            recordable(self._calls[handle.slot]).expert_wait(out.data_ptr(), out.numel() * out.element_size())
+        finally:
+            self._in_flight.pop(handle.slot, None)
         return out
 
     def close(self) -> None:
@@ -222,7 +208,7 @@ class ExpertClient:
                 self.request({"op": "unregister", "client": self.client_id}, min(self.timeout_s, UNREGISTER_S))
             except ExpertServerError:
                 pass
-        self._ctrls = []
+        self._calls = []
         self.slots.close()
         if self._sock is not None:
             self._sock.close()

@@ -15,7 +15,10 @@ from hybrid.experts.process.client import ExpertClient, ExpertServerError, Exper
 
 class ProcessExperts(Experts):
     """Routed experts computed by the expert process; `respawn` starts a fresh one (and its client) when
-    this engine owns the process."""
+    this engine owns the process. On CPU tensors a call is two slot kernels (submit, wait), recordable; a restart
+    maps new slots, so it moves `epoch` on."""
+
+    recordable = True
 
     def __init__(self, client: ExpertClient, respawn: Callable[[], ExpertClient] | None = None):
         self.client, self.respawn = client, respawn
@@ -36,6 +39,7 @@ class ProcessExperts(Experts):
             raise ExpertServerError(f"the expert process at {self.client.control} was not started by this engine; "
                                     "restart it there")
         self.close()
+        self.epoch += 1
         self.client = self.respawn()
 
     def close(self) -> None:

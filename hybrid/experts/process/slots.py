@@ -13,15 +13,11 @@ import os
 from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
 
-import numpy as np
 import torch
 
 ALIGN = 64
-CTRL_WORDS = 10
+CTRL_WORDS = 10  # int64 control words, as cpu_kernels/csrc/slot_channel.h's CtrlWord
 ERROR_BYTES = 1024
-# control words, as cpu_kernels/csrc/slot_channel.h's CtrlWord
-(REQUEST_SEQ, DONE_SEQ, LAYER, TOKENS, TOPK, DTYPE, STATUS, ERROR_LEN, REQUEST_SLEEPERS,
- DONE_SLEEPERS) = range(CTRL_WORDS)
 DTYPE_CODES = {torch.bfloat16: 0, torch.float32: 1}
 ECHO_LAYER = -1  # the server copies x to out without computing: measures the dispatch round trip alone
 # Microseconds a waiter spins on a sequence word before sleeping on it: the server's slot loop waiting
@@ -109,18 +105,6 @@ class ExpertSlots:
         lay = self.layout
         return _C.SlotOffsets(error=lay.error, error_bytes=ERROR_BYTES, x=lay.x, ids=lay.ids, weights=lay.weights,
                               out=lay.out, hidden=lay.hidden, max_tokens=lay.max_tokens, max_topk=lay.max_topk)
-
-    def _bytes(self, slot: int, offset: int, nbytes: int) -> torch.Tensor:
-        start = slot * self.layout.size + offset
-        return self._base[start:start + nbytes]
-
-    def ctrl(self, slot: int) -> np.ndarray:
-        """The slot's int64 control words (a numpy view: scalar reads and writes cost ~100 ns, not ~2 us)."""
-        return self._bytes(slot, self.layout.ctrl, 8 * CTRL_WORDS).numpy().view(np.int64)
-
-    def error_text(self, slot: int) -> str:
-        n = int(self.ctrl(slot)[ERROR_LEN])
-        return bytes(self._bytes(slot, self.layout.error, n).numpy()).decode(errors="replace")
 
     def close(self) -> None:
         self._base = None
