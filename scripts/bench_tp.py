@@ -6,7 +6,8 @@
 2. decode tokens/s with --tp 1 (one engine over every core) and --tp 2 (a rank per core group, HYBRIDD_NUMA_NODES
    or the machine's NUMA nodes), each in a fresh process, alternating, with a memory-bandwidth probe around every
    run; and the share of the driver's decode step spent in collectives (all-reduce plus the step broadcast,
-   waiting for the other rank included).
+   waiting for the other rank included; inside a replayed decode program the all-reduce calls are timed in C++).
+   Steps replay each rank's decode programs unless --enforce-eager.
 3. expert placement for a rank of two: a slice of every expert (half of each expert's intermediate features:
    every rank streams half of every routed expert) vs whole experts (even ids on rank 0, odd on rank 1: the step
    waits for the rank that drew more of the token's experts), timed through the kernel on one core per rank
@@ -78,7 +79,8 @@ def collectives_worker(out: str, reps: int) -> None:
     dist.destroy_process_group()
 
 
-def decode_worker(model: str, tp: int, tokens: int, batch: int, out: str) -> None:
+def decode_worker(model: str, tp: int, tokens: int, batch: int, eager: bool, out: str) -> None:
+    from cpu_kernels.program import Program
     from hybrid import LLM, SamplingParams
     from hybrid.distributed.shm_communicator import ShmCommunicator
 
@@ -93,9 +95,16 @@ def decode_worker(model: str, tp: int, tokens: int, batch: int, out: str) -> Non
                 spent[0] += time.perf_counter() - t
         return wrapper
 
-    ShmCommunicator.all_reduce = timed(ShmCommunicator.all_reduce)
+    def replay_timed(self):
+        """A decode program's replay, its all-reduce calls timed in C++ (no Python calls them there)."""
+        outputs, by_kernel = self.run_timed()
+        spent[0] += by_kernel.get("all_reduce", 0.0)
+        return outputs
+
+    ShmCommunicator.all_reduce = timed(ShmCommunicator.all_reduce)  # eager steps
     ShmCommunicator.broadcast = timed(ShmCommunicator.broadcast)
-    llm = LLM(model, dtype="bfloat16", tp=tp, max_num_seqs=max(batch, 1))
+    Program.run = replay_timed
+    llm = LLM(model, dtype="bfloat16", tp=tp, max_num_seqs=max(batch, 1), enforce_eager=eager)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(100, 2000, (16,), generator=g).tolist() for _ in range(batch)]
     params = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)  # noqa: E731
@@ -111,14 +120,17 @@ def decode_worker(model: str, tp: int, tokens: int, batch: int, out: str) -> Non
         steps += 1
     wall = time.perf_counter() - start
     llm.close()
+    programs = engine.runner.graphs
     Path(out).write_text(json.dumps({"tok_s": batch * steps / wall, "step_s": wall / steps,
-                                     "comm_share": spent[0] / wall}))
+                                     "comm_share": spent[0] / wall,
+                                     "programs": programs is not None and programs.num_captured > 0}))
 
 
-def run_decode(model: str, tp: int, tokens: int, batch: int) -> dict:
+def run_decode(model: str, tp: int, tokens: int, batch: int, eager: bool) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         subprocess.run([sys.executable, __file__, "--worker", "decode", "--model", model, "--tp", str(tp),
-                        "--tokens", str(tokens), "--batch", str(batch), "--out", f.name], check=True)
+                        "--tokens", str(tokens), "--batch", str(batch), "--out", f.name]
+                       + (["--enforce-eager"] if eager else []), check=True)
         return json.loads(Path(f.name).read_text())
 
 
@@ -164,6 +176,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=2, help="alternating --tp 1 / --tp 2 runs")
     ap.add_argument("--reps", type=int, default=200, help="all-reduces per size")
+    ap.add_argument("--enforce-eager", action="store_true", help="decode eagerly (no kernel programs on any rank)")
     ap.add_argument("--worker", choices=["collectives", "decode"], help=argparse.SUPPRESS)
     ap.add_argument("--tp", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
@@ -171,7 +184,7 @@ def main() -> None:
     if a.worker == "collectives":
         return collectives_worker(a.out, a.reps)
     if a.worker == "decode":
-        return decode_worker(a.model, a.tp, a.tokens, a.batch, a.out)
+        return decode_worker(a.model, a.tp, a.tokens, a.batch, a.enforce_eager, a.out)
 
     model = a.model or str(ROOT / "bench_models" / "qwen3-30b-a3b-L2")
     if not Path(model, "config.json").exists():
@@ -202,18 +215,20 @@ def main() -> None:
         for _ in range(a.rounds):
             for tp in (1, 2):
                 before = probe.gbps()
-                r = run_decode(model, tp, a.tokens, a.batch)
+                r = run_decode(model, tp, a.tokens, a.batch, a.enforce_eager)
                 r["gbps"] = (before + probe.gbps()) / 2
                 runs[tp].append(r)
-    t = Table(title=f"decode, batch {a.batch}, {a.tokens} tokens, bf16 (median of {a.rounds} runs)")
-    for col in ("--tp", "tokens/s", "step ms", "collectives share", "bandwidth GB/s", "vs --tp 1"):
+    steps = "eager steps" if a.enforce_eager else "decode programs"
+    t = Table(title=f"decode, batch {a.batch}, {a.tokens} tokens, bf16, {steps} (median of {a.rounds} runs)")
+    for col in ("--tp", "tokens/s", "step ms", "collectives share", "bandwidth GB/s", "vs --tp 1", "replayed"):
         t.add_column(col, justify="right")
     base = statistics.median(r["tok_s"] for r in runs[1])
     for tp, rs in runs.items():
         tok_s = statistics.median(r["tok_s"] for r in rs)
         t.add_row(str(tp), f"{tok_s:.2f}", f"{statistics.median(r['step_s'] for r in rs) * 1e3:.1f}",
                   f"{statistics.median(r['comm_share'] for r in rs):.1%}" if tp > 1 else "-",
-                  f"{statistics.median(r['gbps'] for r in rs):.1f}", f"{tok_s / base:.2f}x")
+                  f"{statistics.median(r['gbps'] for r in rs):.1f}", f"{tok_s / base:.2f}x",
+                  "yes" if all(r["programs"] for r in rs) else "no")
     console.print(t)
 
     p = placement(model, samples=40)

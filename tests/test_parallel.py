@@ -71,6 +71,15 @@ def test_tp2_gives_transformers_greedy_tokens(model_dirs, preset, two_nodes):
         if "fp8" in preset:  # the halves start on / lie inside 128-blocks: fp8 with the checkpoint's scales
             assert experts.fmt.name == "FP8"
         out = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
+        # decode steps replayed this rank's recorded program, the shared-memory all-reduces in it (an fp32 run of
+        # an fp8 MLA model keeps torch's einsums for kv_b and runs eagerly, as with one rank)
+        programs = llm.engine.runner.graphs
+        if preset == "tiny-deepseek-v3-fp8":
+            assert "hybrid/layers/attention/backend.py" in programs.refused
+        else:
+            assert programs.refused is None and programs.num_captured >= 1
+            names = next(s.program for s in programs.steps.values() if s.program is not None).names
+            assert names.count("all_reduce") == 2 * len(llm.engine.runner.model.model.layers)
     finally:
         llm.close()
     assert [o.token_ids for o in out] == expected
@@ -84,6 +93,8 @@ def test_tp2_over_gloo_gives_the_same_tokens(model_dirs, two_nodes):
     try:
         assert llm.engine.runner.parallel.state.tp_comm.name == "gloo"
         out = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
+        # gloo's all-reduce is no kernel: its steps cannot be recorded, and run eagerly
+        assert "c10d.allreduce_" in llm.engine.runner.graphs.refused
     finally:
         llm.close()
     assert [o.token_ids for o in out] == expected
@@ -110,6 +121,8 @@ def test_pp2_runs_micro_batches_and_gives_transformers_greedy_tokens(model_dirs,
         held = stage_layers(len(layers), 2, 0)
         assert [not isinstance(m, MissingLayer) for m in layers] == [i in held for i in range(len(layers))]
         out = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
+        programs = llm.engine.runner.graphs  # the first stage's micro-batches replayed from its programs
+        assert programs.refused is None and programs.num_captured >= 1
     finally:
         llm.close()
     assert [o.token_ids for o in out] == expected

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <string>
 
 #include "shm_sync.h"
 
@@ -91,6 +92,17 @@ bool shm_broadcast_send(const ShmGroup& g, int64_t seq, const void* bytes, int64
 bool shm_broadcast_wait(const ShmGroup& g, int64_t seq, int root, int64_t timeout_us) {
   publish(flag(g, g.rank), sleepers(g, g.rank), seq);
   return wait_rank(g, root, seq, timeout_us);
+}
+
+void ShmCollectives::all_reduce(void* data, int64_t numel, bool bf16) {
+  const int64_t size = bf16 ? 2 : 4, step = g_.capacity / size;
+  for (int64_t start = 0; start < numel; start += step) {
+    const int64_t seq = next_seq();
+    if (!shm_all_reduce(g_, seq, static_cast<uint8_t*>(data) + start * size, std::min(step, numel - start), bf16,
+                        timeout_us_))
+      throw CollectiveError("tensor-parallel rank " + std::to_string(g_.rank) + ": a peer did not reach all-reduce " +
+                            std::to_string(seq) + " within " + std::to_string(timeout_us_ / 1000000) + " s");
+  }
 }
 
 }  // namespace hybridd

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <stdexcept>
 
 namespace hybridd {
 
@@ -33,5 +34,29 @@ bool shm_broadcast_send(const ShmGroup& g, int64_t seq, const void* bytes, int64
 bool shm_broadcast_wait(const ShmGroup& g, int64_t seq, int root, int64_t timeout_us);
 // Offset of `rank`'s buffer for operation `seq` from the mapping's base.
 int64_t shm_buffer(const ShmGroup& g, int64_t seq, int rank);
+
+// A collective a peer never reached (it died or hung): the ranks run the same operations, so it is not coming.
+class CollectiveError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// One rank's side of a group's operations in order: the operation counter lives here, so the all-reduce is a kernel
+// a KernelProgram can record (a replay numbers its operations as an eager call would, and ranks may mix the two),
+// and the broadcasts around the step take their numbers from it too.
+class ShmCollectives {
+ public:
+  ShmCollectives(ShmGroup g, int64_t timeout_us) : g_(g), timeout_us_(timeout_us) {}
+  // shm_all_reduce in pieces of at most a buffer; CollectiveError when a peer does not arrive within the timeout.
+  void all_reduce(void* data, int64_t numel, bool bf16);
+  int64_t next_seq() { return ++seq_; }
+  int64_t seq() const { return seq_; }
+  const ShmGroup& group() const { return g_; }
+
+ private:
+  ShmGroup g_;
+  int64_t timeout_us_;
+  int64_t seq_ = 0;
+};
 
 }  // namespace hybridd

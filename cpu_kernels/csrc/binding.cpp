@@ -24,6 +24,7 @@ using hybridd::Isa;
 using hybridd::KernelProgram;
 using hybridd::MoeRunner;
 using hybridd::PackedMatrices;
+using hybridd::ShmCollectives;
 using hybridd::ShmGroup;
 using hybridd::SlotCall;
 using hybridd::SlotOffsets;
@@ -158,6 +159,10 @@ void k_expert_submit(SlotCall& c, int layer, int tokens, int topk, bool f32, uin
 
 void k_expert_wait(SlotCall& c, uintptr_t out, int64_t out_bytes) { c.wait(as<void>(out), out_bytes); }
 
+void k_all_reduce(ShmCollectives& c, uintptr_t data, int64_t numel, bool bf16) {
+  c.all_reduce(as<void>(data), numel, bf16);
+}
+
 // fn as Target.<name> (run now, without the GIL) and as KernelProgram.<name>(target, ...), which records the
 // call with copies of its arguments (raw addresses, sizes and the packed weights' descriptions). The target (a
 // MoeRunner, a SlotCall) must outlive the program.
@@ -279,6 +284,12 @@ PYBIND11_MODULE(_C, m) {
                 py::arg("slot"), py::arg("offsets"), py::arg("server_pid"), py::arg("timeout_us"), py::arg("spin_us"),
                 py::arg("poll_us"))
       .def_property_readonly("in_flight", &SlotCall::in_flight);
+  py::register_exception<hybridd::CollectiveError>(m, "CommunicationError", PyExc_RuntimeError);
+  auto collectives = py::class_<ShmCollectives>(m, "ShmCollectives");
+  collectives.def(py::init<ShmGroup, int64_t>(), py::arg("group"), py::arg("timeout_us"))
+      .def("next_seq", &ShmCollectives::next_seq)
+      .def_property_readonly("seq", &ShmCollectives::seq)
+      .def_property_readonly("group", &ShmCollectives::group);
 
   auto runner = py::class_<MoeRunner>(m, "MoeRunner");
   runner
@@ -308,6 +319,7 @@ PYBIND11_MODULE(_C, m) {
   def_kernel(runner, program, "store_rows", &k_store_rows);
   def_kernel(slot_call, program, "expert_submit", &k_expert_submit);
   def_kernel(slot_call, program, "expert_wait", &k_expert_wait);
+  def_kernel(collectives, program, "all_reduce", &k_all_reduce);
 
   py::class_<SlotServer>(m, "SlotServer")
       .def(py::init([](uintptr_t slot, const SlotOffsets& o, MoeRunner& runner, std::map<int, ExpertLayer> layers,
@@ -327,12 +339,6 @@ PYBIND11_MODULE(_C, m) {
              return ShmGroup{reinterpret_cast<uint8_t*>(base), world, rank, capacity, spin_us};
            }),
            py::arg("base"), py::arg("world"), py::arg("rank"), py::arg("capacity"), py::arg("spin_us"));
-  m.def(
-      "shm_all_reduce",
-      [](const ShmGroup& g, int64_t seq, uintptr_t data, int64_t numel, bool bf16, int64_t timeout_us) {
-        return hybridd::shm_all_reduce(g, seq, as<void>(data), numel, bf16, timeout_us);
-      },
-      py::call_guard<py::gil_scoped_release>());
   m.def(
       "shm_broadcast_send",
       [](const ShmGroup& g, int64_t seq, uintptr_t bytes, int64_t length, int64_t timeout_us) {

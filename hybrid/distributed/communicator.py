@@ -9,9 +9,11 @@ from abc import ABC, abstractmethod
 import torch
 import torch.distributed as dist
 
+from cpu_kernels import _C
 
-class CommunicationError(RuntimeError):
-    """A collective could not finish: a peer rank died, hung or sent something unreadable."""
+# A collective could not finish: a peer rank died, hung or sent something unreadable. The shared-memory all-reduce
+# raises it from C++, in an eager call or a replayed decode program alike.
+CommunicationError = _C.CommunicationError
 
 
 class Communicator(ABC):

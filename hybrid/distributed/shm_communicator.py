@@ -1,5 +1,6 @@
 """Collectives between the ranks of one machine over a shared mapping with lock-free flags (the C++ side is
-cpu_kernels/csrc/all_reduce.cpp): no gloo and no system call on the hot path.
+cpu_kernels/csrc/all_reduce.cpp): no gloo and no system call on the hot path. The all-reduce is a kernel on the
+rank's `ShmCollectives`, which numbers the group's operations, so a CPU decode program records it.
 
 The group's first rank creates the file under /dev/shm (O_EXCL, mode 0600) and hands its name to the others
 through torch.distributed; once every rank has mapped it the file is unlinked, so nothing is left behind when a
@@ -17,6 +18,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from cpu_kernels.moe import recordable
 from hybrid.distributed.communicator import CommunicationError, Communicator
 
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
@@ -56,41 +58,34 @@ class ShmCommunicator(Communicator):
             os.unlink(names[0])
         self.buffer = torch.frombuffer(self.map, dtype=torch.uint8)
         self.group = _C.ShmGroup(self.buffer.data_ptr(), self.world, self.rank, capacity, SPIN_US)
+        # Numbers every operation; its all_reduce is a kernel, recorded into a rank's decode programs.
+        self.collectives = _C.ShmCollectives(self.group, int(TIMEOUT_S * 1e6))
         self._C = _C
-        self.seq = 0
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         if t.dtype not in (torch.float32, torch.bfloat16) or not t.is_contiguous() or t.device.type != "cpu":
             raise CommunicationError(f"the shared-memory all-reduce sums contiguous float32 / bfloat16 CPU tensors, "
                                      f"got {t.dtype} on {t.device}")
-        flat = t.view(-1)
-        step = self.capacity // t.element_size()
-        for start in range(0, flat.numel(), step):
-            piece = flat[start:start + step]
-            self.seq += 1
-            if not self._C.shm_all_reduce(self.group, self.seq, piece.data_ptr(), piece.numel(),
-                                          t.dtype == torch.bfloat16, int(TIMEOUT_S * 1e6)):
-                raise CommunicationError(f"tensor-parallel rank {self.rank}: a peer did not reach all-reduce "
-                                         f"{self.seq} within {TIMEOUT_S:.0f} s")
+        recordable(self.collectives).all_reduce(t.data_ptr(), t.numel(), t.dtype == torch.bfloat16)
         return t
 
     def broadcast(self, payload: bytes | None, root: int = 0) -> bytes:
-        self.seq += 1
         if self.rank == root:
             if len(payload) + 8 > self.capacity:
                 raise CommunicationError(f"a {len(payload)}-byte message does not fit the {self.capacity}-byte "
                                          "shared-memory buffer")
+            seq = self.collectives.next_seq()
             data = torch.frombuffer(bytearray(payload or b"\0"), dtype=torch.uint8)
-            if not self._C.shm_broadcast_send(self.group, self.seq, data.data_ptr(), len(payload),
-                                              int(TIMEOUT_S * 1e6)):
+            if not self._C.shm_broadcast_send(self.group, seq, data.data_ptr(), len(payload), int(TIMEOUT_S * 1e6)):
                 raise CommunicationError(f"tensor-parallel rank {self.rank}: a peer did not finish operation "
-                                         f"{self.seq - 2} within {TIMEOUT_S:.0f} s")
+                                         f"{seq - 2} within {TIMEOUT_S:.0f} s")
             return payload
+        seq = self.collectives.next_seq()
         # The root may be idle for hours (no requests): wait in slices and give up only if it is gone.
-        while not self._C.shm_broadcast_wait(self.group, self.seq, root, int(POLL_S * 1e6)):
+        while not self._C.shm_broadcast_wait(self.group, seq, root, int(POLL_S * 1e6)):
             if not self.alive():
                 raise CommunicationError(f"tensor-parallel rank {self.rank}: the driving rank is gone")
-        offset = self._C.shm_buffer(self.group, self.seq, root)
+        offset = self._C.shm_buffer(self.group, seq, root)
         length = int(self.buffer[offset:offset + 8].view(torch.int64))
         return bytes(self.map[offset + 8:offset + 8 + length])
 

@@ -77,7 +77,7 @@ class ModelRunner:
         from hybrid.engine.stage_executor import StageExecutor
 
         return StageExecutor(self.parallel.state, self.model.model, self.kv_pool.caches, self.attention,
-                             self.config.hidden_size, self.dtype, self.device)
+                             self.config.hidden_size, self.dtype, self.device, self.graphs)
 
     def init_threads(self) -> None:
         if self.engine_config.backend != "cpu":
@@ -112,13 +112,14 @@ class ModelRunner:
     @property
     def uses_programs(self) -> bool:
         """CPU-only decode steps replay kernel programs where every call of the step is a kernel: the cpu backend's
-        attention and recordable experts (in-process kernels, or the expert process's slot calls), one rank (the
-        other ranks' part of a step would not be recorded)."""
+        attention and recordable experts (in-process kernels, or the expert process's slot calls). In a parallel
+        run every rank records its own part; the shared-memory all-reduce is a kernel too (gloo's is not: such
+        steps are refused and run eagerly)."""
         from hybrid.layers.attention.cpu_backend import CpuAttention
 
         return (self.engine_config.backend == "cpu" and not self.engine_config.hybrid
-                and not self.engine_config.enforce_eager and self.parallel is None
-                and self.experts.recordable and type(self.attention) is CpuAttention)
+                and not self.engine_config.enforce_eager and self.experts.recordable
+                and type(self.attention) is CpuAttention)
 
     def init_kv_pool(self) -> KVPool:
         """Sizes the pool from the engine's limits (which also fixes the context length) and allocates it."""
@@ -136,7 +137,8 @@ class ModelRunner:
             from hybrid.graphs.cpu_decode_programs import CpuDecodePrograms
 
             return CpuDecodePrograms(self.model.model, self.kv_pool.caches, self.attention, self.experts,
-                                     self.block_size, self.max_model_len, self.engine_config.max_num_seqs, self.dtype)
+                                     self.block_size, self.max_model_len, self.engine_config.max_num_seqs,
+                                     self.config.hidden_size, self.dtype)
         if not self.uses_graphs:
             return None
         from hybrid.graphs.decode_graphs import DecodeGraphs  # Triton: only engines that replay graphs need it

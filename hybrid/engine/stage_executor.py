@@ -4,10 +4,13 @@ The driver (rank 0) sends the step (its micro-batches) to the other ranks of sta
 group, and each rank of a stage forwards it to the same tensor-parallel rank of the next stage with the hidden
 states. With several stages a step's sequences are cut into micro-batches: while stage 1 runs the first one, stage
 0 runs the second, and so on, so the stages work at the same time instead of taking turns. The last stage sends
-the final (normed) hidden states back to the driver, which computes logits and samples.
+the final (normed) hidden states back to the driver, which computes logits and samples. CPU-only, each rank
+replays its part of a decode micro-batch from its own recorded program (hybrid/graphs/cpu_decode_programs.py).
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -17,6 +20,9 @@ from hybrid.engine.step_message import Step, decode, encode
 from hybrid.layers.attention.backend import AttentionBackend
 from hybrid.layers.forward_batch import HostBatch
 from hybrid.models.causal_lm import CausalLMBody
+
+if TYPE_CHECKING:
+    from hybrid.graphs.cpu_decode_programs import CpuDecodePrograms
 
 
 def _send_bytes(payload: bytes, dst: int, group: dist.ProcessGroup) -> None:
@@ -34,10 +40,11 @@ def _recv_bytes(src: int, group: dist.ProcessGroup) -> bytes:
 
 class StageExecutor:
     def __init__(self, state: ParallelState, body: CausalLMBody, caches: list, attention: AttentionBackend,
-                 hidden_size: int, dtype: torch.dtype, device: torch.device):
+                 hidden_size: int, dtype: torch.dtype, device: torch.device, programs: CpuDecodePrograms | None):
         self.state, self.info, self.group = state, state.info, state.world_group
         self.body, self.caches, self.attention = body, caches, attention
         self.hidden_size, self.dtype, self.device = hidden_size, dtype, device
+        self.programs = programs
 
     def run(self, micro_batches: list[HostBatch]) -> torch.Tensor:
         """Driver: the step's final hidden states, every row of every micro-batch in order."""
@@ -83,13 +90,11 @@ class StageExecutor:
                 pending.append(dist.irecv(out.view(torch.uint8), last, group=self.group))
                 outs.append(out)
         for mb in step.micro_batches:
-            ids, batch = mb.to_device(self.device, self.caches, self.attention)
-            if info.first_stage:
-                x = self.body.embed(ids)
-            else:
+            x = None
+            if not info.first_stage:
                 x = self._hidden(len(mb.ids))
                 dist.recv(x.view(torch.uint8), info.peer(info.stage - 1), group=self.group)
-            x = self.body.forward_layers(x, batch).contiguous()
+            x = self._layers(mb, x)
             if not info.last_stage:
                 pending.append(dist.isend(x.view(torch.uint8), info.peer(info.stage + 1), group=self.group))
             elif info.pp > 1 and info.tp_rank == 0:
@@ -99,3 +104,14 @@ class StageExecutor:
         for work in pending:
             work.wait()
         return torch.cat(outs) if info.driver else None
+
+    def _layers(self, mb: HostBatch, x: torch.Tensor | None) -> torch.Tensor:
+        """This rank's layers over the micro-batch (from its ids on the first stage, else from x): replayed from a
+        decode program where one fits, else eagerly. Ranks decide alike, but need not: eager calls and replays
+        number their all-reduces the same way."""
+        if self.programs is not None and self.programs.fits(mb):
+            out = self.programs.run(mb, x)
+            if out is not None:
+                return out.clone()  # the program's buffer: the next micro-batch of this size would overwrite it
+        ids, batch = mb.to_device(self.device, self.caches, self.attention)
+        return self.body.forward_layers(self.body.embed(ids) if x is None else x, batch).contiguous()

@@ -52,12 +52,16 @@ class StaticStep:
         self.batch.memo = {rope.step_key(dtype): rope.cos_sin(self.io[1], dtype) for rope in ropes}
         self.program: Program | None = None
 
-    def load(self, host: HostBatch, embed: torch.Tensor) -> None:
+    def load(self, host: HostBatch, embed: torch.Tensor | None, x: torch.Tensor | None) -> None:
+        """The step's inputs: the hidden states x a previous pipeline stage sent, or else the ids' embedded rows."""
         host.write_static(self.io, self.tables, self.ctx, pad_block=0)
         for rope in self.ropes:
             for static, fresh in zip(self.batch.memo[rope.step_key(self.dtype)], rope.cos_sin(self.io[1], self.dtype)):
                 static.copy_(fresh)
-        torch.index_select(embed, 0, self.io[0], out=self.x)
+        if x is None:
+            torch.index_select(embed, 0, self.io[0], out=self.x)
+        else:
+            self.x.copy_(x)
 
 
 class CpuDecodePrograms:
@@ -65,8 +69,8 @@ class CpuDecodePrograms:
     DecodeGraphs offers them), recorded at first use of each batch size."""
 
     def __init__(self, body: nn.Module, kv_caches: list, attention: AttentionBackend, experts: Experts,
-                 block_size: int, max_model_len: int, max_batch: int, dtype: torch.dtype):
-        self.body, self.kv_caches, self.attention, self.dtype = body, kv_caches, attention, dtype
+                 block_size: int, max_model_len: int, max_batch: int, hidden: int, dtype: torch.dtype):
+        self.body, self.kv_caches, self.attention, self.hidden, self.dtype = body, kv_caches, attention, hidden, dtype
         self.experts, self.epoch = experts, experts.epoch
         self.max_blocks = -(-max_model_len // block_size)
         self.max_batch = min(max_batch, MAX_PROGRAM_BATCH)
@@ -86,18 +90,18 @@ class CpuDecodePrograms:
         return (self.refused is None and host.is_decode and len(host.ids) <= self.max_batch
                 and max(len(t) for t in host.block_tables) <= self.max_blocks)
 
-    def run(self, host: HostBatch) -> torch.Tensor | None:
-        """Final hidden states [n, H] of the decode step, or None where its program could not be recorded (the
-        caller runs the step eagerly; `refused` says why, and no later step is tried)."""
+    def run(self, host: HostBatch, x: torch.Tensor | None = None) -> torch.Tensor | None:
+        """This rank's output [n, H] of the decode step (the final hidden states on the last pipeline stage) from
+        the embedded ids, or from x on a later stage; None where its program could not be recorded (the caller runs
+        the step eagerly; `refused` says why, and no later step is tried). The output is the program's own
+        buffer, rewritten by its next replay."""
         if self.experts.epoch != self.epoch:
             self.steps.clear()
             self.epoch = self.experts.epoch
         n = len(host.ids)
         step = self.steps.get(n)
         if step is None:
-            embed = self.body.embed_tokens.weight
-            step = StaticStep(n, self.max_blocks, embed.shape[1], self.dtype, self.kv_caches, self.attention,
-                              self.ropes)
+            step = StaticStep(n, self.max_blocks, self.hidden, self.dtype, self.kv_caches, self.attention, self.ropes)
             self.steps[n] = step
         if step.program is None:
             try:
@@ -108,5 +112,5 @@ class CpuDecodePrograms:
                 return None
             log.info("recorded the decode step of %d sequences: %d kernel calls, %.1f MB of intermediates", n,
                      len(step.program), step.program.nbytes / 2**20)
-        step.load(host, self.body.embed_tokens.weight)
+        step.load(host, None if x is not None else self.body.embed_tokens.weight, x)
         return step.program.run()
