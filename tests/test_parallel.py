@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import openai
 import pytest
 import torch
 from conftest import TINY_PRESETS, prompt_ids
@@ -182,9 +183,51 @@ def test_start_with_tp2_runs_its_follower_and_stops_it(tmp_path, monkeypatch):
         engine = psutil.Process(status["engine_pid"])
         (follower,) = [c for c in engine.children() if "hybrid.engine.follower" in " ".join(c.cmdline())]
         assert follower.cpu_affinity() == [1] and engine.cpu_affinity() == [0]
-        reply = openai_client(d).completions.create(model="default_model", prompt="hi", max_tokens=8,
-                                                    temperature=0)
+        client = openai_client(d)
+        reply = client.completions.create(model="default_model", prompt="hi", max_tokens=8, temperature=0)
+        assert reply.usage.completion_tokens == 8
+        # A follower that dies fails the next request at once (not at the collectives' 300 s timeout), and the
+        # supervisor restarts the engine with a new one.
+        follower.kill()  # the engine's child: a zombie until the engine reaps it
+        deadline = time.monotonic() + 10
+        while follower.is_running() and follower.status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+            time.sleep(0.05)
+        start = time.monotonic()
+        with pytest.raises(openai.APIStatusError, match="lost a rank") as failed:
+            client.completions.create(model="default_model", prompt="hi", max_tokens=8, temperature=0)
+        assert failed.value.status_code == 503 and time.monotonic() - start < 15
+        deadline = time.monotonic() + 120
+        while d.status().get("engine_pid") in (None, engine.pid) or d.health().status_code != 200:
+            assert time.monotonic() < deadline, d.logs()
+            time.sleep(0.5)
+        engine = psutil.Process(d.status()["engine_pid"])
+        (follower,) = [c for c in engine.children() if "hybrid.engine.follower" in " ".join(c.cmdline())]
+        reply = client.completions.create(model="default_model", prompt="hi", max_tokens=8, temperature=0)
         assert reply.usage.completion_tokens == 8
     finally:
         assert d.stop().returncode == 0
     follower.wait(timeout=30)
+
+
+def test_a_dead_follower_fails_the_step_at_once(model_dirs, two_nodes):
+    """The ranks' pids are in the shared mapping: waiting on a rank that died raises CommunicationError within
+    a poll (50 ms), in a replayed decode program's all-reduce as in the step broadcast."""
+    import psutil
+
+    from hybrid.distributed.communicator import CommunicationError
+
+    llm = LLM(model_dirs["tiny-qwen3-moe"], dtype="float32", tp=2)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    try:
+        llm.generate([prompt_ids(9, seed=1)], params)
+        (follower,) = [p for p in psutil.Process().children() if "hybrid.engine.follower" in " ".join(p.cmdline())]
+        follower.kill()
+        follower.wait(timeout=10)
+        start = time.monotonic()
+        with pytest.raises(CommunicationError, match=rf"rank 1 \(pid {follower.pid}\) is gone"):
+            llm.generate([prompt_ids(9, seed=2)], params)
+        assert time.monotonic() - start < 5
+    finally:
+        start = time.monotonic()
+        llm.close()
+        assert time.monotonic() - start < 10

@@ -16,9 +16,22 @@ std::atomic<int64_t>* flag(const ShmGroup& g, int rank) {
 }
 std::atomic<int64_t>* sleepers(const ShmGroup& g, int rank) { return flag(g, rank) + 1; }
 
+std::atomic<int64_t>* pid_word(const ShmGroup& g, int rank) { return flag(g, rank) + 2; }
+
+constexpr int64_t kWatchUs = 50000;  // how often a watched wait checks that its rank still exists
+
 bool wait_rank(const ShmGroup& g, int rank, int64_t seq, int64_t timeout_us) {
-  return wait_word(flag(g, rank), sleepers(g, rank), [seq](int64_t v) { return v >= seq; }, g.spin_us, timeout_us,
-                   nullptr);
+  const auto reached = [seq](int64_t v) { return v >= seq; };
+  if (!g.watch) return wait_word(flag(g, rank), sleepers(g, rank), reached, g.spin_us, timeout_us, nullptr);
+  for (int64_t left = timeout_us; left > 0; left -= kWatchUs) {
+    if (wait_word(flag(g, rank), sleepers(g, rank), reached, g.spin_us, std::min(left, kWatchUs), nullptr))
+      return true;
+    const int pid = shm_pid(g, rank);
+    if (pid > 0 && proc_state(pid) == ProcState::kGone)
+      throw CollectiveError("rank " + std::to_string(g.rank) + " of a parallel run: rank " + std::to_string(rank) +
+                            " (pid " + std::to_string(pid) + ") is gone");
+  }
+  return false;
 }
 
 bool wait_all(const ShmGroup& g, int64_t seq, int64_t timeout_us) {
@@ -44,6 +57,10 @@ uint16_t f32_to_bf16(float f) {
 }
 
 }  // namespace
+
+void shm_publish_pid(const ShmGroup& g) { pid_word(g, g.rank)->store(getpid(), std::memory_order_release); }
+
+int shm_pid(const ShmGroup& g, int rank) { return int(pid_word(g, rank)->load(std::memory_order_acquire)); }
 
 int64_t shm_buffer(const ShmGroup& g, int64_t seq, int rank) {
   return g.world * kFlagLine + ((seq & 1) * g.world + rank) * g.capacity;

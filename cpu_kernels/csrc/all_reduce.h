@@ -1,7 +1,7 @@
 // Collectives between the ranks of one machine over one shared mapping, with lock-free flags (no locks, no
 // system calls unless a rank sleeps waiting).
 //
-// The mapping is [world flag lines of 64 bytes: seq, sleepers | 2 x world data buffers of `capacity` bytes].
+// The mapping is [world flag lines of 64 bytes: seq, sleepers, pid | 2 x world data buffers of `capacity` bytes].
 // Every rank runs the same sequence of operations, numbered 1, 2, ...; operation k uses the buffers of parity
 // k % 2. A rank publishes k in its flag once it has written its part of operation k (or, with nothing to write,
 // on entering it), which also says it has finished reading operation k - 1. So before writing for operation k a
@@ -19,7 +19,14 @@ struct ShmGroup {
   int rank = 0;
   int64_t capacity = 0;
   int spin_us = 0;
+  // Check, between sleeps of a wait, that the rank waited for still exists (by the pid in its flag line): a rank
+  // that died fails the collective at once. Only where every rank's pid is visible from every other.
+  bool watch = false;
 };
+
+// Writes this process's pid into the rank's flag line; shm_pid reads a rank's (0 until it has written it).
+void shm_publish_pid(const ShmGroup& g);
+int shm_pid(const ShmGroup& g, int rank);
 
 // Sums `numel` elements of `data` (float32 when !bf16, else bfloat16, summed in float32 and rounded once) over
 // the ranks into `data` on every rank, adding in rank order so that every rank gets the same bits. False when a
@@ -36,6 +43,7 @@ bool shm_broadcast_wait(const ShmGroup& g, int64_t seq, int root, int64_t timeou
 int64_t shm_buffer(const ShmGroup& g, int64_t seq, int rank);
 
 // A collective a peer never reached (it died or hung): the ranks run the same operations, so it is not coming.
+// Raised by every function here for a watched rank that is gone.
 class CollectiveError : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;

@@ -335,10 +335,13 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("busy_s", &SlotServer::busy_s);
 
   py::class_<ShmGroup>(m, "ShmGroup")
-      .def(py::init([](uintptr_t base, int world, int rank, int64_t capacity, int spin_us) {
-             return ShmGroup{reinterpret_cast<uint8_t*>(base), world, rank, capacity, spin_us};
+      .def(py::init([](uintptr_t base, int world, int rank, int64_t capacity, int spin_us, bool watch) {
+             return ShmGroup{reinterpret_cast<uint8_t*>(base), world, rank, capacity, spin_us, watch};
            }),
-           py::arg("base"), py::arg("world"), py::arg("rank"), py::arg("capacity"), py::arg("spin_us"));
+           py::arg("base"), py::arg("world"), py::arg("rank"), py::arg("capacity"), py::arg("spin_us"),
+           py::arg("watch") = false);
+  m.def("shm_publish_pid", &hybridd::shm_publish_pid);
+  m.def("shm_pid", &hybridd::shm_pid);
   m.def(
       "shm_broadcast_send",
       [](const ShmGroup& g, int64_t seq, uintptr_t bytes, int64_t length, int64_t timeout_us) {

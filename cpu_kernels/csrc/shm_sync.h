@@ -14,8 +14,28 @@
 #include <climits>
 #include <cstdint>
 #include <ctime>
+#include <fstream>
+#include <iterator>
+#include <string>
 
 namespace hybridd {
+
+enum class ProcState { kRunning, kStopped, kGone };
+
+// The state letter /proc/<pid>/stat gives after the command name (which may itself hold spaces and parentheses):
+// a zombie counts as gone, as a process that no longer exists does. What a waiter checks between sleeps, so that a
+// peer process that died fails the wait at once instead of at its timeout.
+inline ProcState proc_state(int pid) {
+  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
+  std::string stat((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  const size_t close = stat.rfind(')');  // npos too when the file could not be read: no such process
+  if (close == std::string::npos || close + 2 >= stat.size()) return ProcState::kGone;
+  switch (stat[close + 2]) {
+    case 'Z': case 'X': case 'x': return ProcState::kGone;
+    case 'T': case 't': return ProcState::kStopped;
+    default: return ProcState::kRunning;
+  }
+}
 
 // The futex is the low half of a little-endian int64 sequence word: it changes whenever the word does.
 inline uint32_t* futex_of(std::atomic<int64_t>* w) { return reinterpret_cast<uint32_t*>(w); }

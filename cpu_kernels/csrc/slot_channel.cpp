@@ -4,8 +4,6 @@
 #include <chrono>
 #include <climits>
 #include <cstring>
-#include <fstream>
-#include <iterator>
 #include <sstream>
 #include <stdexcept>
 
@@ -16,22 +14,6 @@ using Clock = std::chrono::steady_clock;
 
 std::atomic<int64_t>* word(uint8_t* slot, CtrlWord w) {
   return reinterpret_cast<std::atomic<int64_t>*>(slot) + w;
-}
-
-enum class ProcState { kRunning, kStopped, kGone };
-
-// The state letter /proc/<pid>/stat gives after the command name (which may itself hold spaces and parentheses):
-// a zombie counts as gone, as a process that no longer exists does.
-ProcState proc_state(int pid) {
-  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
-  std::string stat((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-  const size_t close = stat.rfind(')');  // npos too when the file could not be read: no such process
-  if (close == std::string::npos || close + 2 >= stat.size()) return ProcState::kGone;
-  switch (stat[close + 2]) {
-    case 'Z': case 'X': case 'x': return ProcState::kGone;
-    case 'T': case 't': return ProcState::kStopped;
-    default: return ProcState::kRunning;
-  }
 }
 
 std::string seconds(int64_t us) {

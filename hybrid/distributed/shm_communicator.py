@@ -4,7 +4,8 @@ rank's `ShmCollectives`, which numbers the group's operations, so a CPU decode p
 
 The group's first rank creates the file under /dev/shm (O_EXCL, mode 0600) and hands its name to the others
 through torch.distributed; once every rank has mapped it the file is unlinked, so nothing is left behind when a
-rank dies. A tensor larger than a buffer is reduced in pieces.
+rank dies, and every rank's pid is in it, so a rank waiting on one that died fails at once with
+CommunicationError. A tensor larger than a buffer is reduced in pieces.
 """
 
 from __future__ import annotations
@@ -53,11 +54,17 @@ class ShmCommunicator(Communicator):
             self.map = mmap.mmap(fd, size)
         finally:
             os.close(fd)
+        self.buffer = torch.frombuffer(self.map, dtype=torch.uint8)
+        self.group = _C.ShmGroup(self.buffer.data_ptr(), self.world, self.rank, capacity, SPIN_US)
+        _C.shm_publish_pid(self.group)
         dist.barrier(group=group)
         if self.rank == 0:
             os.unlink(names[0])
-        self.buffer = torch.frombuffer(self.map, dtype=torch.uint8)
-        self.group = _C.ShmGroup(self.buffer.data_ptr(), self.world, self.rank, capacity, SPIN_US)
+        # A rank that dies then fails its peers' collectives at once (not at TIMEOUT_S), where its pid is visible
+        # here: ranks in other pid namespaces are not watched.
+        self.peer_pids = [_C.shm_pid(self.group, r) for r in range(self.world)]
+        if all(os.path.exists(f"/proc/{pid}") for pid in self.peer_pids):
+            self.group = _C.ShmGroup(self.buffer.data_ptr(), self.world, self.rank, capacity, SPIN_US, watch=True)
         # Numbers every operation; its all_reduce is a kernel, recorded into a rank's decode programs.
         self.collectives = _C.ShmCollectives(self.group, int(TIMEOUT_S * 1e6))
         self._C = _C

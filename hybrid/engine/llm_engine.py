@@ -16,6 +16,7 @@ import torch
 
 from cpu_kernels.thread_pool import unpin_child
 from hybrid.config import EngineConfig, ModelConfig
+from hybrid.distributed.communicator import CommunicationError
 from hybrid.engine.detokenizer import IncrementalDetokenizer
 from hybrid.engine.grammar_masks import MaskProcessSpec
 from hybrid.engine.model_runner import ModelRunner
@@ -161,7 +162,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Runs one batch; returns an output for each request that got a new token or finished. An exception
         while running the batch fails that batch's requests (each gets an output with finish_reason "error")
-        and leaves the engine serving; only a failed expert process propagates, for its owner to restart."""
+        and leaves the engine serving; only a failed expert process or a lost rank of a parallel run propagates, for
+        its owner to restart."""
         failed = self._schedule_compiled()
         batch = self.scheduler.schedule()
         if not batch:
@@ -173,7 +175,7 @@ class LLMEngine:
             else:
                 logits = self.runner.execute(batch)
             samples = self.sampler(logits, sampling)
-        except ExpertServerError:
+        except (ExpertServerError, CommunicationError):
             raise
         except Exception as e:
             log.exception("a step of %d requests failed; failing them and serving on", len(batch))

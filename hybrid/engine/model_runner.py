@@ -8,6 +8,7 @@ decode graphs (CUDA graphs on the hybrid path, recorded kernel programs CPU-only
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING
 
@@ -15,6 +16,7 @@ import torch
 
 from hybrid.checkpoint.reader import CheckpointReader
 from hybrid.config import ConfigError, EngineConfig, ModelConfig
+from hybrid.distributed.communicator import CommunicationError
 from hybrid.engine.overlap_policy import OverlapPolicy
 from hybrid.engine.scheduler import ScheduledSeq, prefilling
 from hybrid.experts.base import Experts
@@ -25,6 +27,8 @@ from hybrid.layers.forward_batch import HostBatch
 from hybrid.mem_cache.kv_pool import KVPool
 from hybrid.model_loader.loader import load_model
 from hybrid.models.causal_lm import CausalLM
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from hybrid.distributed.launcher import ParallelRun
@@ -245,6 +249,9 @@ class ModelRunner:
         """Stops the other ranks (driver) and releases the experts."""
         if self.parallel is not None:
             if self.parallel.state.info.driver:
-                self.executor.stop()
+                try:
+                    self.executor.stop()
+                except CommunicationError:
+                    log.warning("a rank of the parallel run is gone; stopping the others")
             self.parallel.close()
         self.experts.close()

@@ -24,6 +24,7 @@ from pathlib import Path
 import zmq
 
 from hybrid.config.home import open_private
+from hybrid.distributed.communicator import CommunicationError
 from hybrid.engine.llm_engine import LLMEngine
 from hybrid.engine.outputs import RequestOutput
 from hybrid.experts.process.client import ExpertServerError
@@ -266,6 +267,10 @@ class EngineServer:
         except ExpertServerError as e:
             self.restart_experts(f"the expert process failed ({e})")
             return
+        except CommunicationError as e:  # a rank of the parallel run is gone: the supervisor restarts the engine
+            self.fail_all(503, f"the parallel run lost a rank ({e}); hybridd is restarting the engine, retry the "
+                               "request")
+            raise
         for out in outputs:
             self.emit(out)
         self.after_step()
