@@ -7,7 +7,8 @@ kernels is checked while it records: allocate tensors and take views of them; an
 (an add, a copy, a cast, a host read) raises `RecordError`, because a replay would not repeat it.
 
 A replay reads and writes the addresses recorded: fn's inputs must be static tensors rewritten in place between
-replays, and every tensor fn allocated is kept alive by the Program (they are its intermediates and outputs), as
+replays, and every tensor fn allocated is kept alive by the Program (they are its intermediates and outputs), or
+is a range of an `Arena` the Program keeps (programs that never run at once share one: cpu_kernels/arena.py), as
 is every object its calls ran on (thread pools, expert-process slots; what a slot points at, the shared memory of
 one expert process, is the owner's to keep: a program recorded over it must go when that process goes).
 """
@@ -22,6 +23,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from cpu_kernels import _C, moe
+from cpu_kernels.arena import Arena, ArenaAllocator
 from cpu_kernels.thread_pool import start_torch_threads
 
 aten = torch.ops.aten
@@ -77,7 +79,8 @@ class _Recorder:
 
 
 class _Recording(TorchDispatchMode):
-    """Active while recording: routes kernel calls into the program, keeps every tensor made, rejects compute."""
+    """Active while recording: routes kernel calls into the program, keeps every tensor made (or places it in an
+    arena), rejects compute."""
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -85,9 +88,9 @@ class _Recording(TorchDispatchMode):
         # ~145 MB of RSS in every engine process, for code that is never compiled.
         return False
 
-    def __init__(self, program: _C.KernelProgram):
+    def __init__(self, program: _C.KernelProgram, allocator: ArenaAllocator | None):
         super().__init__()
-        self.program = program
+        self.program, self.allocator = program, allocator
         self.tensors: list[torch.Tensor] = []
         self.targets: list[Any] = []  # what the recorded calls run on
         self.names: list[str] = []
@@ -106,6 +109,8 @@ class _Recording(TorchDispatchMode):
         if func in VIEW_IF_POSSIBLE and out.untyped_storage().data_ptr() != args[0].untyped_storage().data_ptr():
             raise RecordError(f"recorded code ran {func} at {_caller()} on a tensor it had to copy: a kernel "
                               "program replays kernel calls only")
+        if self.allocator is not None:  # the arena's block holds the memory: tensors are not kept, so reused
+            return self.allocator.place(out) if func in ALLOCATING else out
         for t in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(t, torch.Tensor):
                 self.tensors.append(t)
@@ -125,10 +130,12 @@ class _Recording(TorchDispatchMode):
 class Program:
     """A recorded piece: `run()` replays its kernel calls and returns the outputs fn returned at recording."""
 
-    def __init__(self, program: _C.KernelProgram, outputs: Any, names: list[str], keep: list[Any], nbytes: int):
+    def __init__(self, program: _C.KernelProgram, outputs: Any, names: list[str], keep: list[Any], nbytes: int,
+                 generation: int | None = None):
         self.program, self.outputs, self.names = program, outputs, names  # names: each call's kernel
-        self._keep = keep  # what the recorded addresses point at: the tensors made and the calls' targets
-        self.nbytes = nbytes  # of the intermediates and outputs it holds
+        self._keep = keep  # what the recorded addresses point at: the tensors made (or arena block), the targets
+        self.nbytes = nbytes  # of the intermediates and outputs it holds (its peak in an arena)
+        self.generation = generation  # of the arena block it was recorded into
 
     def __len__(self) -> int:
         return len(self.program)
@@ -145,11 +152,21 @@ class Program:
         return self.outputs, spent
 
 
-def record(fn: Callable[[], Any]) -> Program:
-    """fn's kernel calls as a Program (nothing runs while recording); RecordError if fn computes in torch."""
+def record(fn: Callable[[], Any], arena: Arena | None = None) -> Program:
+    """fn's kernel calls as a Program (nothing runs while recording); RecordError if fn computes in torch. With
+    an arena, fn's tensors are ranges of its block (cpu_kernels/arena.py), grown first if it is too small: fn is
+    then recorded twice, and the arena's other programs are stale."""
     start_torch_threads()  # once per process, in torch ops: not while recording
-    program = _C.KernelProgram()
-    recording = _Recording(program)
-    with recording:
-        outputs = fn()
-    return Program(program, outputs, recording.names, recording.tensors + recording.targets, recording.allocated)
+    while True:
+        program = _C.KernelProgram()
+        allocator = None if arena is None else ArenaAllocator(arena)
+        recording = _Recording(program, allocator)
+        with recording:
+            outputs = fn()
+        if allocator is None or allocator.fits:
+            break
+        arena.grow(allocator.peak)
+    keep = recording.tensors + recording.targets
+    if allocator is None:
+        return Program(program, outputs, recording.names, keep, recording.allocated)
+    return Program(program, outputs, recording.names, keep + [allocator.block], allocator.peak, allocator.generation)

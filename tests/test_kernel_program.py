@@ -13,12 +13,14 @@ import pytest
 import torch
 from conftest import prompt_ids
 
+from cpu_kernels.arena import ALIGN, Arena
 from cpu_kernels.attention import store_kv
 from cpu_kernels.elementwise import add, silu_mul
 from cpu_kernels.norm import rms_norm
 from cpu_kernels.program import RecordError, record
 from hybrid import LLM, SamplingParams
-from hybrid.graphs.cpu_decode_programs import MAX_PROGRAM_BATCH, CpuDecodePrograms
+from hybrid.graphs import cpu_decode_programs
+from hybrid.graphs.cpu_decode_programs import CpuDecodePrograms
 from hybrid.layers.add import Add
 
 
@@ -80,11 +82,13 @@ def _staggered(n: int, seed: int) -> tuple[list[list[int]], list[SamplingParams]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_decode_programs_draw_the_eager_tokens(any_model, dtype):
+def test_decode_programs_draw_the_eager_tokens(any_model, dtype, monkeypatch):
     """Every test model: Qwen3 (GQA) and DeepSeek-V3 (MLA, with and without q_lora, fp8). An fp32 run of an fp8
     MLA model keeps torch's fp32 einsums for the absorbed kv_b (its dequantized values are not bf16 values, which
-    the kernels hold), so its steps are refused and run eagerly."""
-    prompts, params = _staggered(MAX_PROGRAM_BATCH + 2, seed=3)
+    the kernels hold), so its steps are refused and run eagerly. The cap is lowered to 8 so that batches above
+    it (eager) come cheaply."""
+    monkeypatch.setattr(cpu_decode_programs, "MAX_PROGRAM_BATCH", 8)
+    prompts, params = _staggered(8 + 2, seed=3)
     eager, _ = _generate(any_model, dtype, True, prompts, params)
     replayed, llm = _generate(any_model, dtype, False, prompts, params)
     assert [len(t) for t in replayed] == [p.max_tokens for p in params]
@@ -96,9 +100,61 @@ def test_decode_programs_draw_the_eager_tokens(any_model, dtype):
         return
     assert programs.refused is None
     # every batch size up to the cap was recorded once; the two larger ones ran eagerly
-    assert sorted(programs.steps) == list(range(1, MAX_PROGRAM_BATCH + 1)) == sorted(
+    assert sorted(programs.steps) == list(range(1, 8 + 1)) == sorted(
         n for n, s in programs.steps.items() if s.program is not None)
-    assert programs.nbytes > 0
+    # the largest batch came first: the arena was sized once, and every program shares it
+    assert programs.arena.generation == 1 and programs.nbytes == max(s.program.nbytes for s in programs.steps.values())
+
+
+def test_growing_batches_grow_the_arena_and_record_again(model_dirs):
+    """Requests arriving one by one: each larger decode batch outgrows the arena, which drops the smaller sizes'
+    programs (recorded again at their next use); tokens stay the eager ones."""
+    prompts, params = _staggered(5, seed=21)
+
+    def arriving(eager: bool) -> tuple[list, LLM]:
+        llm = LLM(model_dirs["tiny-qwen3-moe"], dtype="bfloat16", enforce_eager=eager, max_num_seqs=8)
+        engine, outs = llm.engine, {}
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            engine.add_request(p, sp, request_id=str(i))
+            for _ in range(2):  # its prefill, then a decode step of everything running
+                for out in engine.step():
+                    outs[out.request_id] = out.token_ids
+        while engine.has_unfinished():
+            for out in engine.step():
+                outs[out.request_id] = out.token_ids
+        return [outs[str(i)] for i in range(len(prompts))], llm
+
+    want, _ = arriving(True)
+    got, llm = arriving(False)
+    assert got == want
+    programs = llm.engine.runner.graphs
+    assert programs.arena.generation >= 3 and programs.num_captured >= 1
+    assert all(s.program.generation == programs.arena.generation for s in programs.steps.values())
+
+
+def test_an_arena_reuses_what_a_recording_dropped():
+    """Temporaries dropped while recording give their ranges to later ones: the peak is one link of the chain,
+    not the chain; a replay computes what eager code does, and a grown arena leaves old programs intact."""
+    g = torch.Generator().manual_seed(4)
+    x, w = torch.randn(5, 96, generator=g).bfloat16(), torch.randn(96, generator=g).bfloat16()
+
+    def chain() -> torch.Tensor:
+        h = x
+        for _ in range(6):
+            h = add(rms_norm(h, w, 1e-6), x)
+        return h
+
+    with torch.inference_mode():
+        arena = Arena()
+        program = record(chain, arena)
+        plain = record(chain)
+        assert arena.generation == 1 and program.generation == 1
+        assert program.nbytes <= 3 * 5 * 96 * 2 + 3 * ALIGN < plain.nbytes == 12 * 5 * 96 * 2
+        for _ in range(3):
+            assert torch.equal(program.run(), chain())
+            x.copy_(torch.randn(5, 96, generator=g))
+        arena.grow(4 * arena.nbytes)
+        assert program.generation != arena.generation and torch.equal(program.run(), chain())
 
 
 def test_sampled_decode_matches_too(model_dirs):
