@@ -10,6 +10,7 @@ runs of each run's fraction of the mean of the probes either side: the machine's
     python scripts/bench_decode.py --prompt-len 4096 --attention torch   # long context, torch attention
     python scripts/bench_decode.py --breakdown              # and where a decode step's time goes
     python scripts/bench_decode.py --compare eager,program  # decode programs against eager steps, paired
+    python scripts/bench_decode.py --compare eager,program --batch 16   # the same, 16 sequences per step
     python scripts/bench_decode.py --preset moonlight --layers 3 --compare mla-torch,eager
 
 CPU-only decode replays recorded kernel programs (hybrid/graphs/cpu_decode_programs.py) unless --enforce-eager.
@@ -94,10 +95,12 @@ def compare(llm: LLM, programs, a, vocab: int, gen: torch.Generator, make_params
     for _ in range(a.pairs):
         for mode in modes:
             set_mode(engine, mode, programs, absorbed)
-            steps[mode].append(decode_steps(engine, prompt, a.decode_tokens, make_params(a.decode_tokens + 2)))
+            steps[mode].append(decode_steps(engine, prompt, a.decode_tokens, make_params(a.decode_tokens + 2),
+                                            batch=a.batch))
     set_mode(engine, "program", programs, absorbed)
     base = modes[0]
-    t = Table(title=f"decode step by mode, {a.pairs} rounds, {layers} layers ({a.threads} threads)")
+    t = Table(title=f"decode step of {a.batch} sequence(s) by mode, {a.pairs} rounds, {layers} layers "
+                    f"({a.threads} threads)")
     for col in ("mode", "median step", f"{base} / mode (median of rounds)", "rounds faster than " + base):
         t.add_column(col, justify="left" if col == "mode" else "right")
     res = {}
@@ -135,6 +138,7 @@ def main() -> None:
     ap.add_argument("--compare", metavar="MODES", help="also time rounds switching between modes (comma list of "
                     "eager, program, mla-torch; ratios against the first)")
     ap.add_argument("--pairs", type=int, default=8, help="rounds of --compare")
+    ap.add_argument("--batch", type=int, default=1, help="sequences decoding together in --compare's steps")
     ap.add_argument("--json", help="also write the results to this file")
     a = ap.parse_args()
     console = Console()
@@ -149,7 +153,7 @@ def main() -> None:
     probe = BandwidthProbe(a.threads)
     t0 = time.perf_counter()
     llm = LLM(model_dir, dtype=a.dtype, max_num_batched_tokens=max(512, a.prompt_len),
-              max_model_len=a.prompt_len + a.decode_tokens + 8, max_num_seqs=1, backend=a.backend,
+              max_model_len=a.prompt_len + a.decode_tokens + 8, max_num_seqs=a.batch, backend=a.backend,
               expert_format=a.expert_format, num_threads=a.threads, attention=a.attention,
               enforce_eager=a.enforce_eager, experts=a.experts)
     load_s = time.perf_counter() - t0

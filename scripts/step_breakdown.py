@@ -37,12 +37,15 @@ KERNELS = {
 }
 
 
-def decode_steps(engine, prompt: list[int], steps: int, params, window: list[bool] | None = None) -> float:
-    """Seconds per decode step over `steps` steps of one request (after its prefill); window[0] is set while they
-    run."""
+def decode_steps(engine, prompt: list[int], steps: int, params, window: list[bool] | None = None,
+                 batch: int = 1) -> float:
+    """Seconds per decode step over `steps` steps of `batch` requests decoding together (after their prefills;
+    request i's prompt is `prompt` rotated by i tokens, so the rows route to different experts); window[0] is set
+    while they run."""
     window = window if window is not None else [False]
-    engine.add_request(prompt, params)
-    engine.step()
+    waiting = {engine.add_request(prompt[i:] + prompt[:i], params) for i in range(batch)}
+    while waiting:  # prefills, possibly over several steps, until every request has its first token
+        waiting -= {out.request_id for out in engine.step() if out.token_ids}
     window[0] = True
     start = time.perf_counter()
     for _ in range(steps):
