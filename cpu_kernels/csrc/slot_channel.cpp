@@ -63,15 +63,16 @@ bool slot_wait(uint8_t* slot, const SlotOffsets& o, int64_t seq, int spin_us, in
 
 void SlotCall::submit(int layer, int tokens, int topk, bool f32, const void* x, const void* ids, bool ids64,
                       const float* weights) {
-  if (seq_ != 0) throw std::logic_error("this expert slot already has a call in flight");
+  // A call nobody waited for (the step failed after submitting it) must finish before the slot is rewritten: the
+  // server would otherwise read a half-written call, and mark the new one done when it finishes the old one.
+  if (seq_ != 0) settle();
   seq_ = slot_submit(slot_, o_, layer, tokens, topk, f32, x, ids, ids64, weights);
 }
 
-void SlotCall::wait(void* out, int64_t out_bytes) {
-  if (seq_ == 0) throw std::logic_error("this expert slot has no call in flight");
+void SlotCall::settle() {
   const auto deadline = Clock::now() + std::chrono::microseconds(timeout_us_);
   const std::string who = "the expert process (pid " + std::to_string(pid_) + ")";
-  while (!slot_wait(slot_, o_, seq_, spin_us_, poll_us_, out, out_bytes)) {
+  while (!slot_wait(slot_, o_, seq_, spin_us_, poll_us_, nullptr, 0)) {
     const ProcState state = proc_state(pid_);
     const char* failure = state == ProcState::kGone      ? " died during a layer call"
                           : state == ProcState::kStopped ? " is stopped (SIGSTOP?) and cannot finish a layer call"
@@ -83,11 +84,17 @@ void SlotCall::wait(void* out, int64_t out_bytes) {
     }
   }
   seq_ = 0;
+}
+
+void SlotCall::wait(void* out, int64_t out_bytes) {
+  if (seq_ == 0) throw std::logic_error("this expert slot has no call in flight");
+  settle();
   if (word(slot_, kStatus)->load(std::memory_order_relaxed) != 0) {
     const int64_t n = std::min(word(slot_, kErrorLen)->load(std::memory_order_relaxed), o_.error_bytes);
     throw ExpertCallError("expert process: " + std::string(reinterpret_cast<const char*>(slot_ + o_.error),
                                                             size_t(std::max<int64_t>(n, 0))));
   }
+  std::memcpy(out, slot_ + o_.out, size_t(out_bytes));
 }
 
 void SlotServer::serve() {

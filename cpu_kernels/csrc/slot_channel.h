@@ -59,6 +59,8 @@ class SlotCall {
   bool in_flight() const { return seq_ != 0; }
 
  private:
+  void settle();  // until the call in flight is done, or ExpertCallError
+
   uint8_t* slot_;
   SlotOffsets o_;
   int pid_;

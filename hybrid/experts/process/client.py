@@ -15,6 +15,7 @@ import select
 import shutil
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import torch
@@ -130,7 +131,9 @@ class ExpertClient:
         offsets = self.slots.offsets()
         self._calls = [_C.SlotCall(self.slots.slot_ptr(s), offsets, self.server_pid, int(timeout_s * 1e6),
                                    CLIENT_SPIN_US, int(POLL_S * 1e6)) for s in range(num_slots)]
-        self._in_flight: dict[int, ExpertHandle] = {}
+        # Each slot's handle while its call is in flight; a handle dropped unwaited (its step failed) frees the slot,
+        # whose next submit lets the old call finish first (SlotCall).
+        self._in_flight: dict[int, weakref.ref[ExpertHandle]] = {}
 
     def request(self, msg: dict, timeout_s: float | None = None) -> dict:
         """One control round trip, bounded by timeout_s (default: the client's timeout)."""
@@ -180,14 +183,15 @@ class ExpertClient:
         recordable(self._calls[slot]).expert_submit(layer, tokens, topk, dtype == torch.float32, x.data_ptr(),
                                                     ids.data_ptr(), ids.dtype == torch.int64, weights.data_ptr())
         handle = ExpertHandle(self, slot, (tokens, self.slots.layout.hidden), dtype)
-        self._in_flight[slot] = handle
+        self._in_flight[slot] = weakref.ref(handle)
         return handle
 
     def _free_slot(self) -> int:
         """The lowest free slot: with one call in flight it is always slot 0, whose server thread is still
         spinning from the last call instead of asleep."""
         for slot in range(self.slots.num_slots):
-            if slot not in self._in_flight:
+            held = self._in_flight.get(slot)
+            if held is None or held() is None:
                 return slot
         raise ExpertServerError(f"all {self.slots.num_slots} expert slots have a call in flight; wait for one")
 
@@ -199,7 +203,8 @@ class ExpertClient:
         try:
             recordable(self._calls[handle.slot]).expert_wait(out.data_ptr(), out.numel() * out.element_size())
         finally:
-            self._in_flight.pop(handle.slot, None)
+            if (held := self._in_flight.get(handle.slot)) is not None and held() is handle:
+                del self._in_flight[handle.slot]
         return out
 
     def close(self) -> None:
