@@ -209,6 +209,31 @@ def test_start_with_tp2_runs_its_follower_and_stops_it(tmp_path, monkeypatch):
     follower.wait(timeout=30)
 
 
+def test_a_step_failing_part_way_on_the_driver_breaks_the_run_and_close_kills_the_ranks(model_dirs, two_nodes,
+                                                                                        monkeypatch):
+    """The follower already runs a step the driver fails in: the ranks are out of step, so the error is no
+    per-request failure but CommunicationError, and closing kills the follower instead of waiting on it."""
+    from hybrid.distributed.communicator import CommunicationError
+    from hybrid.engine.stage_executor import StageExecutor
+
+    llm = LLM(model_dirs["tiny-qwen3-moe"], dtype="float32", tp=2)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    try:
+        llm.generate([prompt_ids(9, seed=1)], params)
+
+        def fails(self, mb, x):
+            raise RuntimeError("injected")
+        monkeypatch.setattr(StageExecutor, "_layers", fails)
+        with pytest.raises(CommunicationError, match="out of step: RuntimeError: injected"):
+            llm.generate([prompt_ids(9, seed=2)], params)
+        assert llm.engine.runner.executor.broken
+    finally:
+        start = time.monotonic()
+        llm.close()
+        assert time.monotonic() - start < 10
+    assert all(p.poll() is not None for p in llm.engine.runner.parallel.followers)
+
+
 def test_a_dead_follower_fails_the_step_at_once(model_dirs, two_nodes):
     """The ranks' pids are in the shared mapping: waiting on a rank that died raises CommunicationError within
     a poll (50 ms), in a replayed decode program's all-reduce as in the step broadcast."""

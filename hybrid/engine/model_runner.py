@@ -246,12 +246,16 @@ class ModelRunner:
         self.executor.follow()
 
     def close(self) -> None:
-        """Stops the other ranks (driver) and releases the experts."""
+        """Stops the other ranks (driver; those of a broken run are killed) and releases the experts."""
         if self.parallel is not None:
-            if self.parallel.state.info.driver:
+            if self.parallel.state.info.driver and not self.executor.broken:
                 try:
                     self.executor.stop()
                 except CommunicationError:
-                    log.warning("a rank of the parallel run is gone; stopping the others")
-            self.parallel.close()
+                    self.executor.broken = True
+            if self.executor.broken:
+                log.warning("the parallel run is broken (a rank is gone or out of step): killing the other ranks")
+                self.parallel.abort()
+            else:
+                self.parallel.close()
         self.experts.close()

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from hybrid.distributed.communicator import CommunicationError
 from hybrid.distributed.parallel_state import ParallelState
 from hybrid.engine.step_message import Step, decode, encode
 from hybrid.layers.attention.backend import AttentionBackend
@@ -45,12 +46,24 @@ class StageExecutor:
         self.body, self.caches, self.attention = body, caches, attention
         self.hidden_size, self.dtype, self.device = hidden_size, dtype, device
         self.programs = programs
+        self.broken = False  # the ranks are out of step: the run cannot go on
 
     def run(self, micro_batches: list[HostBatch]) -> torch.Tensor:
-        """Driver: the step's final hidden states, every row of every micro-batch in order."""
+        """Driver: the step's final hidden states, every row of every micro-batch in order. Once the other ranks
+        have the step, a failure here leaves them part-way through it, waiting on collectives this rank will not
+        make: it is raised as CommunicationError and the run is `broken`."""
         step = Step(micro_batches)
-        self._pass_on(encode(step))
-        return self._run(step)
+        payload = encode(step)
+        try:
+            self._pass_on(payload)
+            return self._run(step)
+        except CommunicationError:
+            self.broken = True
+            raise
+        except Exception as e:
+            self.broken = True
+            raise CommunicationError(f"a step failed on the driving rank after the other ranks started it, which "
+                                     f"leaves them out of step: {type(e).__name__}: {e}") from e
 
     def follow(self) -> None:
         """Other ranks: runs the driver's steps until it says stop."""
