@@ -4,7 +4,9 @@ decode programs of one engine, one per batch size).
 While a program records into an `Arena` (cpu_kernels/program.py), every tensor it allocates is a range of the
 arena's block, and a range whose tensors Python has dropped is handed out again to the recording's later
 allocations (first fit). That reuse is safe because a tensor no Python object can reach is touched by no later
-kernel call: the recorded calls that used the range all come before those that use it again. A program then
+kernel call: the recorded calls that used the range all come before those that use it again. It requires that
+recorded code pass addresses to kernels only from live tensors (never an address kept as an int, or held by a
+C++ object, past its tensor), which the kernels' Python wrappers do. A program then
 needs about one layer's live intermediates instead of every layer's, and every program of an arena starts at
 its beginning, so the block is as large as the largest program's peak, not the sum of all.
 
@@ -72,7 +74,10 @@ class ArenaAllocator:
             if b - a >= n:
                 self._free[i:i + 1] = [(a + n, b)] if b - a > n else []
                 return a
-        start, self.peak = self.peak, self.peak + n
+        start = self.peak
+        if self._free and self._free[-1][1] == self.peak:  # a free range at the top: extend it
+            start = self._free.pop()[0]
+        self.peak = start + n
         return start
 
     def _give(self, start: int, n: int) -> None:

@@ -70,7 +70,11 @@ class _Recorder:
     def __getattr__(self, name: str) -> Any:
         record = getattr(self.program, name, None)
         if record is None:
-            return getattr(self.target, name)
+            value = getattr(self.target, name)
+            if callable(value):  # it would run now, once, and not at the replays
+                raise RecordError(f"recorded code called {type(self.target).__name__}.{name} at {_caller()}, which "
+                                  "is not a kernel: a kernel program replays kernel calls only")
+            return value
 
         def call(*args: Any) -> None:
             record(self.target, *args)

@@ -8,12 +8,13 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
+import weakref
 
 import pytest
 import torch
 from conftest import prompt_ids
 
-from cpu_kernels.arena import ALIGN, Arena
+from cpu_kernels.arena import ALIGN, Arena, ArenaAllocator
 from cpu_kernels.attention import store_kv
 from cpu_kernels.elementwise import add, silu_mul
 from cpu_kernels.norm import rms_norm
@@ -153,8 +154,57 @@ def test_an_arena_reuses_what_a_recording_dropped():
         for _ in range(3):
             assert torch.equal(program.run(), chain())
             x.copy_(torch.randn(5, 96, generator=g))
+        old = weakref.ref(arena.block)
         arena.grow(4 * arena.nbytes)
+        assert old() is not None  # the program keeps the block it was recorded into
         assert program.generation != arena.generation and torch.equal(program.run(), chain())
+
+
+def test_arena_ranges_of_live_tensors_never_overlap():
+    """What the reuse rests on: a range is given back only when no tensor on it is left, views included, and two
+    tensors alive at once never share bytes."""
+    arena = Arena()
+    arena.grow(1 << 22)
+    alloc = ArenaAllocator(arena)
+    base = arena.block.data_ptr()
+
+    def span(t: torch.Tensor) -> range:
+        start = t.untyped_storage().data_ptr() - base
+        return range(start, start + t.untyped_storage().nbytes())
+
+    live, total, g = [], 0, torch.Generator().manual_seed(9)
+    for i in range(300):
+        shape = (int(torch.randint(1, 40, (1,), generator=g)), int(torch.randint(1, 40, (1,), generator=g)))
+        t = alloc.place(torch.empty(shape, dtype=torch.bfloat16 if i % 2 else torch.float32))
+        total += t.untyped_storage().nbytes()
+        live.append(t[1:] if i % 3 == 0 else t)  # some are kept only through a view
+        del t
+        while len(live) > 30 or (live and torch.rand(1, generator=g) < 0.4):
+            live.pop(int(torch.randint(0, len(live), (1,), generator=g)))
+        spans = sorted((span(v).start, span(v).stop) for v in live)
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), "two live tensors share bytes"
+    assert alloc.fits and alloc.peak < total / 4  # ranges came back and were handed out again
+
+
+def test_a_non_kernel_method_is_refused_and_collectives_record():
+    """The shm all-reduce records like any kernel (its operation counter moves at each replay, not at recording);
+    a method of a kernel target that is not a kernel would run once, at recording: refused."""
+    from cpu_kernels import _C
+    from cpu_kernels.moe import recordable
+
+    buf = torch.zeros(64 + 2 * 4096, dtype=torch.uint8)
+    coll = _C.ShmCollectives(_C.ShmGroup(buf.data_ptr(), 1, 0, 4096, 0), 1_000_000)
+    x = torch.arange(10, dtype=torch.float32)
+    program = record(lambda: recordable(coll).all_reduce(x.data_ptr(), x.numel(), False))
+    assert coll.seq == 0 and program.names == ["all_reduce"]
+    for _ in range(3):
+        program.run()
+    assert coll.seq == 3 and torch.equal(x, torch.arange(10, dtype=torch.float32))  # one rank: the sum is x
+    with pytest.raises(RecordError, match="ShmCollectives.next_seq .* is not a kernel"):
+        record(lambda: recordable(coll).next_seq())
+    coll.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        program.run()
 
 
 def test_sampled_decode_matches_too(model_dirs):

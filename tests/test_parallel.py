@@ -234,24 +234,30 @@ def test_a_step_failing_part_way_on_the_driver_breaks_the_run_and_close_kills_th
     assert all(p.poll() is not None for p in llm.engine.runner.parallel.followers)
 
 
-def test_a_dead_follower_fails_the_step_at_once(model_dirs, two_nodes):
+@pytest.mark.parametrize("when", ["prefill", "decode"])
+def test_a_dead_follower_fails_the_step_at_once(model_dirs, two_nodes, when):
     """The ranks' pids are in the shared mapping: waiting on a rank that died raises CommunicationError within
-    a poll (50 ms), in a replayed decode program's all-reduce as in the step broadcast."""
+    a poll (50 ms), in an eager step's collectives (a prefill) as in a replayed decode program's all-reduce."""
     import psutil
 
     from hybrid.distributed.communicator import CommunicationError
 
     llm = LLM(model_dirs["tiny-qwen3-moe"], dtype="float32", tp=2)
-    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    engine = llm.engine
     try:
-        llm.generate([prompt_ids(9, seed=1)], params)
+        engine.add_request(prompt_ids(9, seed=1), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        engine.step()
+        engine.step()  # a decode step: recorded, then replayed
+        assert engine.runner.graphs.num_captured == 1
+        if when == "prefill":
+            engine.add_request(prompt_ids(9, seed=2), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
         (follower,) = [p for p in psutil.Process().children() if "hybrid.engine.follower" in " ".join(p.cmdline())]
         follower.kill()
         follower.wait(timeout=10)
         start = time.monotonic()
         with pytest.raises(CommunicationError, match=rf"rank 1 \(pid {follower.pid}\) is gone"):
-            llm.generate([prompt_ids(9, seed=2)], params)
-        assert time.monotonic() - start < 5
+            engine.step()
+        assert time.monotonic() - start < 5 and engine.runner.executor.broken
     finally:
         start = time.monotonic()
         llm.close()

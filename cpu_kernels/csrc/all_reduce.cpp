@@ -1,5 +1,7 @@
 #include "all_reduce.h"
 
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <cstring>
 #include <string>
@@ -23,15 +25,17 @@ constexpr int64_t kWatchUs = 50000;  // how often a watched wait checks that its
 bool wait_rank(const ShmGroup& g, int rank, int64_t seq, int64_t timeout_us) {
   const auto reached = [seq](int64_t v) { return v >= seq; };
   if (!g.watch) return wait_word(flag(g, rank), sleepers(g, rank), reached, g.spin_us, timeout_us, nullptr);
-  for (int64_t left = timeout_us; left > 0; left -= kWatchUs) {
-    if (wait_word(flag(g, rank), sleepers(g, rank), reached, g.spin_us, std::min(left, kWatchUs), nullptr))
+  // In slices, spinning in the first only (an idle follower waits here for hours between steps).
+  for (int64_t left = timeout_us, spin = g.spin_us;; left -= kWatchUs, spin = 0) {
+    if (wait_word(flag(g, rank), sleepers(g, rank), reached, int(spin), std::clamp<int64_t>(left, 0, kWatchUs),
+                  nullptr))
       return true;
     const int pid = shm_pid(g, rank);
     if (pid > 0 && proc_state(pid) == ProcState::kGone)
       throw CollectiveError("rank " + std::to_string(g.rank) + " of a parallel run: rank " + std::to_string(rank) +
                             " (pid " + std::to_string(pid) + ") is gone");
+    if (left <= kWatchUs) return false;
   }
-  return false;
 }
 
 bool wait_all(const ShmGroup& g, int64_t seq, int64_t timeout_us) {
@@ -58,9 +62,18 @@ uint16_t f32_to_bf16(float f) {
 
 }  // namespace
 
-void shm_publish_pid(const ShmGroup& g) { pid_word(g, g.rank)->store(getpid(), std::memory_order_release); }
+void shm_publish_pid(const ShmGroup& g) {
+  struct stat ns{};
+  pid_word(g, g.rank)[1].store(stat("/proc/self/ns/pid", &ns) == 0 ? int64_t(ns.st_ino) : 0,
+                               std::memory_order_relaxed);
+  pid_word(g, g.rank)->store(getpid(), std::memory_order_release);
+}
 
 int shm_pid(const ShmGroup& g, int rank) { return int(pid_word(g, rank)->load(std::memory_order_acquire)); }
+
+int64_t shm_pid_namespace(const ShmGroup& g, int rank) {
+  return pid_word(g, rank)[1].load(std::memory_order_acquire);
+}
 
 int64_t shm_buffer(const ShmGroup& g, int64_t seq, int rank) {
   return g.world * kFlagLine + ((seq & 1) * g.world + rank) * g.capacity;
@@ -112,6 +125,7 @@ bool shm_broadcast_wait(const ShmGroup& g, int64_t seq, int root, int64_t timeou
 }
 
 void ShmCollectives::all_reduce(void* data, int64_t numel, bool bf16) {
+  if (g_.base == nullptr) throw CollectiveError("this rank's communicator is closed (its mapping is gone)");
   const int64_t size = bf16 ? 2 : 4, step = g_.capacity / size;
   for (int64_t start = 0; start < numel; start += step) {
     const int64_t seq = next_seq();

@@ -1,7 +1,8 @@
 // Collectives between the ranks of one machine over one shared mapping, with lock-free flags (no locks, no
 // system calls unless a rank sleeps waiting).
 //
-// The mapping is [world flag lines of 64 bytes: seq, sleepers, pid | 2 x world data buffers of `capacity` bytes].
+// The mapping is [world flag lines of 64 bytes: seq, sleepers, pid, pid namespace | 2 x world data buffers of
+// `capacity` bytes].
 // Every rank runs the same sequence of operations, numbered 1, 2, ...; operation k uses the buffers of parity
 // k % 2. A rank publishes k in its flag once it has written its part of operation k (or, with nothing to write,
 // on entering it), which also says it has finished reading operation k - 1. So before writing for operation k a
@@ -24,9 +25,12 @@ struct ShmGroup {
   bool watch = false;
 };
 
-// Writes this process's pid into the rank's flag line; shm_pid reads a rank's (0 until it has written it).
+// Writes this process's pid and its pid namespace (the inode of /proc/self/ns/pid) into the rank's flag line;
+// shm_pid / shm_pid_namespace read a rank's (0 until it has written them). A pid is only meaningful to a rank in
+// the same namespace.
 void shm_publish_pid(const ShmGroup& g);
 int shm_pid(const ShmGroup& g, int rank);
+int64_t shm_pid_namespace(const ShmGroup& g, int rank);
 
 // Sums `numel` elements of `data` (float32 when !bf16, else bfloat16, summed in float32 and rounded once) over
 // the ranks into `data` on every rank, adding in rank order so that every rank gets the same bits. False when a
@@ -57,6 +61,9 @@ class ShmCollectives {
   ShmCollectives(ShmGroup g, int64_t timeout_us) : g_(g), timeout_us_(timeout_us) {}
   // shm_all_reduce in pieces of at most a buffer; CollectiveError when a peer does not arrive within the timeout.
   void all_reduce(void* data, int64_t numel, bool bf16);
+  // The mapping is about to go: every later all_reduce raises instead of touching it (a program recorded over
+  // this group may outlive its communicator).
+  void close() { g_.base = nullptr; }
   int64_t next_seq() { return ++seq_; }
   int64_t seq() const { return seq_; }
   const ShmGroup& group() const { return g_; }

@@ -1,7 +1,8 @@
 // A decode step's kernel calls recorded once, with their arguments, and replayed in order: the CPU's counterpart
 // of a CUDA graph. Replaying runs no Python between the kernels, so a step costs what its kernels cost; every
-// address a call recorded (weights, caches, the step's static inputs and its intermediates) must hold the same
-// tensor, rewritten in place, whenever the program runs (cpu_kernels/program.py keeps them alive).
+// address a call recorded (weights, caches, the step's static inputs and its intermediates) must stay valid
+// whenever the program runs: inputs rewritten in place, intermediates kept by the program or placed in an arena
+// that only programs which never run at once share (cpu_kernels/program.py, cpu_kernels/arena.py).
 #pragma once
 
 #include <chrono>

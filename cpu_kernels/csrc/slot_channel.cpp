@@ -63,10 +63,15 @@ bool slot_wait(uint8_t* slot, const SlotOffsets& o, int64_t seq, int spin_us, in
 
 void SlotCall::submit(int layer, int tokens, int topk, bool f32, const void* x, const void* ids, bool ids64,
                       const float* weights) {
-  // A call nobody waited for (the step failed after submitting it) must finish before the slot is rewritten: the
-  // server would otherwise read a half-written call, and mark the new one done when it finishes the old one.
+  check_open();
+  // A call nobody waited for (its step failed after submitting it, or its wait gave up on a stopped or slow
+  // process) must finish before the slot is rewritten, or the server would read a half-written call.
   if (seq_ != 0) settle();
   seq_ = slot_submit(slot_, o_, layer, tokens, topk, f32, x, ids, ids64, weights);
+}
+
+void SlotCall::check_open() const {
+  if (slot_ == nullptr) throw ExpertCallError("this expert client is closed (its slots are unmapped)");
 }
 
 void SlotCall::settle() {
@@ -79,7 +84,7 @@ void SlotCall::settle() {
                           : Clock::now() > deadline      ? " did not finish a layer call within "
                                                          : nullptr;
     if (failure) {
-      seq_ = 0;
+      if (state == ProcState::kGone) seq_ = 0;  // else the call may still finish: the next submit waits for it
       throw ExpertCallError(who + failure + (state == ProcState::kRunning ? seconds(timeout_us_) : ""));
     }
   }
@@ -87,6 +92,7 @@ void SlotCall::settle() {
 }
 
 void SlotCall::wait(void* out, int64_t out_bytes) {
+  check_open();
   if (seq_ == 0) throw std::logic_error("this expert slot has no call in flight");
   settle();
   if (word(slot_, kStatus)->load(std::memory_order_relaxed) != 0) {
@@ -105,6 +111,7 @@ void SlotServer::serve() {
     if (!wait_word(req, word(slot_, kRequestSleepers), [last](int64_t v) { return v != last; }, spin_us_, 1000000,
                    &stop_))
       continue;
+    const int64_t seq = req->load(std::memory_order_acquire);  // the call served, whatever arrives meanwhile
     const auto start = Clock::now();
     try {
       call();
@@ -112,7 +119,7 @@ void SlotServer::serve() {
     } catch (const std::exception& e) {
       fail(e.what());
     }
-    publish(done, word(slot_, kDoneSleepers), req->load(std::memory_order_relaxed));
+    publish(done, word(slot_, kDoneSleepers), seq);
     calls_.fetch_add(1);
     busy_ns_.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count());
   }

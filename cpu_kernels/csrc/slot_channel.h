@@ -57,8 +57,12 @@ class SlotCall {
   // Copies out_bytes of the submitted call's result to out.
   void wait(void* out, int64_t out_bytes);
   bool in_flight() const { return seq_ != 0; }
+  // The slots are about to be unmapped: every later call raises instead of touching them (a program recorded
+  // over this slot may outlive its client).
+  void close() { slot_ = nullptr; }
 
  private:
+  void check_open() const;
   void settle();  // until the call in flight is done, or ExpertCallError
 
   uint8_t* slot_;

@@ -60,10 +60,11 @@ class ShmCommunicator(Communicator):
         dist.barrier(group=group)
         if self.rank == 0:
             os.unlink(names[0])
-        # A rank that dies then fails its peers' collectives at once (not at TIMEOUT_S), where its pid is visible
-        # here: ranks in other pid namespaces are not watched.
+        # A rank that dies then fails its peers' collectives at once (not at TIMEOUT_S), where every rank's pid
+        # means the same process here: all ranks in this pid namespace.
         self.peer_pids = [_C.shm_pid(self.group, r) for r in range(self.world)]
-        if all(os.path.exists(f"/proc/{pid}") for pid in self.peer_pids):
+        own = _C.shm_pid_namespace(self.group, self.rank)
+        if own and all(_C.shm_pid_namespace(self.group, r) == own for r in range(self.world)):
             self.group = _C.ShmGroup(self.buffer.data_ptr(), self.world, self.rank, capacity, SPIN_US, watch=True)
         # Numbers every operation; its all_reduce is a kernel, recorded into a rank's decode programs.
         self.collectives = _C.ShmCollectives(self.group, int(TIMEOUT_S * 1e6))
@@ -78,9 +79,9 @@ class ShmCommunicator(Communicator):
 
     def broadcast(self, payload: bytes | None, root: int = 0) -> bytes:
         if self.rank == root:
-            if len(payload) + 8 > self.capacity:
-                raise CommunicationError(f"a {len(payload)}-byte message does not fit the {self.capacity}-byte "
-                                         "shared-memory buffer")
+            if len(payload) + 8 > self.capacity:  # refused before any rank sees it: the group stays in step
+                raise ValueError(f"a {len(payload)}-byte message does not fit the {self.capacity}-byte "
+                                 "shared-memory buffer")
             seq = self.collectives.next_seq()
             data = torch.frombuffer(bytearray(payload or b"\0"), dtype=torch.uint8)
             if not self._C.shm_broadcast_send(self.group, seq, data.data_ptr(), len(payload), int(TIMEOUT_S * 1e6)):
@@ -97,6 +98,7 @@ class ShmCommunicator(Communicator):
         return bytes(self.map[offset + 8:offset + 8 + length])
 
     def close(self) -> None:
+        self.collectives.close()  # a decode program recorded over it may outlive this communicator
         self.buffer = None
         with contextlib.suppress(BufferError):  # a tensor view still alive: the mapping goes with the process
             self.map.close()

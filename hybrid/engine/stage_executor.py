@@ -10,7 +10,7 @@ replays its part of a decode micro-batch from its own recorded program (hybrid/g
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -50,20 +50,28 @@ class StageExecutor:
 
     def run(self, micro_batches: list[HostBatch]) -> torch.Tensor:
         """Driver: the step's final hidden states, every row of every micro-batch in order. Once the other ranks
-        have the step, a failure here leaves them part-way through it, waiting on collectives this rank will not
-        make: it is raised as CommunicationError and the run is `broken`."""
+        may have the step, a failure here leaves them part-way through it, waiting on collectives this rank will
+        not make: it is raised as CommunicationError and the run is `broken`. (A ValueError while passing the step
+        on refused it before any rank saw it.)"""
         step = Step(micro_batches)
         payload = encode(step)
         try:
             self._pass_on(payload)
-            return self._run(step)
-        except CommunicationError:
-            self.broken = True
+        except ValueError:
             raise
         except Exception as e:
-            self.broken = True
-            raise CommunicationError(f"a step failed on the driving rank after the other ranks started it, which "
-                                     f"leaves them out of step: {type(e).__name__}: {e}") from e
+            self._break(e)
+        try:
+            return self._run(step)
+        except Exception as e:
+            self._break(e)
+
+    def _break(self, e: Exception) -> NoReturn:
+        self.broken = True
+        if isinstance(e, CommunicationError):
+            raise e
+        raise CommunicationError(f"a step failed on the driving rank after the other ranks started it, which "
+                                 f"leaves them out of step: {type(e).__name__}: {e}") from e
 
     def follow(self) -> None:
         """Other ranks: runs the driver's steps until it says stop."""
@@ -125,6 +133,6 @@ class StageExecutor:
         if self.programs is not None and self.programs.fits(mb):
             out = self.programs.run(mb, x)
             if out is not None:
-                return out.clone()  # the program's buffer: the next micro-batch of this size would overwrite it
+                return out.clone()  # the programs' arena: the next micro-batch (any size) would overwrite it
         ids, batch = mb.to_device(self.device, self.caches, self.attention)
         return self.body.forward_layers(self.body.embed(ids) if x is None else x, batch).contiguous()

@@ -213,6 +213,8 @@ class ExpertClient:
                 self.request({"op": "unregister", "client": self.client_id}, min(self.timeout_s, UNREGISTER_S))
             except ExpertServerError:
                 pass
+        for call in self._calls:  # a decode program recorded over them may outlive this client
+            call.close()
         self._calls = []
         self.slots.close()
         if self._sock is not None:

@@ -38,8 +38,8 @@ class ProcessExperts(Experts):
         if self.respawn is None:
             raise ExpertServerError(f"the expert process at {self.client.control} was not started by this engine; "
                                     "restart it there")
+        self.epoch += 1  # first: the programs over the old slots must go even if closing them fails
         self.close()
-        self.epoch += 1
         self.client = self.respawn()
 
     def close(self) -> None:
