@@ -140,6 +140,6 @@ class CpuDecodePrograms:
         if self.arena.generation != generation:  # the arena grew: the other sizes' programs are stale
             self.steps.clear()
         self.steps[n] = step
-        log.info("recorded the decode step of %d sequences: %d kernel calls, %.2f MB of intermediates at their peak "
-                 "(arena %.2f MB)", n, len(step.program), step.program.nbytes / 2**20, self.arena.nbytes / 2**20)
+        log.info("recorded the decode step of %d sequences: %d kernel calls, %.1f KB of intermediates at their peak "
+                 "(arena %.1f KB)", n, len(step.program), step.program.nbytes / 1024, self.arena.nbytes / 1024)
         return step
