@@ -156,10 +156,11 @@ class Program:
         return self.outputs, spent
 
 
-def record(fn: Callable[[], Any], arena: Arena | None = None) -> Program:
+def record(fn: Callable[[], Any], arena: Arena | None = None, headroom: float = 1.0) -> Program:
     """fn's kernel calls as a Program (nothing runs while recording); RecordError if fn computes in torch. With
-    an arena, fn's tensors are ranges of its block (cpu_kernels/arena.py), grown first if it is too small: fn is
-    then recorded twice, and the arena's other programs are stale."""
+    an arena, fn's tensors are ranges of its block (cpu_kernels/arena.py), grown first if it is too small (to
+    headroom times what fn needs, room for the larger programs to come): fn is then recorded twice, and the
+    arena's other programs are stale."""
     start_torch_threads()  # once per process, in torch ops: not while recording
     while True:
         program = _C.KernelProgram()
@@ -169,7 +170,7 @@ def record(fn: Callable[[], Any], arena: Arena | None = None) -> Program:
             outputs = fn()
         if allocator is None or allocator.fits:
             break
-        arena.grow(allocator.peak)
+        arena.grow(int(allocator.peak * max(headroom, 1.0)))
     keep = recording.tensors + recording.targets
     if allocator is None:
         return Program(program, outputs, recording.names, keep, recording.allocated)

@@ -132,7 +132,10 @@ class CpuDecodePrograms:
         step = StaticStep(n, self.inputs, self.dtype, self.kv_caches, self.attention, self.ropes)
         generation = self.arena.generation
         try:
-            step.program = record(lambda: self.body.forward_layers(step.x, step.batch), self.arena)
+            # An arena that must grow grows for the largest batch at once (intermediates scale with the rows): the
+            # sizes recorded meanwhile are then not recorded again at every new largest batch.
+            step.program = record(lambda: self.body.forward_layers(step.x, step.batch), self.arena,
+                                  headroom=self.max_batch / n)
         except RecordError as e:
             self.refused = str(e)
             log.warning("decode steps run eagerly: %s", e)
