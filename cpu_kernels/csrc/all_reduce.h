@@ -66,7 +66,6 @@ class ShmCollectives {
   void close() { g_.base = nullptr; }
   int64_t next_seq() { return ++seq_; }
   int64_t seq() const { return seq_; }
-  const ShmGroup& group() const { return g_; }
 
  private:
   ShmGroup g_;

@@ -283,14 +283,12 @@ PYBIND11_MODULE(_C, m) {
                 }),
                 py::arg("slot"), py::arg("offsets"), py::arg("server_pid"), py::arg("timeout_us"), py::arg("spin_us"),
                 py::arg("poll_us"))
-      .def_property_readonly("in_flight", &SlotCall::in_flight)
       .def("close", &SlotCall::close);
   py::register_exception<hybridd::CollectiveError>(m, "CommunicationError", PyExc_RuntimeError);
   auto collectives = py::class_<ShmCollectives>(m, "ShmCollectives");
   collectives.def(py::init<ShmGroup, int64_t>(), py::arg("group"), py::arg("timeout_us"))
       .def("next_seq", &ShmCollectives::next_seq)
       .def_property_readonly("seq", &ShmCollectives::seq)
-      .def_property_readonly("group", &ShmCollectives::group)
       .def("close", &ShmCollectives::close);
 
   auto runner = py::class_<MoeRunner>(m, "MoeRunner");
@@ -343,7 +341,6 @@ PYBIND11_MODULE(_C, m) {
            py::arg("base"), py::arg("world"), py::arg("rank"), py::arg("capacity"), py::arg("spin_us"),
            py::arg("watch") = false);
   m.def("shm_publish_pid", &hybridd::shm_publish_pid);
-  m.def("shm_pid", &hybridd::shm_pid);
   m.def("shm_pid_namespace", &hybridd::shm_pid_namespace);
   m.def(
       "shm_broadcast_send",

@@ -23,8 +23,8 @@ std::string seconds(int64_t us) {
   return s.str();
 }
 
-}  // namespace
-
+// Client side. Copies one call into the slot at `slot` and rings; returns the call's sequence number. ids are
+// int64 (as torch's top-k gives them) when ids64, else int32.
 int64_t slot_submit(uint8_t* slot, const SlotOffsets& o, int layer, int tokens, int topk, bool f32, const void* x,
                     const void* ids, bool ids64, const float* weights) {
   if (tokens < 1 || tokens > o.max_tokens || topk < 1 || topk > o.max_topk)
@@ -52,14 +52,13 @@ int64_t slot_submit(uint8_t* slot, const SlotOffsets& o, int layer, int tokens, 
   return seq;
 }
 
-bool slot_wait(uint8_t* slot, const SlotOffsets& o, int64_t seq, int spin_us, int64_t timeout_us, void* out,
-               int64_t out_bytes) {
-  if (!wait_word(word(slot, kDoneSeq), word(slot, kDoneSleepers), [seq](int64_t v) { return v == seq; }, spin_us,
-                 timeout_us, nullptr))
-    return false;
-  if (out) std::memcpy(out, slot + o.out, size_t(out_bytes));
-  return true;
+// Waits until DONE_SEQ reaches seq: spins spin_us, then sleeps, for at most timeout_us in all. True when done.
+bool slot_wait(uint8_t* slot, int64_t seq, int spin_us, int64_t timeout_us) {
+  return wait_word(word(slot, kDoneSeq), word(slot, kDoneSleepers), [seq](int64_t v) { return v == seq; }, spin_us,
+                   timeout_us, nullptr);
 }
+
+}  // namespace
 
 void SlotCall::submit(int layer, int tokens, int topk, bool f32, const void* x, const void* ids, bool ids64,
                       const float* weights) {
@@ -77,7 +76,7 @@ void SlotCall::check_open() const {
 void SlotCall::settle() {
   const auto deadline = Clock::now() + std::chrono::microseconds(timeout_us_);
   const std::string who = "the expert process (pid " + std::to_string(pid_) + ")";
-  while (!slot_wait(slot_, o_, seq_, spin_us_, poll_us_, nullptr, 0)) {
+  while (!slot_wait(slot_, seq_, spin_us_, poll_us_)) {
     const ProcState state = proc_state(pid_);
     const char* failure = state == ProcState::kGone      ? " died during a layer call"
                           : state == ProcState::kStopped ? " is stopped (SIGSTOP?) and cannot finish a layer call"

@@ -30,15 +30,6 @@ struct SlotOffsets {
   int hidden = 0, max_tokens = 0, max_topk = 0;
 };
 
-// Client side. Copies one call into the slot at `slot` and rings; returns the call's sequence number. ids are
-// int64 (as torch's top-k gives them) when ids64, else int32.
-int64_t slot_submit(uint8_t* slot, const SlotOffsets& o, int layer, int tokens, int topk, bool f32, const void* x,
-                    const void* ids, bool ids64, const float* weights);
-// Waits until DONE_SEQ reaches seq: spins spin_us, then sleeps, for at most timeout_us in all. True when done,
-// after copying out_bytes of the result to `out` when given.
-bool slot_wait(uint8_t* slot, const SlotOffsets& o, int64_t seq, int spin_us, int64_t timeout_us, void* out,
-               int64_t out_bytes);
-
 // A call the expert process could not finish: it died, was stopped, missed its timeout, or reported an error.
 class ExpertCallError : public std::runtime_error {
  public:
@@ -56,7 +47,6 @@ class SlotCall {
               const float* weights);
   // Copies out_bytes of the submitted call's result to out.
   void wait(void* out, int64_t out_bytes);
-  bool in_flight() const { return seq_ != 0; }
   // The slots are about to be unmapped: every later call raises instead of touching them (a program recorded
   // over this slot may outlive its client).
   void close() { slot_ = nullptr; }

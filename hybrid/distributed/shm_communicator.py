@@ -62,7 +62,6 @@ class ShmCommunicator(Communicator):
             os.unlink(names[0])
         # A rank that dies then fails its peers' collectives at once (not at TIMEOUT_S), where every rank's pid
         # means the same process here: all ranks in this pid namespace.
-        self.peer_pids = [_C.shm_pid(self.group, r) for r in range(self.world)]
         own = _C.shm_pid_namespace(self.group, self.rank)
         if own and all(_C.shm_pid_namespace(self.group, r) == own for r in range(self.world)):
             self.group = _C.ShmGroup(self.buffer.data_ptr(), self.world, self.rank, capacity, SPIN_US, watch=True)

@@ -51,6 +51,7 @@ def pack_mla_absorption(model: torch.nn.Module) -> None:
     the model's kv_b values are bf16 values (always in bf16 runs): an fp8 checkpoint's dequantized kv_b in an
     fp32 run is not, and keeps torch's fp32 einsums."""
     from cpu_kernels.linear import PackedHeads
+    from hybrid.layers.attention.backend import MlaWeights
     from hybrid.models.deepseek_v3 import DeepseekV3Attention
 
     for module in model.modules():
@@ -58,9 +59,9 @@ def pack_mla_absorption(model: torch.nn.Module) -> None:
             w = module.kv_b_proj.weight.data
             if not torch.equal(w, w.bfloat16().to(w.dtype)):
                 continue
-            w = w.bfloat16().view(module.num_heads, module.nope + module.v_dim, module.lora)
-            module.absorbed = (PackedHeads.pack(w[:, :module.nope].transpose(1, 2)),
-                               PackedHeads.pack(w[:, module.nope:]))
+            w_uk, w_uv = MlaWeights(w.bfloat16(), module.num_heads, module.nope, module.rope_dim,
+                                    module.v_dim).absorption()
+            module.absorbed = (PackedHeads.pack(w_uk.transpose(1, 2)), PackedHeads.pack(w_uv))
 
 
 def pack_dense_linears(model: torch.nn.Module, reader: CheckpointReader, fmt: str = "auto",
