@@ -28,6 +28,8 @@ from gpu.decode_attention import upcast_dots
 BF16, FP8, INT8, INT4 = 0, 1, 2, 3  # cpu_kernels.pack.Format values
 ROWS = 16
 LINE = 64
+# Triton before 3.9 lets a kernel read a module global only if it is a constexpr.
+_ROWS, _LINE = tl.constexpr(ROWS), tl.constexpr(LINE)
 
 
 @dataclass
@@ -76,8 +78,8 @@ def _weight_tile(data, scales, e, n, k0, k, n_mask, TILE: tl.constexpr, FMT: tl.
                  GROUP: tl.constexpr, TILES, SCALE_COLS):
     """W[n, k] for n [BLOCK_N] packed row numbers and k = k0 + [0, BLOCK_K) columns, as float32 [BLOCK_K, BLOCK_N],
     and the per-column factor of this k step (1 where the format scales at the end)."""
-    tile = n // ROWS
-    r = n % ROWS
+    tile = n // _ROWS
+    r = n % _ROWS
     base = (e * TILES + tile).to(tl.int64) * TILE
     kk = k[:, None]
     rr = r[None, :]
@@ -87,23 +89,23 @@ def _weight_tile(data, scales, e, n, k0, k, n_mask, TILE: tl.constexpr, FMT: tl.
         w = tl.load(data + off, mask=mask, other=0.0).to(tl.float32)
         s = tl.full(n.shape, 1.0, tl.float32)
     elif FMT == 1:
-        off = base[None, :] + (kk // 4) * LINE + (rr // 4) * 16 + ((kk // 2) % 2) * 8 + (rr % 4) * 2 + kk % 2
+        off = base[None, :] + (kk // 4) * _LINE + (rr // 4) * 16 + ((kk // 2) % 2) * 8 + (rr % 4) * 2 + kk % 2
         w = _fp8_to_float(tl.load(data + off, mask=mask, other=0).to(tl.int32))
         s = tl.load(scales + (e * TILES + tile).to(tl.int64) * SCALE_COLS + k0 // BLOCK_K_SCALE, mask=n_mask,
                     other=0.0)
     elif FMT == 2:
-        off = base[None, :] + (kk // 4) * LINE + rr * 4 + kk % 4
+        off = base[None, :] + (kk // 4) * _LINE + rr * 4 + kk % 4
         w = tl.load(data + off, mask=mask, other=0).to(tl.float32)
         s = tl.full(n.shape, 1.0, tl.float32)
     else:
         chunks: tl.constexpr = GROUP // 8
         g = kk // GROUP
         within = kk % GROUP
-        off = base[None, :] + g * ((chunks + 1) * LINE) + (within // 8) * LINE + rr * 4 + within % 4
+        off = base[None, :] + g * ((chunks + 1) * _LINE) + (within // 8) * _LINE + rr * 4 + within % 4
         byte = tl.load(data + off, mask=mask, other=0x88).to(tl.int32)
         nibble = (byte >> (((within % 8) // 4) * 4)) & 0xF
         w = (nibble - 8).to(tl.float32)
-        scale_byte = base + (k0 // GROUP) * ((chunks + 1) * LINE) + chunks * LINE + r * 4
+        scale_byte = base + (k0 // GROUP) * ((chunks + 1) * _LINE) + chunks * _LINE + r * 4
         s = tl.load(scales + scale_byte // 4, mask=n_mask, other=0.0)
     return w, s
 
@@ -130,7 +132,7 @@ def _gate_up_kernel(x, block_rows, block_expert, slot, data, scales, inter, s_x,
     tok = tl.where(live, rows // TOPK, 0).to(tl.int64)
     f = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     f_mask = f < INTER
-    gate_n = (f // ROWS) * 2 * ROWS + f % ROWS  # packed row of gate feature f; its up row is 16 further
+    gate_n = (f // _ROWS) * 2 * _ROWS + f % _ROWS  # packed row of gate feature f; its up row is 16 further
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, KP, BLOCK_K):
@@ -138,7 +140,7 @@ def _gate_up_kernel(x, block_rows, block_expert, slot, data, scales, inter, s_x,
         xv = tl.load(x + tok[:, None] * s_x + k[None, :], mask=live[:, None] & (k[None, :] < H), other=0.0)
         wg, sg = _weight_tile(data, scales, e, gate_n, k0, k, f_mask, TILE, FMT, BLOCK_K_SCALE, GROUP, TILES,
                               SCALE_COLS)
-        wu, su = _weight_tile(data, scales, e, gate_n + ROWS, k0, k, f_mask, TILE, FMT, BLOCK_K_SCALE, GROUP,
+        wu, su = _weight_tile(data, scales, e, gate_n + _ROWS, k0, k, f_mask, TILE, FMT, BLOCK_K_SCALE, GROUP,
                               TILES, SCALE_COLS)
         if UPCAST:
             xd = xv.to(tl.float32)
@@ -149,9 +151,9 @@ def _gate_up_kernel(x, block_rows, block_expert, slot, data, scales, inter, s_x,
             acc_g += tl.dot(xd, wg.to(tl.bfloat16)) * sg[None, :]
             acc_u += tl.dot(xd, wu.to(tl.bfloat16)) * su[None, :]
     if FMT == 2:
-        acc_g *= tl.load(scales + (e * TILES + gate_n // ROWS).to(tl.int64) * SCALE_COLS + gate_n % ROWS,
+        acc_g *= tl.load(scales + (e * TILES + gate_n // _ROWS).to(tl.int64) * SCALE_COLS + gate_n % _ROWS,
                          mask=f_mask, other=0.0)[None, :]
-        acc_u *= tl.load(scales + (e * TILES + gate_n // ROWS + 1).to(tl.int64) * SCALE_COLS + gate_n % ROWS,
+        acc_u *= tl.load(scales + (e * TILES + gate_n // _ROWS + 1).to(tl.int64) * SCALE_COLS + gate_n % _ROWS,
                          mask=f_mask, other=0.0)[None, :]
     h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     out_rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -182,7 +184,7 @@ def _down_kernel(inter, block_rows, block_expert, slot, data, scales, topk_weigh
         else:
             acc += tl.dot(hv.to(tl.bfloat16), w.to(tl.bfloat16)) * s[None, :]
     if FMT == 2:
-        acc *= tl.load(scales + (e * TILES + n // ROWS).to(tl.int64) * SCALE_COLS + n % ROWS, mask=n_mask,
+        acc *= tl.load(scales + (e * TILES + n // _ROWS).to(tl.int64) * SCALE_COLS + n % _ROWS, mask=n_mask,
                        other=0.0)[None, :]
     weight = tl.load(topk_weights + tl.where(live, rows, 0), mask=live, other=0.0).to(tl.float32)
     acc *= weight[:, None]

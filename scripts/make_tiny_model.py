@@ -7,6 +7,10 @@ template) and generation_config.json. The tokenizer is a byte-level BPE trained 
 
     python scripts/make_tiny_model.py OUT_DIR --preset tiny-deepseek-v3
     python scripts/make_tiny_model.py OUT_DIR --preset qwen3-30b-a3b --layers 4
+    python scripts/make_tiny_model.py OUT_DIR --preset deepseek-v3 --layers 61 --experts 256 --fp8 --shapes-only
+
+--shapes-only writes every tensor's header with zero-filled sparse data (no disk blocks, no random numbers):
+a full-size checkpoint in a second for `hybridd doctor`, which plans from shapes and never reads weights.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import _TYPES, save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from cpu_kernels.pack import quantize_fp8_blocks
@@ -286,7 +290,10 @@ class ShardWriter:
         if not self.pending:
             return
         tmp = f"shard-{len(self.files)}.tmp"
-        save_file(self.pending, str(self.out / tmp), metadata={"format": "pt"})
+        if any(t.is_meta for t in self.pending.values()):
+            save_sparse(self.pending, self.out / tmp)
+        else:
+            save_file(self.pending, str(self.out / tmp), metadata={"format": "pt"})
         self.files.append((tmp, list(self.pending)))
         self.pending, self.pending_bytes = {}, 0
 
@@ -303,19 +310,43 @@ class ShardWriter:
         (self.out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
-class WeightMaker:
-    """Random weights scaled by fan-in so activations and logits stay O(1) through the layers."""
+def save_sparse(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """A safetensors file whose data is a hole: the header names every tensor's dtype and shape."""
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": _TYPES_BY_DTYPE[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little") + raw)
+        f.truncate(8 + len(raw) + offset)
 
-    def __init__(self, writer: ShardWriter, fp8: bool, seed: int):
-        self.writer, self.fp8 = writer, fp8
+
+_TYPES_BY_DTYPE = {dtype: name for name, dtype in _TYPES.items()}
+
+
+class WeightMaker:
+    """Random weights scaled by fan-in so activations and logits stay O(1) through the layers; with `shapes_only`,
+    meta tensors of the same shapes and dtypes."""
+
+    def __init__(self, writer: ShardWriter, fp8: bool, seed: int, shapes_only: bool = False):
+        self.writer, self.fp8, self.shapes_only = writer, fp8, shapes_only
         self.gen = torch.Generator().manual_seed(seed)
 
     def randn(self, *shape: int, std: float) -> torch.Tensor:
+        if self.shapes_only:
+            return torch.empty(*shape, dtype=torch.bfloat16, device="meta")
         return (torch.randn(*shape, generator=self.gen, dtype=torch.float32) * std).to(torch.bfloat16)
 
     def linear(self, name: str, out_f: int, in_f: int, quantize: bool = True) -> None:
         w = self.randn(out_f, in_f, std=1.0 / math.sqrt(in_f))
-        if self.fp8 and quantize:
+        if self.fp8 and quantize and self.shapes_only:
+            self.writer.add(f"{name}.weight", torch.empty(out_f, in_f, dtype=torch.float8_e4m3fn, device="meta"))
+            self.writer.add(f"{name}.weight_scale_inv", torch.empty(
+                -(-out_f // FP8_BLOCK), -(-in_f // FP8_BLOCK), dtype=torch.float32, device="meta"))
+        elif self.fp8 and quantize:
             q, scale = quantize_fp8_blocks(w, (FP8_BLOCK, FP8_BLOCK))
             self.writer.add(f"{name}.weight", q)
             self.writer.add(f"{name}.weight_scale_inv", scale)
@@ -323,6 +354,9 @@ class WeightMaker:
             self.writer.add(f"{name}.weight", w)
 
     def norm(self, name: str, dim: int) -> None:
+        if self.shapes_only:
+            self.writer.add(f"{name}.weight", torch.empty(dim, dtype=torch.bfloat16, device="meta"))
+            return
         w = 1.0 + (torch.rand(dim, generator=self.gen) - 0.5) * 0.2
         self.writer.add(f"{name}.weight", w.to(torch.bfloat16))
 
@@ -332,9 +366,9 @@ class WeightMaker:
         self.linear(f"{prefix}.down_proj", hidden, inter)
 
 
-def write_weights(out: Path, p: dict, seed: int, shard_bytes: int) -> None:
+def write_weights(out: Path, p: dict, seed: int, shard_bytes: int, shapes_only: bool = False) -> None:
     writer = ShardWriter(out, shard_bytes)
-    wm = WeightMaker(writer, bool(p.get("fp8")), seed)
+    wm = WeightMaker(writer, bool(p.get("fp8")), seed, shapes_only)
     h = p["hidden"]
     writer.add("model.embed_tokens.weight", wm.randn(p["vocab"], h, std=1.0))
     for i in range(p["layers"]):
@@ -381,7 +415,7 @@ def write_weights(out: Path, p: dict, seed: int, shard_bytes: int) -> None:
 
 def make_model(out: str | Path, preset: str = DEFAULT_PRESET, *, layers: int | None = None,
                experts: int | None = None, fp8: bool | None = None, seed: int = 0,
-               shard_mb: float | None = None) -> Path:
+               shard_mb: float | None = None, shapes_only: bool = False) -> Path:
     """Write one checkpoint directory; returns its path."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
@@ -403,7 +437,7 @@ def make_model(out: str | Path, preset: str = DEFAULT_PRESET, *, layers: int | N
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
     total_mb = 2 * p["experts"] * p["layers"] * 3 * p["hidden"] * p["moe_intermediate"] / 2**20
     shard = shard_mb if shard_mb is not None else max(0.25, min(2048.0, total_mb / 3))
-    write_weights(out, p, seed, int(shard * 2**20))
+    write_weights(out, p, seed, int(shard * 2**20), shapes_only)
     return out
 
 
@@ -416,9 +450,10 @@ def main() -> None:
     ap.add_argument("--fp8", action="store_true", default=None, help="store linear weights as DeepSeek FP8 blocks")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--shard-mb", type=float)
+    ap.add_argument("--shapes-only", action="store_true", help="headers and sparse zero data, no weights (planning)")
     a = ap.parse_args()
     path = make_model(a.out, a.preset, layers=a.layers, experts=a.experts, fp8=a.fp8, seed=a.seed,
-                      shard_mb=a.shard_mb)
+                      shard_mb=a.shard_mb, shapes_only=a.shapes_only)
     print(path)
 
 
