@@ -86,3 +86,16 @@ def test_a_new_bucket_starts_from_its_neighbours_clear_verdict():
     close = OverlapPolicy("auto")
     run(close, 20, 8, 8 * 60, 0.0105, 0.010)  # a close call next door: the new bucket warms up itself
     assert run(close, 2 * WARMUP, 8, 8 * 200, 0.0105, 0.010).count(True) == WARMUP
+
+
+def test_one_slow_step_does_not_stand_for_a_way():
+    """A pause during one of the few whole steps must not make auto split when splitting is slower."""
+    policy = OverlapPolicy("auto")
+    whole = iter([0.010, 0.050] + [0.010] * 1000)  # the first is dropped; the second a 5x outlier
+    choices = []
+    for _ in range(2 * WARMUP + 2 * EXPLORE_EVERY):
+        split = policy.choose(8, 800)
+        policy.record(8, 800, split, 0.012 if split else next(whole))
+        choices.append(split)
+    assert choices[2 * WARMUP:].count(True) <= 2
+    assert not policy.table()[0]["splits"]

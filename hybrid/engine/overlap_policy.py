@@ -4,8 +4,8 @@ where the engine's own measured steps say it pays.
 Splitting hides one half's device work behind the other half's expert call, but each half's expert call is
 smaller (less efficient per token) and the device runs twice as many small kernels; which wins depends on the
 batch size, the context length (attention's share of the device part), the layers and the machine. So auto keeps,
-per bucket of batch size (powers of two) and per-sequence context (powers of four), a running mean of the step
-time per sequence run split and run whole: a new bucket runs each way WARMUP times, then takes the faster way
+per bucket of batch size (powers of two) and per-sequence context (powers of four), the median of the last WINDOW
+step times per sequence run split and run whole: a new bucket runs each way WARMUP times, then takes the faster way
 (splitting only when it is SPLIT_MARGIN faster: within noise, not splitting is the safe choice),
 and runs the other way once every EXPLORE_EVERY-th step of the bucket so that drift (a context growing within
 its bucket, memory bandwidth) is seen; every EXPLORE_RARELY-th step when the other way was FAR_BEHIND. The
@@ -16,29 +16,36 @@ starts the neighbour's way, checking the other only rarely, until it has times o
 
 from __future__ import annotations
 
-from collections import defaultdict
-from dataclasses import dataclass
+import statistics
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
 
 MODES = ("auto", "on", "off")
-WARMUP = 3
+WARMUP = 4  # steps each way; the first is not kept, so the median of three decides
 EXPLORE_EVERY = 32
 EXPLORE_RARELY = 256
 FAR_BEHIND = 1.25  # the slower way's time over the faster's
 SPLIT_MARGIN = 0.03
-SMOOTHING = 0.2  # weight of the newest step in a running mean
+WINDOW = 8
 
 
 @dataclass
-class RunningMean:
-    """The first observation only counts: it may include a graph capture or cold caches."""
+class StepTimes:
+    """One way's recent step times in a bucket. The first is not kept: it may include a graph capture or cold
+    caches. A median, not a running mean: the slower way is re-timed only now and then, so one outlier among its
+    few times (a pause, a step beside another engine's burst) would otherwise stand for it until many more came."""
 
     n: int = 0
-    mean: float = 0.0
+    recent: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
 
     def add(self, x: float) -> None:
         self.n += 1
         if self.n > 1:
-            self.mean = x if self.n == 2 else self.mean + SMOOTHING * (x - self.mean)
+            self.recent.append(x)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.recent) if self.recent else 0.0
 
 
 Bucket = tuple[int, int]
@@ -49,8 +56,8 @@ class OverlapPolicy:
         if mode not in MODES:
             raise ValueError(f"overlap must be one of {', '.join(MODES)}, got {mode!r}")
         self.mode = mode
-        self.times: dict[Bucket, dict[bool, RunningMean]] = defaultdict(lambda: {True: RunningMean(),
-                                                                                  False: RunningMean()})
+        self.times: dict[Bucket, dict[bool, StepTimes]] = defaultdict(lambda: {True: StepTimes(),
+                                                                                  False: StepTimes()})
         self.steps: dict[Bucket, int] = defaultdict(int)
 
     @staticmethod
@@ -80,20 +87,20 @@ class OverlapPolicy:
         return not faster if self.steps[key] % every == 0 else faster
 
     @staticmethod
-    def settled(arms: dict[bool, RunningMean]) -> bool:
+    def settled(arms: dict[bool, StepTimes]) -> bool:
         return arms[True].n >= WARMUP and arms[False].n >= WARMUP
 
     @staticmethod
-    def splits(arms: dict[bool, RunningMean]) -> bool:
-        return arms[True].mean < arms[False].mean * (1 - SPLIT_MARGIN)
+    def splits(arms: dict[bool, StepTimes]) -> bool:
+        return arms[True].median < arms[False].median * (1 - SPLIT_MARGIN)
 
     @staticmethod
-    def behind(arms: dict[bool, RunningMean]) -> float:
+    def behind(arms: dict[bool, StepTimes]) -> float:
         """The slower way's time over the faster's."""
-        split, whole = arms[True].mean, arms[False].mean
+        split, whole = arms[True].median, arms[False].median
         return max(split, whole) / max(min(split, whole), 1e-12)
 
-    def neighbour(self, key: Bucket) -> dict[bool, RunningMean] | None:
+    def neighbour(self, key: Bucket) -> dict[bool, StepTimes] | None:
         """The settled bucket of the same batch size with the nearest context."""
         near = [(abs(k[1].bit_length() - key[1].bit_length()), k) for k, arms in self.times.items()
                 if k[0] == key[0] and k != key and self.settled(arms)]
@@ -107,7 +114,7 @@ class OverlapPolicy:
         by its neighbour's verdict), and whether it splits now."""
         rows = []
         for (batch, context), arms in sorted(self.times.items()):
-            ms = {way: arms[way].mean * 1e3 if arms[way].n > 1 else None for way in (True, False)}
+            ms = {way: arms[way].median * 1e3 if arms[way].n > 1 else None for way in (True, False)}
             verdict = arms if self.settled(arms) else self.neighbour((batch, context))
             rows.append({"batch": batch, "context": context, "split_ms": ms[True], "whole_ms": ms[False],
                          "steps": arms[True].n + arms[False].n,
