@@ -17,6 +17,7 @@ setup(
                 "cpu_kernels/csrc/attention.cpp",
                 "cpu_kernels/csrc/binding.cpp",
                 "cpu_kernels/csrc/elementwise.cpp",
+                "cpu_kernels/csrc/logits_scan.cpp",
                 "cpu_kernels/csrc/moe.cpp",
                 "cpu_kernels/csrc/norm.cpp",
                 "cpu_kernels/csrc/rope.cpp",

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cpu_kernels.logits_scan import logits_scan
 from cpu_kernels.token_mask import mask_logits_
 from hybrid.engine.grammar_masks import MaskPrefetcher, MaskProcessSpec
 from hybrid.engine.outputs import TokenLogprob
@@ -51,9 +52,15 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     return logits
 
 
-def broken_rows(logits: torch.Tensor) -> torch.Tensor:
-    """Rows no token can be drawn from: any NaN or +inf, or nothing above -inf."""
-    return torch.isnan(logits).any(-1) | torch.isposinf(logits).any(-1) | torch.isneginf(logits).all(-1)
+def scan(logits: torch.Tensor) -> tuple[list[int], list[bool]]:
+    """Each row's greedy token and whether no token can be drawn from it (any NaN or +inf, or nothing above -inf):
+    one pass of a kernel over CPU logits (five of torch's took ~1.9 ms for 8 rows of a 152K vocabulary)."""
+    if logits.device.type == "cpu":
+        greedy, broken = logits_scan(logits)
+    else:
+        broken = torch.isnan(logits).any(-1) | torch.isposinf(logits).any(-1) | torch.isneginf(logits).all(-1)
+        greedy = logits.argmax(dim=-1)
+    return greedy.tolist(), broken.tolist()
 
 
 def token_logprobs(rows: torch.Tensor, token_ids: list[int], k: int) -> list[TokenLogprob]:
@@ -81,9 +88,10 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[Sample]:
         raw = logits.float()
-        broken = broken_rows(raw).tolist()
+        greedy, broken = scan(raw)
         logits, unsatisfiable = self.apply_grammars(raw, seqs)
-        greedy = logits.argmax(dim=-1).tolist()
+        if any(seq.matcher is not None for seq in seqs):  # greedy among the tokens the grammars allow
+            greedy = scan(logits)[0]
         out = []
         for row, seq in enumerate(seqs):
             p = seq.params
