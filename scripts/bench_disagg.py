@@ -10,6 +10,7 @@ colocated and disaggregated so that bandwidth drift hits both alike; the last co
 
     python scripts/bench_disagg.py
     python scripts/bench_disagg.py --model bench_models/qwen3-30b-a3b-L4 --long-tokens 3000 --chat-tokens 96
+    python scripts/bench_disagg.py --model bench_models/qwen3-30b-a3b-L4 --daemon-args="--gpus 0"   # on a GPU
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -100,7 +102,8 @@ def summarize(runs: list[dict]) -> dict[str, float]:
     gaps = sorted(g for r in runs for g in r["gaps"])
     pick = lambda q: gaps[min(len(gaps) - 1, int(q * len(gaps)))]  # noqa: E731
     return {"chats alone: TPOT ms": statistics.median(r["idle_tpot"] for r in runs) * 1e3,
-            "gap p50 ms": pick(0.5) * 1e3, "gap p99 ms": pick(0.99) * 1e3, "gap max ms": gaps[-1] * 1e3,
+            "gap p50 ms": pick(0.5) * 1e3, "gap p90 ms": pick(0.9) * 1e3, "gap p99 ms": pick(0.99) * 1e3,
+            "gap max ms": gaps[-1] * 1e3,
             "chat tok/s": statistics.median(r["tok_s"] for r in runs),
             "long TTFT s": statistics.median(r["long_ttft"] for r in runs)}
 
@@ -117,9 +120,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--port", type=int, default=18931)
     ap.add_argument("--home", help="HYBRIDD_HOME for the runs (default: a temporary directory)")
+    ap.add_argument("--daemon-args", default="", help="more `hybridd start` flags for both modes, e.g. "
+                    "--daemon-args='--gpus 0'")
     a = ap.parse_args()
     home = Path(a.home) if a.home else Path(tempfile.mkdtemp(prefix="bench-disagg-"))
-    modes = {"colocated": [], "disagg": ["--disagg"]}
+    common = shlex.split(a.daemon_args)
+    modes = {"colocated": [*common, "--no-disagg"], "disagg": [*common, "--disagg"]}
     results: dict[str, list[dict]] = {m: [] for m in modes}
     for _ in range(a.rounds):
         for mode, extra in modes.items():
@@ -127,7 +133,8 @@ def main() -> None:
                 results[mode].append(asyncio.run(round_trip(d.url, a)))
     console = Console()
     console.print(f"model {Path(a.model).name if a.model else 'default'}, kernel path {kernel_isa_name()}, "
-                  f"{os.cpu_count()} cores; {a.chats} chats of {a.chat_tokens} tokens, {a.long} prompts of "
+                  f"{os.cpu_count()} cores, daemon flags {' '.join(common) or '(none)'}; {a.chats} chats of "
+                  f"{a.chat_tokens} tokens, {a.long} prompts of "
                   f"{a.long_tokens} tokens arriving {a.long_after}s in; {a.rounds} alternating rounds")
     colocated, disagg = summarize(results["colocated"]), summarize(results["disagg"])
     table = Table("measure", "colocated", "disagg", "disagg / colocated")

@@ -75,4 +75,6 @@ step decode 150 $PY scripts/bench_decode.py --model "$models/qwen3-30b-a3b-L4-fp
 step doctor 90 $PY -m hybrid.cli doctor --model "$models/deepseek-v3-full-shapes" --gpus 0
 step overlap 150 $PY scripts/bench_hybrid.py --model "$models/qwen3-30b-a3b-L4" --concurrency 1,4,8 \
     --prompt-lens 32,1024 --tokens 24 --repeats 2
+step disagg 200 $PY scripts/bench_disagg.py --model "$models/qwen3-30b-a3b-L4" --daemon-args="--gpus 0" \
+    --chats 2 --chat-tokens 96 --long 2 --long-tokens 3000 --rounds 1
 echo "=== done after $(elapsed)s"
