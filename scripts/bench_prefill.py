@@ -42,7 +42,7 @@ if DEVICE.type == "cpu":
 from cpu_kernels.moe import PackedExperts, kernel_isa_name, pack_experts  # noqa: E402
 from cpu_kernels.moe import fused_moe as cpu_fused_moe  # noqa: E402
 from cpu_kernels.thread_pool import unpin_child  # noqa: E402
-from gpu.fused_moe import fused_moe  # noqa: E402
+from gpu.fused_moe import fused_moe, tile_shape  # noqa: E402
 from hybrid.experts.expert_rank import serve  # noqa: E402
 from hybrid.experts.expert_stream import ExpertStream, device_expert_bytes  # noqa: E402
 from hybrid.experts.kernel_experts import KernelExperts  # noqa: E402
@@ -68,6 +68,7 @@ class Shape:
     model_layers: int  # MoE layers of the full model, for the predicted TTFT
 
 
+TILES = [(16, 32), (32, 64), (64, 64), (64, 128), (128, 64), (128, 128)]  # (block_m, block_n) timed on a GPU
 SHAPES = {
     "deepseek-v3": Shape(256, 7168, 2048, 8, "fp8", 58),
     "qwen3-30b-a3b": Shape(128, 2048, 768, 8, "bf16", 48),
@@ -226,16 +227,28 @@ def main() -> None:
         dx, di, dw = (t.to(DEVICE) for t in (x, ids, w))
         buf = stream.start(stream.pieces(0, owned)[0])
         weights = stream.ready(buf)
-        fused_moe(weights, dx, di, dw)
-        sync()
-        start = time.perf_counter()
-        fused_moe(weights, dx, di, dw)
-        sync()
-        compute_s = (time.perf_counter() - start) * len(stream.pieces(0, owned))
-        stream.release(buf)
+        pieces_per_layer = len(stream.pieces(0, owned))
+
+        def device_layer_s(tile: tuple[int, int] | None = None) -> float:
+            """Seconds of the device kernels over a layer's pass (after a warm-up call that compiles them)."""
+            fused_moe(weights, dx, di, dw, *(tile or ()))
+            sync()
+            start = time.perf_counter()
+            fused_moe(weights, dx, di, dw, *(tile or ()))
+            sync()
+            return (time.perf_counter() - start) * pieces_per_layer
+
         flops = 6 * s.hidden * s.inter * tokens * s.top_k
+        compute_s = device_layer_s()
+        tile = "x".join(map(str, tile_shape(tokens * s.top_k, s.experts)))
         print(f"device experts: {compute_s * 1e3:.1f} ms per layer at {tokens} tokens = "
-              f"{flops / compute_s / 1e12:.3f} TFLOP/s")
+              f"{flops / compute_s / 1e12:.3f} TFLOP/s (tile {tile})")
+        if DEVICE.type == "cuda":
+            for block_m, block_n in TILES:
+                tile_s = device_layer_s((block_m, block_n))
+                print(f"  tile {block_m}x{block_n}: {tile_s * 1e3:.1f} ms per layer = "
+                      f"{flops / tile_s / 1e12:.3f} TFLOP/s")
+        stream.release(buf)
         cpu_experts = KernelExperts(pack)
         cpu_fused_moe(pack[0], x, ids, w)
         start = time.perf_counter()

@@ -10,7 +10,7 @@ import torch
 pytest.importorskip("triton")
 
 from cpu_kernels.moe import PackedExperts, pack_experts, unpack_experts  # noqa: E402
-from gpu.fused_moe import DeviceExperts, fused_moe, group_by_expert  # noqa: E402
+from gpu.fused_moe import DeviceExperts, fused_moe, group_by_expert, tile_shape  # noqa: E402
 from gpu.moe_reference import fused_moe_reference  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -32,7 +32,7 @@ def random_layer(experts: int, hidden: int, inter: int, fmt: str, seed: int, **k
 
 
 def check(p: PackedExperts, tokens: int, topk: int, dtype: torch.dtype, seed: int, ids: torch.Tensor | None = None,
-          slot: torch.Tensor | None = None) -> None:
+          slot: torch.Tensor | None = None, tile: tuple[int, int] | None = None) -> None:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, p.hidden, generator=g).to(dtype)
     if ids is None:
@@ -41,7 +41,8 @@ def check(p: PackedExperts, tokens: int, topk: int, dtype: torch.dtype, seed: in
     w13, w2 = unpack_experts(p)
     present = None if slot is None else slot >= 0
     want = fused_moe_reference(x, ids, weights, w13, w2, present)
-    got = fused_moe(on_device(p, slot), x.to(DEVICE), ids.to(DEVICE), weights.to(DEVICE)).cpu()
+    block_m, block_n = tile or (None, None)
+    got = fused_moe(on_device(p, slot), x.to(DEVICE), ids.to(DEVICE), weights.to(DEVICE), block_m, block_n).cpu()
     assert got.dtype == dtype and got.shape == want.shape
     torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
 
@@ -55,6 +56,26 @@ def test_matches_reference(fmt, dtype, experts, hidden, inter, tokens, topk):
     if fmt == "fp8":
         kw["block"] = (32, 64)
     check(random_layer(experts, hidden, inter, fmt, seed=hidden + inter, **kw), tokens, topk, dtype, seed=tokens)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("tile", [(32, 64), (64, 64), (64, 128)])
+def test_tall_and_wide_tiles(fmt, tile):
+    """The tiles long prefills use: blocks of an expert's pairs partly filled, a last partial block, and features
+    past the end of a 64- or 128-wide block."""
+    kw = {"block": (32, 64)} if fmt == "fp8" else {}
+    check(random_layer(3, 96, 80, fmt, seed=7, **kw), 45, 3, torch.float32, seed=11, tile=tile)
+
+
+def test_tile_shape_follows_pairs_per_expert():
+    assert tile_shape(8192 * 8, 256) == (64, 64)  # DeepSeek-V3, an 8K pass: 256 pairs per expert
+    assert tile_shape(1024 * 8, 256) == (32, 64)
+    assert tile_shape(64 * 8, 256) == (16, 32)
+    assert tile_shape(5, 0) == (16, 32)
+    x = torch.zeros(2, 64, device=DEVICE)
+    ids = torch.zeros(2, 1, dtype=torch.long, device=DEVICE)
+    with pytest.raises(ValueError, match="powers of two from 16"):
+        fused_moe(on_device(random_layer(1, 64, 32, "bf16", seed=0)), x, ids, torch.ones(2, 1, device=DEVICE), 24)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
