@@ -1,10 +1,18 @@
 #!/usr/bin/env bash
-# The checks that need a CUDA GPU, in one pass under a time budget (a lent GPU's minutes are few):
-# the gpu-marked tests, then the streamed-prefill, CPU decode, planner and overlap benchmarks, each with
-# what is left of the budget. Logs go to $OUT (default /tmp/gpu_checks), one file per step.
+# The checks that need a CUDA GPU, in one pass under a time budget (a lent GPU's minutes are few): the
+# streamed-prefill, overlap and disaggregation benchmarks, the gpu-marked tests, then CPU decode at every core and
+# the planner, each step with what is left of the budget. Logs go to $OUT (default /tmp/gpu_checks), one file per
+# step (at most 8 come back from a lent machine).
 #
 #     BUDGET=540 scripts/gpu_checks.sh
 #     STEPS="pytest_gpu prefill" scripts/gpu_checks.sh     # some steps only
+#
+# The lent H100 (Python 3.12, torch 2.11, Triton 3.6, no package registry) lacks some of hybridd's dependencies and
+# cannot build here-built extensions for 3.11: carry cp312 wheels of pyzmq, msgspec, pydantic, pydantic-core,
+# annotated-types, typing-inspection, fastapi, starlette, uvicorn, llguidance, jsonschema, jsonschema-specifications,
+# referencing, rpds-py, openai, httpx2, httpcore2, truststore, jiter, distro, sniffio, anyio, h11 and
+# typing-extensions in .whl/, and cpu_kernels/_C.cpython-312-*.so built in a Python 3.12 venv, then run
+#     pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl; PYTHONPATH=/tmp/site:$PWD scripts/gpu_checks.sh
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_checks}
@@ -53,12 +61,8 @@ MODELS=$!
 } >"$OUT/env.log" 2>&1
 cat "$OUT/env.log"
 
-# -v: each result is in the log as it comes, so a run cut off by its limit still says what passed and failed.
-# The 33 tests took more than 200 s on 4 workers (H100 host, 16 cores); 8 workers gave two failures not yet read.
-TAIL=45 step pytest_gpu "${PYTEST_LIMIT:-360}" $PY -m pytest -m gpu -v -rfEs --tb=short -p no:benchmark \
-    --durations=15 ${PYTEST_ARGS:--n 4} tests
-wait $MODELS
-echo "=== models: $(tail -n 3 "$OUT/models.log" | tr '\n' ' ')"
+# Open questions first (the device kernel's tile, overlap auto, disaggregation on a GPU), then the tests, then
+# what earlier runs already measured.
 # The synthetic pack is 11.3 GB per DeepSeek-V3 layer: put it where there is room for three layers (two if not),
 # in a folder removed afterwards even if the step is cut off.
 pack_dir=/tmp
@@ -70,11 +74,17 @@ mkdir -p "$pack_dir/slp_pack"
 step prefill 150 $PY scripts/bench_prefill.py --shape deepseek-v3 --layers "$pack_layers" --tokens 8192 \
     --dir "$pack_dir/slp_pack"
 rm -rf "$pack_dir/slp_pack"
-step decode 150 $PY scripts/bench_decode.py --model "$models/qwen3-30b-a3b-L4-fp8" --threads "$(nproc)" \
-    --experts process --breakdown --compare eager,program --pairs 6
-step doctor 90 $PY -m hybrid.cli doctor --model "$models/deepseek-v3-full-shapes" --gpus 0
+wait $MODELS
+echo "=== models: $(tail -n 3 "$OUT/models.log" | tr '\n' ' ')"
 step overlap 150 $PY scripts/bench_hybrid.py --model "$models/qwen3-30b-a3b-L4" --concurrency 1,4,8 \
     --prompt-lens 32,1024 --tokens 24 --repeats 2
 step disagg 200 $PY scripts/bench_disagg.py --model "$models/qwen3-30b-a3b-L4" --daemon-args="--gpus 0" \
     --chats 2 --chat-tokens 96 --long 2 --long-tokens 3000 --rounds 1
+# -v: each result is in the log as it comes, so a run cut off by its limit still says what passed and failed.
+# The 33 tests took more than 200 s on 4 workers (H100 host, 16 cores); 8 workers gave two failures not yet read.
+TAIL=45 step pytest_gpu "${PYTEST_LIMIT:-360}" $PY -m pytest -m gpu -v -rfEs --tb=short -p no:benchmark \
+    --durations=15 ${PYTEST_ARGS:--n 4} tests
+step decode 150 $PY scripts/bench_decode.py --model "$models/qwen3-30b-a3b-L4-fp8" --threads "$(nproc)" \
+    --experts process --breakdown --compare eager,program --pairs 6
+step doctor 90 $PY -m hybrid.cli doctor --model "$models/deepseek-v3-full-shapes" --gpus 0
 echo "=== done after $(elapsed)s"
