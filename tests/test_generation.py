@@ -7,7 +7,7 @@ import torch
 from conftest import prompt_ids
 
 from hybrid import LLM, SamplingParams
-from hybrid.engine.sampler import Sampler, filter_logits
+from hybrid.engine.sampler import NOTHING_ALLOWED, Sampler, filter_logits
 from hybrid.engine.sequence import Sequence
 
 
@@ -154,6 +154,27 @@ def test_rows_of_logits_that_are_not_numbers_fail_only_their_request():
     logits = torch.tensor([[0.0, 2.0, 1.0], [nan, 1.0, 0.0], [0.0, inf, 1.0], [-inf, -inf, -inf], [-inf, 3.0, -inf]])
     seqs = [Sequence(str(i), [1], SamplingParams(temperature=t, seed=0)) for i, t in enumerate([0, 1, 0, 1, 1])]
     assert [s.token for s in Sampler()(logits, seqs)] == [1, None, None, None, 1]
+
+
+def test_a_grammar_that_leaves_only_minus_inf_logits_fails_that_row(monkeypatch):
+    """The grammar allows tokens, but every one of them has a -inf logit: no token (never id -1), and the error
+    says the grammar allowed nothing; an unconstrained neighbour draws as usual."""
+    inf = float("inf")
+    logits = torch.tensor([[0.0, -inf, 1.0, -inf], [0.0, 2.0, 1.0, -inf]])
+    seqs = [Sequence(str(i), [1], SamplingParams(temperature=0)) for i in range(2)]
+    seqs[0].matcher = object()  # only Sampler.apply_grammars (replaced below) reads it
+    sampler = Sampler()
+    monkeypatch.setattr(sampler, "apply_grammars", lambda raw, seqs: (_mask_row0(raw), set()))
+    samples = sampler(logits, seqs)
+    assert samples[0].token is None and samples[0].error == NOTHING_ALLOWED
+    assert samples[1].token == 1
+
+
+def _mask_row0(raw: torch.Tensor) -> torch.Tensor:
+    """Row 0 allows tokens 1 and 3 only: both -inf."""
+    out = raw.clone()
+    out[0, [0, 2]] = float("-inf")
+    return out
 
 
 def test_a_request_with_nan_logits_fails_and_its_batch_neighbour_finishes(llm, monkeypatch):
