@@ -33,7 +33,8 @@ from gpu.decode_attention import upcast_dots
 BF16, FP8, INT8, INT4 = 0, 1, 2, 3  # cpu_kernels.pack.Format values
 ROWS = 16
 LINE = 64
-# Triton before 3.9 lets a kernel read a module global only if it is a constexpr.
+# A compiled kernel may read a module global only if it is a constexpr (the interpreter, which runs the CPU tests,
+# does not check: tests/test_triton_globals.py does).
 _ROWS, _LINE = tl.constexpr(ROWS), tl.constexpr(LINE)
 
 
