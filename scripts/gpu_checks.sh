@@ -42,14 +42,6 @@ step() {  # step NAME MAX_SECONDS COMMAND...: runs COMMAND with min(MAX, what is
 }
 
 models=bench_models
-mkdir -p "$models"
-(
-    nice $PY scripts/make_tiny_model.py "$models/qwen3-30b-a3b-L4-fp8" --preset qwen3-30b-a3b --layers 4 --fp8
-    nice $PY scripts/make_tiny_model.py "$models/qwen3-30b-a3b-L4" --preset qwen3-30b-a3b --layers 4
-    nice $PY scripts/make_tiny_model.py "$models/deepseek-v3-full-shapes" --preset deepseek-v3 --layers 61 \
-        --experts 256 --fp8 --shapes-only
-) >"$OUT/models.log" 2>&1 &
-MODELS=$!
 
 {
     nvidia-smi -L
@@ -74,16 +66,26 @@ mkdir -p "$pack_dir/slp_pack"
 step prefill 150 $PY scripts/bench_prefill.py --shape deepseek-v3 --layers "$pack_layers" --tokens 8192 \
     --dir "$pack_dir/slp_pack"
 rm -rf "$pack_dir/slp_pack"
-wait $MODELS
-echo "=== models: $(tail -n 3 "$OUT/models.log" | tr '\n' ' ')"
+# Built after the prefill step, not beside it: building reads and writes gigabytes, which would slow the CPU experts
+# that step measures.
+mkdir -p "$models"
+timeout 300 bash -c "
+    $PY scripts/make_tiny_model.py $models/qwen3-30b-a3b-L4-fp8 --preset qwen3-30b-a3b --layers 4 --fp8
+    $PY scripts/make_tiny_model.py $models/qwen3-30b-a3b-L4 --preset qwen3-30b-a3b --layers 4
+    $PY scripts/make_tiny_model.py $models/deepseek-v3-full-shapes --preset deepseek-v3 --layers 61 --experts 256 \
+        --fp8 --shapes-only" >"$OUT/models.log" 2>&1
+echo "=== models (at $(elapsed)s): $(tail -n 3 "$OUT/models.log" | tr '\n' ' ')"
 step overlap 150 $PY scripts/bench_hybrid.py --model "$models/qwen3-30b-a3b-L4" --concurrency 1,4,8 \
     --prompt-lens 32,1024 --tokens 24 --repeats 2
+# A step cut off by its limit leaves its daemon running (it is in a session of its own): stop it before the tests.
+disagg_home=/tmp/gpu_checks_disagg
 step disagg 200 $PY scripts/bench_disagg.py --model "$models/qwen3-30b-a3b-L4" --daemon-args="--gpus 0" \
-    --chats 2 --chat-tokens 96 --long 2 --long-tokens 3000 --rounds 1
+    --chats 2 --chat-tokens 96 --long 2 --long-tokens 3000 --rounds 1 --home "$disagg_home"
+HYBRIDD_HOME="$disagg_home" timeout 60 $PY -m hybrid.cli stop >/dev/null 2>&1
 # -v: each result is in the log as it comes, so a run cut off by its limit still says what passed and failed.
 # The 33 tests took more than 200 s on 4 workers (H100 host, 16 cores); 8 workers gave two failures not yet read.
 TAIL=45 step pytest_gpu "${PYTEST_LIMIT:-360}" $PY -m pytest -m gpu -v -rfEs --tb=short -p no:benchmark \
-    --durations=15 ${PYTEST_ARGS:--n 4} tests
+    --durations=15 ${PYTEST_ARGS--n 4} tests
 step decode 150 $PY scripts/bench_decode.py --model "$models/qwen3-30b-a3b-L4-fp8" --threads "$(nproc)" \
     --experts process --breakdown --compare eager,program --pairs 6
 step doctor 90 $PY -m hybrid.cli doctor --model "$models/deepseek-v3-full-shapes" --gpus 0

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors.torch import _TYPES, save_file
+from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from cpu_kernels.pack import quantize_fp8_blocks
@@ -324,7 +324,7 @@ def save_sparse(tensors: dict[str, torch.Tensor], path: Path) -> None:
         f.truncate(8 + len(raw) + offset)
 
 
-_TYPES_BY_DTYPE = {dtype: name for name, dtype in _TYPES.items()}
+_TYPES_BY_DTYPE = {torch.bfloat16: "BF16", torch.float32: "F32", torch.float8_e4m3fn: "F8_E4M3"}
 
 
 class WeightMaker:
@@ -403,7 +403,8 @@ def write_weights(out: Path, p: dict, seed: int, shard_bytes: int, shapes_only: 
             continue
         wm.linear(f"{pre}.mlp.gate", p["experts"], h, quantize=False)
         if p["arch"] == "deepseek_v3":
-            bias = (torch.rand(p["experts"], generator=wm.gen) - 0.5) * 0.2
+            bias = torch.empty(p["experts"], device="meta") if shapes_only else \
+                (torch.rand(p["experts"], generator=wm.gen) - 0.5) * 0.2
             writer.add(f"{pre}.mlp.gate.e_score_correction_bias", bias.float())
             wm.mlp(f"{pre}.mlp.shared_experts", h, p["moe_intermediate"] * p["shared"])
         for e in range(p["experts"]):

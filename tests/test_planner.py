@@ -46,7 +46,6 @@ def test_costs_count_what_transformers_builds(any_model):
         llm.close()
 
 
-
 def test_a_shapes_only_checkpoint_costs_what_the_real_one_does(model_dirs, tmp_path):
     """make_tiny_model --shapes-only (headers over sparse zeros) plans a full-size model without its weights."""
     from make_tiny_model import make_model
@@ -58,6 +57,7 @@ def test_a_shapes_only_checkpoint_costs_what_the_real_one_does(model_dirs, tmp_p
     costs = ModelCosts.from_dir(shapes)
     assert (costs.dense_params, costs.dense_stored_bytes, costs.lm_head_params, costs.expert_bytes) == \
         (real.dense_params, real.dense_stored_bytes, real.lm_head_params, real.expert_bytes)
+
 
 def rates(devices: int = 0) -> tuple[CpuRates, DeviceRates | None]:
     cpu = CpuRates(read_bytes_per_s=50e9, expert_prefill_s_per_token=20e-6, expert_call_s=30e-6,
