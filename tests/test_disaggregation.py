@@ -14,8 +14,9 @@ from hybrid import LLM, SamplingParams
 from hybrid.disaggregation.engine_handoff import export, take_over
 from hybrid.disaggregation.handoff import SequenceHandoff
 from hybrid.disaggregation.kv_transport import KVTransferError, LocalKVTransport
-from hybrid.disaggregation.shm_kv_transport import PREFIX, SharedMemoryKVTransport, remove_orphans
+from hybrid.disaggregation.shm_kv_transport import PREFIX, SharedMemoryKVTransport
 from hybrid.engine.outputs import RequestOutput
+from hybrid.shm_orphans import remove_orphans
 
 
 class Pair:
@@ -191,7 +192,7 @@ def test_files_of_a_dead_sender_are_removed(tmp_path):
     mine = tmp_path / f"{PREFIX}{__import__('os').getpid()}-1"
     orphan.write_bytes(b"x")
     mine.write_bytes(b"x")
-    assert remove_orphans(tmp_path) == 1
+    assert remove_orphans(PREFIX, tmp_path) == 1
     assert not orphan.exists() and mine.exists()
 
 

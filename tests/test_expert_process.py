@@ -18,7 +18,9 @@ from hybrid.config import ModelConfig
 from hybrid.experts.kernel_experts import KernelExperts
 from hybrid.experts.pack import load_pack, write_pack
 from hybrid.experts.process.client import ExpertClient, ExpertServerError, ExpertServerProcess
+from hybrid.experts.process.server import SLOTS_PREFIX
 from hybrid.experts.process.slots import ECHO_LAYER
+from hybrid.shm_orphans import SHM_DIR
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -175,11 +177,18 @@ def test_a_killed_expert_process_fails_the_request_fast_and_a_new_start_works(mo
     assert engine.runner.graphs.num_captured == 1  # the wait that saw it die was a replayed decode step's
     llm.close()
     assert not run_dir.exists(), "a killed expert process's socket directory is left in /tmp"
+    # Slots of a process killed with its resource tracker stay in /dev/shm: the next expert process removes them.
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    orphan = SHM_DIR / f"{SLOTS_PREFIX}{int(dead.stdout)}-0"
+    orphan.write_bytes(b"x")
     again = LLM(model, experts="process")
     try:
         assert len(again.generate(prompt_ids(9, seed=1), GREEDY)[0].token_ids) == GREEDY.max_tokens
+        assert not orphan.exists()
+        assert list(SHM_DIR.glob(f"{SLOTS_PREFIX}{again.engine.runner.experts.client.server_pid}-*"))
     finally:
         again.close()
+        orphan.unlink(missing_ok=True)
 
 
 CLIENT = """

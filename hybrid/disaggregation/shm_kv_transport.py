@@ -8,11 +8,8 @@ sender that died are removed by the next transport made on the machine (their pi
 from __future__ import annotations
 
 import os
-import re
-import tempfile
 from pathlib import Path
 
-import psutil
 import torch
 
 from hybrid.disaggregation.handoff import KVTicket
@@ -27,20 +24,9 @@ from hybrid.disaggregation.kv_transport import (
     unpack,
 )
 from hybrid.mem_cache.kv_pool import KVPool
+from hybrid.shm_orphans import SHM_DIR, owned_name, remove_orphans
 
-SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
 PREFIX = f"hybridd-kv-{os.getuid()}-"
-
-
-def remove_orphans(directory: Path = SHM_DIR) -> int:
-    """Removes hand-off files of this user whose sender is gone; returns how many."""
-    removed = 0
-    for path in directory.glob(f"{PREFIX}*"):
-        m = re.fullmatch(re.escape(PREFIX) + r"(\d+)-\d+", path.name)
-        if m and not psutil.pid_exists(int(m.group(1))):
-            path.unlink(missing_ok=True)
-            removed += 1
-    return removed
 
 
 class SharedMemoryKVTransport(KVTransport):
@@ -50,7 +36,7 @@ class SharedMemoryKVTransport(KVTransport):
         self.directory = directory
         self.held: set[str] = set()
         self._next = 0
-        remove_orphans(directory)
+        remove_orphans(PREFIX, directory)
 
     def _path(self, name: str) -> Path:
         if not name.startswith(PREFIX) or "/" in name:
@@ -60,7 +46,7 @@ class SharedMemoryKVTransport(KVTransport):
     def put(self, pool: KVPool, block_ids: list[int]) -> KVTicket:
         nbytes = packed_nbytes(pool, len(block_ids))
         self._next += 1
-        name = f"{PREFIX}{os.getpid()}-{self._next}"
+        name = owned_name(PREFIX, self._next)
         path = self._path(name)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:

@@ -29,8 +29,10 @@ from hybrid.experts.kernel_experts import KernelExperts
 from hybrid.experts.pack import load_pack
 from hybrid.experts.process.slots import SPIN_US, ExpertSlots, SlotLayout
 from hybrid.parent_watch import watch_parent
+from hybrid.shm_orphans import owned_name, remove_orphans
 
 RUN_DIR_PREFIX = "hybridd-experts-"  # the temporary directory holding an expert process's ipc socket
+SLOTS_PREFIX = f"hybridd-slots-{os.getuid()}-"  # a client's shared-memory slots: this prefix, the pid, the client
 
 
 @dataclass
@@ -50,13 +52,14 @@ class ExpertServer:
         self.clients: dict[int, ClientState] = {}
         self.lock = threading.Lock()
         self._ids = itertools.count()
+        remove_orphans(SLOTS_PREFIX)
 
     def register(self, max_tokens: int, max_topk: int, num_slots: int) -> dict:
         from cpu_kernels import _C
 
         cid = next(self._ids)
         layout = SlotLayout(self.hidden, max_tokens, max_topk)
-        slots = ExpertSlots.create(f"hybridd-{os.getpid()}-{cid}", layout, num_slots)
+        slots = ExpertSlots.create(owned_name(SLOTS_PREFIX, cid), layout, num_slots)
         state = ClientState(slots)
         for s in range(num_slots):
             server = _C.SlotServer(slots.slot_ptr(s), slots.offsets(), self.runner, self.layers, self.isa, SPIN_US)

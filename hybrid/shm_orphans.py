@@ -1,0 +1,31 @@
+"""Shared-memory files named after the process that made them (a prefix holding the user id, then the pid and a
+number), and removing those of this user whose process is gone. Python's resource tracker unlinks a killed
+process's blocks, but not when it dies with it (a process group killed at once): such blocks stay in /dev/shm,
+in RAM, until the machine restarts."""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from pathlib import Path
+
+import psutil
+
+SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+
+
+def owned_name(prefix: str, n: int) -> str:
+    """The name of this process's n-th file under `prefix`."""
+    return f"{prefix}{os.getpid()}-{n}"
+
+
+def remove_orphans(prefix: str, directory: Path = SHM_DIR) -> int:
+    """Removes the files under `prefix` whose process is gone; returns how many."""
+    removed = 0
+    for path in directory.glob(f"{prefix}*"):
+        m = re.fullmatch(re.escape(prefix) + r"(\d+)-\d+", path.name)
+        if m and not psutil.pid_exists(int(m.group(1))):
+            path.unlink(missing_ok=True)
+            removed += 1
+    return removed
