@@ -11,7 +11,8 @@
 # cannot build here-built extensions for 3.11: carry cp312 wheels of pyzmq, msgspec, pydantic, pydantic-core,
 # annotated-types, typing-inspection, fastapi, starlette, uvicorn, llguidance, jsonschema, jsonschema-specifications,
 # referencing, rpds-py, openai, httpx2, httpcore2, truststore, jiter, distro, sniffio, anyio, h11 and
-# typing-extensions in .whl/, and cpu_kernels/_C.cpython-312-*.so built in a Python 3.12 venv, then run
+# typing-extensions in .whl/, and cpu_kernels/_C.cpython-312-*.so built in a Python 3.12 venv from the current
+# csrc/ (`python setup.py build_ext --inplace` there; a stale one lacks the newest kernels), then run
 #     pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl; PYTHONPATH=/tmp/site:$PWD scripts/gpu_checks.sh
 set -u
 cd "$(dirname "$0")/.."
