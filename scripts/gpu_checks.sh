@@ -58,11 +58,10 @@ cat "$OUT/env.log"
 # what earlier runs already measured.
 # The synthetic pack is 11.3 GB per DeepSeek-V3 layer: put it where there is room for three layers (two if not),
 # in a folder removed afterwards even if the step is cut off.
+avail_gb() { df -BG --output=avail "$1" | tail -1 | tr -dc 0-9; }
 pack_dir=/tmp
-[ "$(df -BG --output=avail /dev/shm | tail -1 | tr -dc 0-9)" -gt "$(df -BG --output=avail /tmp | tail -1 | tr -dc 0-9)" ] \
-    && pack_dir=/dev/shm
-free_gb=$(df -BG --output=avail "$pack_dir" | tail -1 | tr -dc 0-9)
-pack_layers=$(( free_gb >= 40 ? 3 : 2 ))
+[ "$(avail_gb /dev/shm)" -gt "$(avail_gb /tmp)" ] && pack_dir=/dev/shm
+pack_layers=$(( $(avail_gb "$pack_dir") >= 40 ? 3 : 2 ))
 mkdir -p "$pack_dir/slp_pack"
 step prefill 150 $PY scripts/bench_prefill.py --shape deepseek-v3 --layers "$pack_layers" --tokens 8192 \
     --dir "$pack_dir/slp_pack"

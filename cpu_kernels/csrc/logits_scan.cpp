@@ -29,34 +29,32 @@ int64_t scan_row_generic(const float* x, int64_t n) {
 
 // Per lane, the largest value seen and its first index; a strict > keeps a lane's first occurrence, and among the
 // lanes holding the row's largest value the smallest index is the row's first.
+struct LaneMax {
+  __m512 best;
+  __m512i at, idx;
+  __mmask16 bad;  // lanes that saw a NaN or +inf
+};
+
+AVX512F_TARGET inline void take(LaneMax& m, __m512 v) {
+  m.bad |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(v, _mm512_set1_ps(-kNegInf), _CMP_EQ_OQ);
+  const __mmask16 gt = _mm512_cmp_ps_mask(v, m.best, _CMP_GT_OQ);
+  m.best = _mm512_mask_mov_ps(m.best, gt, v);
+  m.at = _mm512_mask_mov_epi32(m.at, gt, m.idx);
+  m.idx = _mm512_add_epi32(m.idx, _mm512_set1_epi32(16));
+}
+
 AVX512F_TARGET int64_t scan_row_avx512(const float* x, int64_t n) {
-  const __m512 pos_inf = _mm512_set1_ps(-kNegInf);
-  __m512 best = _mm512_set1_ps(kNegInf);
-  __m512i at = _mm512_setzero_si512();
-  __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m512i step = _mm512_set1_epi32(16);
-  __mmask16 bad = 0;
+  LaneMax m{_mm512_set1_ps(kNegInf), _mm512_setzero_si512(),
+            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), 0};
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m512 v = _mm512_loadu_ps(x + i);
-    bad |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(v, pos_inf, _CMP_EQ_OQ);
-    const __mmask16 gt = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
-    best = _mm512_mask_mov_ps(best, gt, v);
-    at = _mm512_mask_mov_epi32(at, gt, idx);
-    idx = _mm512_add_epi32(idx, step);
-  }
-  if (i < n) {
-    const __mmask16 tail = static_cast<__mmask16>((1u << (n - i)) - 1);
-    const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(kNegInf), tail, x + i);
-    bad |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(v, pos_inf, _CMP_EQ_OQ);
-    const __mmask16 gt = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
-    best = _mm512_mask_mov_ps(best, gt, v);
-    at = _mm512_mask_mov_epi32(at, gt, idx);
-  }
-  const float top = _mm512_reduce_max_ps(best);
-  if (bad || top == kNegInf) return -1;
-  const __mmask16 holds = _mm512_cmp_ps_mask(best, _mm512_set1_ps(top), _CMP_EQ_OQ);
-  return _mm512_mask_reduce_min_epi32(holds, at);
+  for (; i + 16 <= n; i += 16) take(m, _mm512_loadu_ps(x + i));
+  // The tail's missing lanes read as -inf: never above `best`, never a NaN or +inf.
+  const __mmask16 tail = static_cast<__mmask16>((1u << (n - i)) - 1);
+  if (i < n) take(m, _mm512_mask_loadu_ps(_mm512_set1_ps(kNegInf), tail, x + i));
+  const float top = _mm512_reduce_max_ps(m.best);
+  if (m.bad || top == kNegInf) return -1;
+  const __mmask16 holds = _mm512_cmp_ps_mask(m.best, _mm512_set1_ps(top), _CMP_EQ_OQ);
+  return _mm512_mask_reduce_min_epi32(holds, m.at);
 }
 
 }  // namespace
