@@ -59,7 +59,7 @@ def test_matches_reference(fmt, dtype, experts, hidden, inter, tokens, topk):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("tile", [(32, 64), (64, 64), (64, 128)])
+@pytest.mark.parametrize("tile", [(32, 64), (64, 64), (64, 128), (128, 64)])
 def test_tall_and_wide_tiles(fmt, tile):
     """The tiles long prefills use: blocks of an expert's pairs partly filled, a last partial block, and features
     past the end of a 64- or 128-wide block."""
@@ -68,7 +68,8 @@ def test_tall_and_wide_tiles(fmt, tile):
 
 
 def test_tile_shape_follows_pairs_per_expert():
-    assert tile_shape(8192 * 8, 256) == (64, 64)  # DeepSeek-V3, an 8K pass: 256 pairs per expert
+    assert tile_shape(8192 * 8, 256) == (128, 64)  # DeepSeek-V3, an 8K pass: 256 pairs per expert
+    assert tile_shape(2048 * 8, 256) == (64, 64)
     assert tile_shape(1024 * 8, 256) == (32, 64)
     assert tile_shape(64 * 8, 256) == (16, 32)
     assert tile_shape(5, 0) == (16, 32)
