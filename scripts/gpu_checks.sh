@@ -24,11 +24,16 @@ export PYTHONUNBUFFERED=1
 PY=${PY:-python3}
 
 elapsed() { echo $(( $(date +%s) - START )); }
+wants() {  # wants NAME...: whether any of the steps is selected
+    local name
+    for name; do case " ${STEPS:-$name} " in *" $name "*) return 0 ;; esac; done
+    return 1
+}
 
 step() {  # step NAME MAX_SECONDS COMMAND...: runs COMMAND with min(MAX, what is left) seconds
     local name=$1 max=$2 left t rc
     shift 2
-    case " ${STEPS:-$name} " in *" $name "*) ;; *) return ;; esac
+    wants "$name" || return
     left=$(( BUDGET - $(elapsed) - 5 ))
     t=$(( max < left ? max : left ))
     if [ "$t" -lt 15 ]; then
@@ -36,7 +41,7 @@ step() {  # step NAME MAX_SECONDS COMMAND...: runs COMMAND with min(MAX, what is
         return
     fi
     echo "=== $name (limit ${t}s, at $(elapsed)s): $*"
-    timeout -k 5 "$t" "$@" >"$OUT/$name.log" 2>&1
+    timeout -s INT -k 10 "$t" "$@" >"$OUT/$name.log" 2>&1
     rc=$?
     echo "=== $name: rc=$rc after $(elapsed)s"
     tail -n "${TAIL:-30}" "$OUT/$name.log" | cut -c1-220
@@ -68,13 +73,15 @@ step prefill 150 $PY scripts/bench_prefill.py --shape deepseek-v3 --layers "$pac
 rm -rf "$pack_dir/slp_pack"
 # Built after the prefill step, not beside it: building reads and writes gigabytes, which would slow the CPU experts
 # that step measures.
-mkdir -p "$models"
-timeout 300 bash -c "
-    $PY scripts/make_tiny_model.py $models/qwen3-30b-a3b-L4-fp8 --preset qwen3-30b-a3b --layers 4 --fp8
-    $PY scripts/make_tiny_model.py $models/qwen3-30b-a3b-L4 --preset qwen3-30b-a3b --layers 4
-    $PY scripts/make_tiny_model.py $models/deepseek-v3-full-shapes --preset deepseek-v3 --layers 61 --experts 256 \
-        --fp8 --shapes-only" >"$OUT/models.log" 2>&1
-echo "=== models (at $(elapsed)s): $(tail -n 3 "$OUT/models.log" | tr '\n' ' ')"
+if wants overlap disagg decode doctor; then
+    mkdir -p "$models"
+    timeout 300 bash -c "
+        $PY scripts/make_tiny_model.py $models/qwen3-30b-a3b-L4-fp8 --preset qwen3-30b-a3b --layers 4 --fp8
+        $PY scripts/make_tiny_model.py $models/qwen3-30b-a3b-L4 --preset qwen3-30b-a3b --layers 4
+        $PY scripts/make_tiny_model.py $models/deepseek-v3-full-shapes --preset deepseek-v3 --layers 61 \\
+            --experts 256 --fp8 --shapes-only" >"$OUT/models.log" 2>&1
+    echo "=== models (at $(elapsed)s): $(tail -n 3 "$OUT/models.log" | tr '\n' ' ')"
+fi
 step overlap 150 $PY scripts/bench_hybrid.py --model "$models/qwen3-30b-a3b-L4" --concurrency 1,4,8 \
     --prompt-lens 32,1024 --tokens 24 --repeats 2
 # A step cut off by its limit leaves its daemon running (it is in a session of its own): stop it before the tests.
