@@ -43,20 +43,23 @@ def tokens(n: int, seed: int) -> list[int]:
 
 
 class Daemon:
-    def __init__(self, home: Path, port: int, model: str | None, extra: list[str]):
+    def __init__(self, home: Path, port: int, model: str | None, extra: list[str], start_timeout: float):
         self.home, self.port, self.url = home, port, f"http://127.0.0.1:{port}"
         self.args = ["--model", model] if model else []
         self.extra = extra
+        self.start_timeout = start_timeout
 
     def cli(self, *args: str) -> None:
         env = {**os.environ, "HYBRIDD_HOME": str(self.home)}
         r = subprocess.run([sys.executable, "-m", "hybrid.cli.main", *args], env=env, capture_output=True, text=True,
-                           timeout=1800)
+                           timeout=self.start_timeout + 60)
         if r.returncode:
             raise SystemExit(f"hybridd {' '.join(args)} failed:\n{r.stdout}\n{r.stderr}")
 
     def __enter__(self) -> Daemon:
-        self.cli("start", "--port", str(self.port), *self.args, *self.extra)
+        start = time.monotonic()
+        self.cli("start", "--port", str(self.port), "--timeout", str(self.start_timeout), *self.args, *self.extra)
+        print(f"  daemon {' '.join(self.extra)} up in {time.monotonic() - start:.1f} s", flush=True)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -122,15 +125,18 @@ def main() -> None:
     ap.add_argument("--home", help="HYBRIDD_HOME for the runs (default: a temporary directory)")
     ap.add_argument("--daemon-args", default="", help="more `hybridd start` flags for both modes, e.g. "
                     "--daemon-args='--gpus 0'")
+    ap.add_argument("--start-timeout", type=float, default=1800.0, help="seconds a daemon may take to start")
     a = ap.parse_args()
     home = Path(a.home) if a.home else Path(tempfile.mkdtemp(prefix="bench-disagg-"))
     common = shlex.split(a.daemon_args)
     modes = {"colocated": [*common, "--no-disagg"], "disagg": [*common, "--disagg"]}
     results: dict[str, list[dict]] = {m: [] for m in modes}
-    for _ in range(a.rounds):
+    for round_no in range(a.rounds):
         for mode, extra in modes.items():
-            with Daemon(home, a.port, a.model, extra) as d:
+            with Daemon(home, a.port, a.model, extra, a.start_timeout) as d:
+                start = time.monotonic()
                 results[mode].append(asyncio.run(round_trip(d.url, a)))
+                print(f"  {mode} round {round_no + 1}: {time.monotonic() - start:.1f} s", flush=True)
     console = Console()
     console.print(f"model {Path(a.model).name if a.model else 'default'}, kernel path {kernel_isa_name()}, "
                   f"{os.cpu_count()} cores, daemon flags {' '.join(common) or '(none)'}; {a.chats} chats of "

@@ -49,10 +49,12 @@ class Daemon:
                               text=True, timeout=timeout, input=stdin, preexec_fn=unpin_child)
 
     def start(self, *extra: str) -> None:
-        args = ["start", "--port", str(self.port), "--kv-cache-gb", "0.25", *extra]
+        # hybridd start gives up first, so a daemon that does not start fails the test with its logs.
+        wait = float(os.environ.get("HYBRIDD_TEST_START_S", "300"))
+        args = ["start", "--port", str(self.port), "--kv-cache-gb", "0.25", "--timeout", str(wait), *extra]
         if self.api_key:
             args += ["--api-key", self.api_key]
-        r = self.cli(*args, timeout=300)
+        r = self.cli(*args, timeout=wait + 60)
         assert r.returncode == 0, f"hybridd start failed:\n{r.stdout}\n{r.stderr}\n{self.logs()}"
 
     def stop(self) -> subprocess.CompletedProcess:

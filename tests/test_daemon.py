@@ -348,3 +348,12 @@ def test_doctor_reports_machine_and_fit(tmp_path):
     r = d.cli("doctor", "--model", str(tmp_path / "nothing"))
     assert r.returncode == 0 and "problem" in r.stdout and "point --model" in r.stdout
 
+
+
+def test_a_start_that_times_out_says_where_each_process_was(tmp_path):
+    d = Daemon(tmp_path / "home", free_port())
+    r = d.cli("start", "--port", str(d.port), "--timeout", "1", timeout=120)
+    assert r.returncode == 2 and "not healthy after 1s" in r.stderr, r.stderr
+    where = r.stderr.split("where each process was:")[1]
+    assert "  daemon: " in where and "hybridd.supervisor" in where, r.stderr
+    assert not (d.home / "hybridd.pid").exists()

@@ -247,13 +247,23 @@ def test_streamed_prefill_on_cuda_matches_cpu_only(model_dirs, copy):
     """The CUDA path: experts copied on a copy stream (DMA from the registered pack, or through pinned bounce
     buffers), compiled kernels, events between the streams. Checked against CPU-only mode, which the test above
     checks against transformers."""
-    model = model_dirs["tiny-deepseek-v3-fp8"]
+    check_on_cuda(model_dirs["tiny-deepseek-v3-fp8"], copy)
+
+
+@pytest.mark.gpu
+def test_every_model_streams_on_cuda(any_model):
+    """Compiled kernels over every test model's pack format (bf16, fp8 with block scales, MLA with and without
+    q LoRA)."""
+    check_on_cuda(any_model, "auto")
+
+
+def check_on_cuda(model: Path, copy: str) -> None:
     prompts = [prompt_ids(23, seed=2), prompt_ids(40, seed=4)]
     want = cpu_only(model, prompts)
     llm = LLM(model, dtype="float32", gpus=[0], slp_threshold=1, slp_max_tokens=16, slp_copy=copy,
               max_num_batched_tokens=16)
     try:
-        assert llm.engine.runner.experts.stream.copy == copy
+        assert copy == "auto" or llm.engine.runner.experts.stream.copy == copy
         outs = greedy(llm, prompts)
     finally:
         llm.close()

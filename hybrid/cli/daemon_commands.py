@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -64,6 +65,18 @@ def register(sub) -> None:
     so.set_defaults(func=cmd_slo_report)
 
 
+def last_log_lines(log_dir: Path) -> str:
+    """Each log's last line: where every process of a daemon that did not start had got to."""
+    lines = []
+    for path in sorted(log_dir.glob("*.log")):
+        with contextlib.suppress(OSError), open(path, "rb") as f:
+            f.seek(max(0, path.stat().st_size - 4096))
+            tail = f.read().decode(errors="replace").strip().splitlines()
+            if tail:
+                lines.append(f"\n  {path.stem}: {tail[-1][:300]}")
+    return "".join(lines)
+
+
 def _wait_ready(config, proc, timeout_s: float) -> None:
     """Shows packing/loading progress until /health answers ok; stops the daemon if it cannot start."""
     import time
@@ -74,12 +87,13 @@ def _wait_ready(config, proc, timeout_s: float) -> None:
     from hybrid.managers.supervisor import ALREADY_RUNNING_EXIT, stop_daemon
 
     def give_up(reason: str) -> DaemonError:
+        where = last_log_lines(config.paths.log_dir)  # before stopping, which logs its own lines
         if proc.poll() is None:
             try:
                 stop_daemon(config.paths)
             except DaemonError:
                 proc.kill()
-        return DaemonError(f"{reason} (logs in {config.paths.log_dir})")
+        return DaemonError(f"{reason} (logs in {config.paths.log_dir}); where each process was:{where}")
 
     deadline = time.monotonic() + timeout_s
     columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
@@ -29,12 +30,22 @@ from hybrid.model_loader.loader import load_model
 from hybrid.models.causal_lm import CausalLM
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 if TYPE_CHECKING:
     from hybrid.distributed.launcher import ParallelRun
     from hybrid.engine.stage_executor import StageExecutor
     from hybrid.graphs.cpu_decode_programs import CpuDecodePrograms
     from hybrid.graphs.decode_graphs import DecodeGraphs
+
+
+def timed(took: dict[str, float], name: str, build: Callable[[], T]) -> T:
+    """Runs one build step, logging its start (a start that hangs is the log's last line) and keeping its time."""
+    log.info("building the runner: %s", name)
+    start = time.perf_counter()
+    built = build()
+    took[name] = time.perf_counter() - start
+    return built
 
 
 class ModelRunner:
@@ -57,12 +68,14 @@ class ModelRunner:
             self.shard = None if self.parallel is None else \
                 self.parallel.state.model_shard(model_config.num_hidden_layers)
             self.init_threads()
-            self.experts = self.init_experts(reader, experts)
+            took: dict[str, float] = {}
+            self.experts = timed(took, "experts", lambda: self.init_experts(reader, experts))
             self.attention = self.init_attention()
-            self.model = self.init_model(reader)
-            self.kv_pool = self.init_kv_pool()
-            self.graphs = self.init_graphs()
+            self.model = timed(took, "model", lambda: self.init_model(reader))
+            self.kv_pool = timed(took, "KV pool", self.init_kv_pool)
+            self.graphs = timed(took, "decode graphs", self.init_graphs)
             self.executor = self.init_executor()
+            log.info("runner built: %s", ", ".join(f"{name} {s:.1f} s" for name, s in took.items()))
         except BaseException:
             if self.parallel is not None:
                 self.parallel.abort()
