@@ -5,7 +5,8 @@ a family's time includes its thread pool's fork and join), torch's own small ops
 aten ops, in a second pass), and the rest: Python and dispatch between them.
 
 `program_breakdown`: a step that replays its kernel program (hybrid/graphs/cpu_decode_programs.py): each recorded
-call timed in C++ by kernel, and the rest of the step (sampling, scheduling, embedding, lm_head) outside it.
+call timed in C++ by kernel, and the rest of the step outside it, split in a second window of steps by timing the
+runner's execute, its lm_head and the sampler around their calls.
 """
 
 from __future__ import annotations
@@ -79,9 +80,53 @@ def program_breakdown(engine, prompt: list[int], steps: int, make_params: Callab
         engine.step()
     step = decode_steps(engine, prompt, steps, make_params(steps + 2))
     out = {k: v / steps for k, v in spent.items()}
-    out["outside the program (embedding, lm_head, sampling, scheduling)"] = max(0.0, step - replay)
+    outside = timed_outside(engine, prompt, steps, make_params(steps + 2))
+    out["lm_head (kernel, outside the program)"] = outside["lm_head"]
+    out["rest of the runner (inputs, embedding, program dispatch)"] = max(
+        0.0, outside["execute"] - replay - outside["lm_head"])
+    out["sampling"] = outside["sampling"]
+    out["engine (scheduling, outputs)"] = max(0.0, outside["step"] - outside["execute"] - outside["sampling"])
     out["step"] = step
     return out
+
+
+class _TimedCall:
+    """Stands in for a callable (a bound method, the sampler), adding each call's seconds to spent[name] while
+    window[0] is set."""
+
+    def __init__(self, inner, spent: dict[str, float], name: str, window: list[bool]):
+        self.inner, self.spent, self.name, self.window = inner, spent, name, window
+
+    def __call__(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return self.inner(*args, **kwargs)
+        finally:
+            if self.window[0]:
+                self.spent[self.name] += time.perf_counter() - start
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+
+def timed_outside(engine, prompt: list[int], steps: int, params) -> dict[str, float]:
+    """Seconds per decode step of the runner's execute, its lm_head and the sampler, timed around their calls over
+    a second window of steps, and that window's step ("step")."""
+    runner, spent, window = engine.runner, defaultdict(float), [False]
+    sampler = engine.sampler
+    patches = [(runner, "execute"), (runner.model, "compute_logits")]
+    names = {"execute": "execute", "compute_logits": "lm_head"}
+    for owner, attr in patches:
+        setattr(owner, attr, _TimedCall(getattr(owner, attr), spent, names[attr], window))
+    engine.sampler = _TimedCall(sampler, spent, "sampling", window)
+    try:
+        step = decode_steps(engine, prompt, steps, params, window)
+    finally:
+        for owner, attr in patches:
+            delattr(owner, attr)
+        engine.sampler = sampler
+    return {"execute": spent["execute"] / steps, "lm_head": spent["lm_head"] / steps,
+            "sampling": spent["sampling"] / steps, "step": step}
 
 
 def breakdown(engine, prompt: list[int], steps: int, make_params: Callable[[int], object]) -> dict[str, float]:
