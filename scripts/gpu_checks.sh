@@ -9,9 +9,9 @@
 #
 # The lent H100 (Python 3.12, torch 2.11, Triton 3.6, no package registry) lacks some of hybridd's dependencies and
 # cannot build here-built extensions for 3.11: carry cp312 wheels of pyzmq, msgspec, pydantic, pydantic-core,
-# annotated-types, typing-inspection, fastapi, starlette, uvicorn, llguidance, jsonschema, jsonschema-specifications,
-# referencing, rpds-py, openai, httpx2, httpcore2, truststore, jiter, distro, sniffio, anyio, h11 and
-# typing-extensions in .whl/, and cpu_kernels/_C.cpython-312-*.so built in a Python 3.12 venv from the current
+# annotated-types, typing-inspection, fastapi, opentelemetry-api (fastapi imports it), starlette, uvicorn,
+# llguidance, jsonschema, jsonschema-specifications, referencing, rpds-py, openai, httpx2, httpcore2, truststore,
+# jiter, distro, sniffio, anyio, h11 and typing-extensions in .whl/, and cpu_kernels/_C.cpython-312-*.so built in a Python 3.12 venv from the current
 # csrc/ (`python setup.py build_ext --inplace` there; a stale one lacks the newest kernels), then run
 #     pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl; PYTHONPATH=/tmp/site:$PWD scripts/gpu_checks.sh
 set -u
@@ -58,6 +58,10 @@ models=bench_models
     $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, \
 'cuda', torch.cuda.is_available(), torch.cuda.get_device_name() if torch.cuda.is_available() else '')"
     $PY -m cpu_kernels
+    # Every process's imports, up front: the api process of 2026-11-27's daemons died on fastapi's import of
+    # opentelemetry (not installed there), and the daemons' starts waited out their timeouts.
+    $PY -c "import server.api_server, hybrid.cli.main, hybrid.managers.engine_server, openai, llguidance" \
+        && echo "imports: ok"
 } >"$OUT/env.log" 2>&1
 cat "$OUT/env.log"
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -356,4 +358,22 @@ def test_a_start_that_times_out_says_where_each_process_was(tmp_path):
     assert r.returncode == 2 and "not healthy after 1s" in r.stderr, r.stderr
     where = r.stderr.split("where each process was:")[1]
     assert "  daemon: " in where and "hybridd.supervisor" in where, r.stderr
+    assert not (d.home / "hybridd.pid").exists()
+
+
+def test_an_api_that_cannot_start_fails_the_start_at_once(tmp_path):
+    """As on a machine whose fastapi needs a package that is not installed: the supervisor restarts the api, /health
+    never answers, and `hybridd start` used to wait its whole timeout. It gives up at the second exit, with the
+    api's error."""
+    fake = tmp_path / "fake"
+    (fake / "fastapi").mkdir(parents=True)
+    (fake / "fastapi" / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'opentelemetry'\")\n")
+    d = Daemon(tmp_path / "home", free_port())
+    env = {**d.env, "PYTHONPATH": os.pathsep.join([str(fake), os.environ.get("PYTHONPATH", "")])}
+    start = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "hybrid.cli.main", "start", "--port", str(d.port), "--timeout", "120"],
+                       env=env, capture_output=True, text=True, timeout=180)
+    assert r.returncode == 2 and "the api process exited 2 times while starting" in r.stderr, r.stderr
+    assert "opentelemetry" in r.stderr.split("where each process was:")[1], r.stderr
+    assert time.monotonic() - start < 60
     assert not (d.home / "hybridd.pid").exists()

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import sys
 from pathlib import Path
 
 from hybrid.cli.engine_args import add_engine_args, engine_kwargs, explain_gpus, follow_if_not_rank0, parse_gpus
 from hybrid.managers.supervisor import DaemonError
+
+CRASH_LOOP_EXITS = 2  # exits of one process before a start gives up (the first may be a restartable accident)
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 
@@ -77,6 +80,19 @@ def last_log_lines(log_dir: Path) -> str:
     return "".join(lines)
 
 
+def crash_loop(paths) -> str | None:
+    """What is wrong if a process of the starting daemon keeps exiting (the supervisor restarts it, and an api
+    that cannot start would leave /health silent until the timeout); None while none does."""
+    try:
+        exits = json.loads(paths.exits_file.read_text())
+    except (OSError, ValueError):
+        return None
+    for role, codes in exits.items():
+        if len(codes) >= CRASH_LOOP_EXITS:
+            return f"the {role} process exited {len(codes)} times while starting (exit codes {codes})"
+    return None
+
+
 def _wait_ready(config, proc, timeout_s: float) -> None:
     """Shows packing/loading progress until /health answers ok; stops the daemon if it cannot start."""
     import time
@@ -106,6 +122,9 @@ def _wait_ready(config, proc, timeout_s: float) -> None:
                                   "`hybridd stop` stops it")
             if proc.poll() is not None:
                 raise give_up(f"the daemon exited with code {proc.returncode} while starting")
+            looping = crash_loop(config.paths)
+            if looping is not None:
+                raise give_up(looping)
             try:
                 r = httpx.get(f"{config.url}/health", timeout=2.0)
             except httpx.HTTPError:

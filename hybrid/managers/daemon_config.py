@@ -43,6 +43,11 @@ class DaemonPaths:
         return self.run_dir / "daemon.json"
 
     @property
+    def exits_file(self) -> Path:
+        """The exit codes of each child process that exited, by role, as the supervisor saw them."""
+        return self.run_dir / "exits.json"
+
+    @property
     def engine_in(self) -> str:
         return f"ipc://{self.run_dir}/engine-in"
 

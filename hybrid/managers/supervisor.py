@@ -65,6 +65,7 @@ class Supervisor:
         self.paths = config.paths
         self.children = {role: Child(role) for role in ["api"] + config.engine_roles}
         self.cores = core_split(sorted(os.sched_getaffinity(0)), config.prefill_cores) if config.disagg else {}
+        self.exits: dict[str, list[int]] = {}
         self.stopping = False
 
     def spawn(self, child: Child) -> None:
@@ -85,6 +86,8 @@ class Supervisor:
         if child.proc is not None and child.proc.poll() is not None:
             log.error("%s (pid %d) exited with code %s; restarting it (log: %s)", child.role, child.proc.pid,
                       child.proc.returncode, self.paths.log_dir / f"{child.role}.log")
+            self.exits.setdefault(child.role, []).append(child.proc.returncode)
+            write_private(self.paths.exits_file, json.dumps(self.exits))
             child.proc = None
             child.restarts = [t for t in child.restarts if now - t < RESTART_WINDOW_S] + [now]
             child.start_after = now + min(2.0 ** (len(child.restarts) - 1) - 1, MAX_BACKOFF_S)
@@ -102,6 +105,7 @@ class Supervisor:
 
     def _run(self) -> int:
         self.config.save(self.paths.config_file)
+        self.paths.exits_file.unlink(missing_ok=True)
         write_pid_file(self.paths, {"pid": os.getpid(), "url": self.config.url, "model": self.config.model_name,
                                     "api_key": self.config.api_key_sha256 is not None,
                                     "create_time": psutil.Process().create_time()})
