@@ -30,8 +30,8 @@ def paged(lens: list[int], block_size: int, seed: int) -> tuple[torch.Tensor, in
     return tables, sum(need) + 3
 
 
-@pytest.mark.parametrize("hq,hkv,d", [(8, 2, 16), (32, 4, 128), (6, 6, 48), (4, 1, 8), (5, 5, 40), (12, 3, 24)],
-                         ids=lambda v: str(v))
+@pytest.mark.parametrize("hq,hkv,d", [(8, 2, 16), (32, 4, 128), (6, 6, 48), (4, 1, 8), (5, 5, 40), (12, 3, 24),
+                                     (10, 5, 64), (12, 1, 96)], ids=lambda v: str(v))
 @pytest.mark.parametrize("block_size", [16, 5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_gqa_matches_reference(hq, hkv, d, block_size, dtype):
@@ -138,3 +138,20 @@ def test_bad_inputs_are_rejected():
     paged_attention(q, k, k, short, torch.tensor([16]), 1.0)
     with pytest.raises(ValueError, match="block tables"):
         paged_attention(q, k, k, short, torch.tensor([17]), 1.0)
+
+
+def test_bf16_pairs_over_many_slices_and_extreme_scores():
+    """The bf16 kernel of the avx512_bf16 / amx paths (head dims a multiple of 32): long contexts over many slices,
+    a chunk's tail of odd length, and scores so spread that most bf16-rounded weights are zero."""
+    lens = [5001, 3, 18]
+    tables, blocks = paged(lens, 16, seed=5)
+    g = torch.Generator().manual_seed(6)
+    k = torch.randn(blocks, 16, 2, 64, generator=g).to(torch.bfloat16)
+    v = torch.randn(blocks, 16, 2, 64, generator=g).to(torch.bfloat16)
+    q = (torch.randn(3, 6, 64, generator=g) * 8).to(torch.bfloat16)
+    ref = paged_attention_reference(q, k, v, tables, torch.tensor(lens), 0.5)
+    for isa in ISAS:
+        for threads in (None, 16):
+            out = paged_attention(q, k, v, tables, torch.tensor(lens), 0.5, num_threads=threads, isa=isa)
+            assert torch.isfinite(out.float()).all()
+            assert rel_err(out, ref) < BOUND[torch.bfloat16], (isa, threads)

@@ -1,8 +1,9 @@
 // Paged causal attention (see attention.h). A task attends one context slice of one KV head for a tile of
 // queries and every query head sharing that KV head: rows r = (query, head). Keys come 16 at a time: their
 // K rows are gathered from the cache blocks and widened to fp32; the avx512 kernel transposes them so that
-// one FMA scores a row against all 16, the avx2 kernel holds 8 rows in the lanes of a vector instead and
-// scores them against one key per FMA. Each row folds the keys into its running max / sum / weighted V sum.
+// one FMA scores a row against all 16 (for bf16 caches on CPUs with AVX512_BF16, one vdpbf16ps against all 16
+// over a pair of head dims), the avx2 kernel holds 8 rows in the lanes of a vector instead and scores them
+// against one key per FMA. Each row folds the keys into its running max / sum / weighted V sum.
 // Probabilities stay fp32 throughout.
 #include "attention.h"
 
@@ -232,6 +233,134 @@ AVX512F_TARGET void attend_avx512(const PagedAttention& a, const Task& t, float*
   }
 }
 
+AVX512BF16_TARGET inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh>(v); }
+
+AVX512BF16_TARGET inline __m512bh bcast_pair(const uint16_t* p) {
+  int32_t pair;
+  std::memcpy(&pair, p, 4);
+  return as_bh(_mm512_set1_epi32(pair));
+}
+
+template <typename T>
+T* align64(std::vector<T>& buf, size_t n) {
+  buf.resize(n + 64 / sizeof(T));
+  return reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
+}
+
+// Scores of M rows (their bf16 query rows q[r]) against the 16 keys of kt, whose 32-bit lanes hold a pair of
+// head dims of one key: kt[c * 16 + key] = K[key][2c, 2c + 1].
+template <int M>
+AVX512BF16_TARGET inline void score_pairs(const uint16_t* const* q, int pairs, const uint32_t* kt, __m512* s) {
+  for (int r = 0; r < M; ++r) s[r] = _mm512_setzero_ps();
+  for (int c = 0; c < pairs; ++c) {
+    const __m512bh k = as_bh(_mm512_load_si512(kt + c * 16));
+    for (int r = 0; r < M; ++r) s[r] = _mm512_dpbf16_ps(s[r], bcast_pair(q[r] + 2 * c), k);
+  }
+}
+
+// Columns [16j, 16j + 16) of M rows' weighted V sums (rows `stride` floats apart): acc * corr[r] + the chunk's
+// keys weighted by w[r] (bf16 pairs of consecutive keys), vp[(i * blocks + j) * 16] holding keys 2i and 2i + 1
+// interleaved per column.
+template <int M>
+AVX512BF16_TARGET inline void weigh_pairs(float* acc, int64_t stride, const float* corr, const uint32_t (*w)[kChunk / 2],
+                                          const uint32_t* vp, int blocks, int npairs, int j) {
+  __m512 r[M];
+  for (int m = 0; m < M; ++m) r[m] = _mm512_mul_ps(_mm512_loadu_ps(acc + m * stride + 16 * j), _mm512_set1_ps(corr[m]));
+  for (int i = 0; i < npairs; ++i) {
+    const __m512bh v = as_bh(_mm512_load_si512(vp + (size_t(i) * blocks + j) * 16));
+    for (int m = 0; m < M; ++m) r[m] = _mm512_dpbf16_ps(r[m], as_bh(_mm512_set1_epi32(int32_t(w[m][i]))), v);
+  }
+  for (int m = 0; m < M; ++m) _mm512_storeu_ps(acc + m * stride + 16 * j, r[m]);
+}
+
+// bf16 caches on the avx512_bf16 and amx paths: vdpbf16ps multiplies pairs, so a row's scores take half the
+// fp32 kernel's FMAs with K transposed as 32-bit pairs of head dims (half its shuffles, nothing widened), and the
+// weighted V sum takes half with V's rows interleaved in pairs of keys. The weights are rounded to bf16 for that
+// product and the running sum adds the rounded weights, so each output stays a normalized weighting.
+// head_dim a multiple of 32, v_head_dim of 16.
+AVX512BF16_TARGET void attend_avx512_bf16(const PagedAttention& a, const Task& t, float* part) {
+  const int group = group_of(a), pairs = a.head_dim / 2, blocks = a.v_head_dim / 16, rows = t.nq * group;
+  thread_local std::vector<uint32_t> ktbuf, vpbuf;
+  thread_local std::vector<uint16_t> zero_row;
+  uint32_t* kt = align64(ktbuf, size_t(pairs) * 16);
+  uint32_t* vp = align64(vpbuf, size_t(kChunk / 2) * blocks * 16);
+  zero_row.assign(a.v_head_dim, 0);
+  const auto* k = static_cast<const uint16_t*>(a.k);
+  const auto* v = static_cast<const uint16_t*>(a.v);
+  const auto* q = static_cast<const uint16_t*>(a.q);
+  const __m512 scale = _mm512_set1_ps(a.scale);
+  // Lane 2p takes column p of the first key, lane 2p + 1 column p of the second (index bit 5: the second operand).
+  alignas(64) int16_t order[32];
+  for (int l = 0; l < 32; ++l) order[l] = int16_t(l % 2 ? 32 + l / 2 : l / 2);
+  const __m512i interleave = _mm512_load_si512(order);
+  const int64_t stride = row_floats(a);
+  init_rows(a, rows, part);
+  const int end = std::min(t.t1, key_limit(a, t, t.nq - 1));
+  int64_t kstart[kChunk];
+  const uint16_t* vrow[kChunk];
+  alignas(64) uint32_t w[8][kChunk / 2];
+  float corr[8];
+  __m512 s[8];
+  const uint16_t* qr[8];
+  for (int c0 = t.t0; c0 < end; c0 += kChunk) {
+    const int n = std::min(kChunk, end - c0), npairs = (n + 1) / 2;
+    for (int i = 0; i < kChunk; ++i) {
+      if (i >= n) {
+        vrow[i] = zero_row.data();
+        continue;
+      }
+      const int64_t idx = token_index(a, t.seq, c0 + i);
+      kstart[i] = k_offset(a, t, idx);
+      vrow[i] = v + v_offset(a, t, idx);
+    }
+    for (int c = 0; c < pairs; c += 16) {  // 16 pairs (32 bf16) of each key: a transpose of 32-bit lanes
+      __m512 blk[16];
+      for (int i = 0; i < 16; ++i) blk[i] = i < n ? _mm512_loadu_ps(k + kstart[i] + 2 * c) : _mm512_setzero_ps();
+      transpose16(blk);
+      for (int j = 0; j < 16; ++j) _mm512_store_ps(reinterpret_cast<float*>(kt + (c + j) * 16), blk[j]);
+    }
+    for (int i = 0; i < npairs; ++i)
+      for (int j = 0; j < blocks; ++j) {
+        const __m512i first = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vrow[2 * i] + 16 * j)));
+        const __m512i second =
+            _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vrow[2 * i + 1] + 16 * j)));
+        _mm512_store_si512(vp + (size_t(i) * blocks + j) * 16, _mm512_permutex2var_epi16(first, interleave, second));
+      }
+    for (int r0 = 0; r0 < rows; r0 += 8) {
+      const int m = std::min(8, rows - r0);
+      if (key_limit(a, t, (r0 + m - 1) / group) <= c0) continue;  // rows are in query order: the last sees most
+      for (int r = 0; r < m; ++r) qr[r] = q + q_offset(a, t, r0 + r);
+      if (m == 8) score_pairs<8>(qr, pairs, kt, s);
+      else
+        for (int r = 0; r < m; ++r) score_pairs<1>(qr + r, pairs, kt, s + r);
+      for (int r = 0; r < m; ++r) {
+        float* p = part + (r0 + r) * stride;
+        const int visible = std::min(n, key_limit(a, t, (r0 + r) / group) - c0);
+        if (visible <= 0) {
+          corr[r] = 1.0f;
+          std::fill(w[r], w[r] + kChunk / 2, 0u);
+          continue;
+        }
+        const __mmask16 valid = __mmask16((1u << visible) - 1);
+        const __m512 sv = _mm512_mask_mov_ps(_mm512_set1_ps(kNegInf), valid, _mm512_mul_ps(s[r], scale));
+        const float mx = std::max(p[0], _mm512_reduce_max_ps(sv));
+        corr[r] = std::exp(p[0] - mx);
+        const __m256i e = reinterpret_cast<__m256i>(
+            _mm512_cvtneps_pbh(_mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(sv, _mm512_set1_ps(mx))))));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(w[r]), e);
+        p[0] = mx;
+        p[1] = p[1] * corr[r] + _mm512_reduce_add_ps(widen_bf16(e));
+      }
+      float* acc = part + r0 * stride + 2;
+      for (int j = 0; j < blocks; ++j) {
+        if (m == 8) weigh_pairs<8>(acc, stride, corr, w, vp, blocks, npairs, j);
+        else
+          for (int r = 0; r < m; ++r) weigh_pairs<1>(acc + r * stride, stride, corr + r, w + r, vp, blocks, npairs, j);
+      }
+    }
+  }
+}
+
 AVX2_TARGET inline __m256 load8(const void* base, int64_t i, bool f32) {
   if (f32) return _mm256_loadu_ps(static_cast<const float*>(base) + i);
   return widen_bf16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + i)));
@@ -445,12 +574,14 @@ void paged_attention(ThreadPool& pool, const PagedAttention& a, Isa isa) {
   thread_local std::vector<float> part;
   const int64_t task_floats = int64_t(tile) * group * row_floats(a);
   part.resize(work.size() * task_floats);
+  const bool pairs = avx512_bf16(isa) && !a.f32 && a.head_dim % 32 == 0 && a.v_head_dim % 16 == 0;
   const bool wide = avx512(isa) && a.head_dim % 16 == 0 && a.v_head_dim % 16 == 0;
   // AVX-512 paths take the avx2 kernel where a head dimension is a multiple of 8 but not of 16.
   const bool avx2 = !wide && runs_avx2(isa) && a.head_dim % 8 == 0 && a.v_head_dim % 8 == 0;
   float* parts = part.data();
   pool.run(static_cast<int>(work.size()), [&](int i, int) {
-    if (wide) attend_avx512(a, work[i], parts + i * task_floats);
+    if (pairs) attend_avx512_bf16(a, work[i], parts + i * task_floats);
+    else if (wide) attend_avx512(a, work[i], parts + i * task_floats);
     else if (avx2) attend_avx2(a, work[i], parts + i * task_floats);
     else attend_generic(a, work[i], parts + i * task_floats);
   });

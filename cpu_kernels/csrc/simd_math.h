@@ -11,6 +11,9 @@ namespace hybridd {
 // AVX-512 Foundation with the byte/word, vector-length and dword/qword extensions: Skylake-SP and every later
 // AVX-512 CPU. Code under this target runs on all of the avx512, avx512_bf16 and amx paths.
 #define AVX512F_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
+// The same with the bf16 dot product (vdpbf16ps): Cooper Lake, Sapphire Rapids and later, Zen 4 and later; code
+// under it runs on the avx512_bf16 and amx paths only.
+#define AVX512BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 // AVX2 with FMA: Haswell, Zen 1 and every later x86-64 CPU but the Atom-derived ones.
 #define AVX2_TARGET __attribute__((target("avx2,fma")))
 
