@@ -44,7 +44,8 @@ step() {  # step NAME MAX_SECONDS COMMAND...: runs COMMAND with min(MAX, what is
     timeout -s INT -k 10 "$t" "$@" >"$OUT/$name.log" 2>&1
     rc=$?
     echo "=== $name: rc=$rc after $(elapsed)s"
-    # A daemon left by a cut-off step (in a session of its own, it outlives the step) would slow every later one.
+    # A daemon left by a cut-off step (in a session of its own, it outlives the step) would slow every later one;
+    # the lent machine runs nothing else of these names.
     pkill -f "hybrid.managers|hybrid.experts.process" 2>/dev/null
     tail -n "${TAIL:-30}" "$OUT/$name.log" | cut -c1-220
 }

@@ -28,7 +28,7 @@ NEW_TOKENS = 16
 
 def torchrun(nproc: int, *args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
-    env = env or os.environ.copy()
+    env = dict(env or os.environ)
     # A worker script's own folder heads its sys.path: the repository must be importable without an install too.
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE.parent), env.get("PYTHONPATH")]))
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, preexec_fn=unpin_child)

@@ -1,10 +1,10 @@
 // Paged causal attention (see attention.h). A task attends one context slice of one KV head for a tile of
 // queries and every query head sharing that KV head: rows r = (query, head). Keys come 16 at a time: their
 // K rows are gathered from the cache blocks and widened to fp32; the avx512 kernel transposes them so that
-// one FMA scores a row against all 16 (for bf16 caches on CPUs with AVX512_BF16, one vdpbf16ps against all 16
-// over a pair of head dims), the avx2 kernel holds 8 rows in the lanes of a vector instead and scores them
-// against one key per FMA. Each row folds the keys into its running max / sum / weighted V sum.
-// Probabilities stay fp32 throughout.
+// one FMA scores a row against all 16, the avx2 kernel holds 8 rows in the lanes of a vector instead and
+// scores them against one key per FMA. Each row folds the keys into its running max / sum / weighted V sum,
+// with probabilities in fp32. bf16 caches on CPUs with AVX512_BF16 take a fourth kernel (attend_avx512_bf16):
+// K stays bf16, transposed as pairs of head dims for vdpbf16ps, and the probabilities are rounded to bf16.
 #include "attention.h"
 
 #include "cache_aligned.h"

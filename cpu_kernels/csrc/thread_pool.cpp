@@ -11,12 +11,12 @@
 namespace hybridd {
 
 namespace {
-void pin_current_thread(int cpu) {
+void pin_thread(pthread_t thread, int cpu) {
   if (cpu < 0) return;
   cpu_set_t set;
   CPU_ZERO(&set);
   CPU_SET(cpu, &set);
-  pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
+  pthread_setaffinity_np(thread, sizeof(set), &set);
 }
 }  // namespace
 
@@ -29,7 +29,11 @@ ThreadPool::ThreadPool(std::vector<int> cpus, std::vector<int> nodes, int spin_u
     num_nodes_ = std::max(num_nodes_, n + 1);
   }
   shares_ = std::make_unique<Share[]>(num_nodes_);
-  for (int t = 1; t < size(); ++t) threads_.emplace_back([this, t] { worker(t); });
+  // Pinned by the constructor, not by the worker itself: once it returns, every thread of the pool has its core.
+  for (int t = 1; t < size(); ++t) {
+    threads_.emplace_back([this, t] { worker(t); });
+    pin_thread(threads_.back().native_handle(), cpus_[t]);
+  }
 }
 
 ThreadPool::~ThreadPool() {
@@ -52,7 +56,6 @@ void ThreadPool::drain(int tid) {
 }
 
 void ThreadPool::worker(int tid) {
-  pin_current_thread(cpus_[tid]);
   uint32_t seen = 0;  // the generation at construction: a run or stop may come before this thread starts
   for (;;) {
     auto deadline = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us());
@@ -86,7 +89,7 @@ void ThreadPool::run(int ntasks, const std::function<void(int, int)>& fn) {
   // thread: re-pinning around every call costs a migration per call.
   thread_local int pinned_to = -2;
   if (pinned_to != cpus_[0]) {
-    pin_current_thread(cpus_[0]);
+    pin_thread(pthread_self(), cpus_[0]);
     pinned_to = cpus_[0];
   }
   if (size() == 1 || ntasks == 1) {

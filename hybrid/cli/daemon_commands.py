@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 from hybrid.cli.engine_args import add_engine_args, engine_kwargs, explain_gpus, follow_if_not_rank0, parse_gpus
@@ -68,42 +69,53 @@ def register(sub) -> None:
     so.set_defaults(func=cmd_slo_report)
 
 
-def last_log_lines(log_dir: Path) -> str:
-    """Each log's last line: where every process of a daemon that did not start had got to."""
+def log_sizes(log_dir: Path) -> dict[Path, int]:
+    return {path: path.stat().st_size for path in log_dir.glob("*.log")}
+
+
+def last_log_lines(log_dir: Path, before: dict[Path, int]) -> str:
+    """The last line each log gained since `before` (logs are appended to, run after run): where every process
+    of a daemon that did not start had got to."""
     lines = []
     for path in sorted(log_dir.glob("*.log")):
         with contextlib.suppress(OSError), open(path, "rb") as f:
-            f.seek(max(0, path.stat().st_size - 4096))
+            f.seek(max(before.get(path, 0), path.stat().st_size - 4096))
             tail = f.read().decode(errors="replace").strip().splitlines()
             if tail:
                 lines.append(f"\n  {path.stem}: {tail[-1][:300]}")
     return "".join(lines)
 
 
-def crash_loop(paths) -> str | None:
+def crash_loop(paths, supervisor_pid: int) -> str | None:
     """What is wrong if a process of the starting daemon keeps exiting (the supervisor restarts it, and an api
-    that cannot start would leave /health silent until the timeout); None while none does."""
+    that cannot start would leave /health silent until the timeout); None while none does. Only this
+    supervisor's record counts, and only exits within its restart window."""
+    from hybrid.managers.supervisor import RESTART_WINDOW_S
+
     try:
-        exits = json.loads(paths.exits_file.read_text())
-    except (OSError, ValueError):
+        record = json.loads(paths.exits_file.read_text())
+        if record["supervisor"] != supervisor_pid:
+            return None
+        exits = record["exits"]
+    except (OSError, ValueError, KeyError, TypeError):
         return None
-    for role, codes in exits.items():
+    now = time.time()
+    for role, seen in exits.items():
+        codes = [code for t, code in seen if now - t < RESTART_WINDOW_S]
         if len(codes) >= CRASH_LOOP_EXITS:
             return f"the {role} process exited {len(codes)} times while starting (exit codes {codes})"
     return None
 
 
-def _wait_ready(config, proc, timeout_s: float) -> None:
+def _wait_ready(config, proc, timeout_s: float, logs_before: dict[Path, int]) -> None:
     """Shows packing/loading progress until /health answers ok; stops the daemon if it cannot start."""
-    import time
-
     import httpx
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from hybrid.managers.supervisor import ALREADY_RUNNING_EXIT, stop_daemon
 
     def give_up(reason: str) -> DaemonError:
-        where = last_log_lines(config.paths.log_dir)  # before stopping, which logs its own lines
+        where = last_log_lines(config.paths.log_dir, logs_before)  # before stopping, which logs its own lines
         if proc.poll() is None:
             try:
                 stop_daemon(config.paths)
@@ -122,7 +134,7 @@ def _wait_ready(config, proc, timeout_s: float) -> None:
                                   "`hybridd stop` stops it")
             if proc.poll() is not None:
                 raise give_up(f"the daemon exited with code {proc.returncode} while starting")
-            looping = crash_loop(config.paths)
+            looping = crash_loop(config.paths, proc.pid)
             if looping is not None:
                 raise give_up(looping)
             try:
@@ -179,7 +191,9 @@ def cmd_start(a: argparse.Namespace) -> int:
         os.umask(PRIVATE_UMASK)
         print(f"hybridd: serving {config.model_name} at {config.url} (Ctrl-C stops)", file=sys.stderr)
         return Supervisor(config).run()
-    _wait_ready(config, launch(config), a.timeout)
+    config.paths.make()
+    logs_before = log_sizes(config.paths.log_dir)
+    _wait_ready(config, launch(config), a.timeout, logs_before)
     print(f"hybridd is serving {config.model_name} at {config.url}\n"
           f"  chat page: {config.url}/   OpenAI API: {config.url}/v1   stop: hybridd stop")
     return 0

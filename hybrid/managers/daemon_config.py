@@ -44,7 +44,7 @@ class DaemonPaths:
 
     @property
     def exits_file(self) -> Path:
-        """The exit codes of each child process that exited, by role, as the supervisor saw them."""
+        """The supervisor's pid and, by role, the time and exit code of each child process that exited."""
         return self.run_dir / "exits.json"
 
     @property

@@ -65,7 +65,7 @@ class Supervisor:
         self.paths = config.paths
         self.children = {role: Child(role) for role in ["api"] + config.engine_roles}
         self.cores = core_split(sorted(os.sched_getaffinity(0)), config.prefill_cores) if config.disagg else {}
-        self.exits: dict[str, list[int]] = {}
+        self.exits: dict[str, list[tuple[float, int]]] = {}  # role -> (time, exit code) of each exit
         self.stopping = False
 
     def spawn(self, child: Child) -> None:
@@ -86,8 +86,8 @@ class Supervisor:
         if child.proc is not None and child.proc.poll() is not None:
             log.error("%s (pid %d) exited with code %s; restarting it (log: %s)", child.role, child.proc.pid,
                       child.proc.returncode, self.paths.log_dir / f"{child.role}.log")
-            self.exits.setdefault(child.role, []).append(child.proc.returncode)
-            write_private(self.paths.exits_file, json.dumps(self.exits))
+            self.exits.setdefault(child.role, []).append((time.time(), child.proc.returncode))
+            write_private(self.paths.exits_file, json.dumps({"supervisor": os.getpid(), "exits": self.exits}))
             child.proc = None
             child.restarts = [t for t in child.restarts if now - t < RESTART_WINDOW_S] + [now]
             child.start_after = now + min(2.0 ** (len(child.restarts) - 1) - 1, MAX_BACKOFF_S)
@@ -123,6 +123,7 @@ class Supervisor:
                 if child.proc is not None and child.proc.poll() is None:
                     child.proc.kill()
             self.paths.pid_file.unlink(missing_ok=True)
+            self.paths.exits_file.unlink(missing_ok=True)
         log.info("stopped")
         return 0
 
