@@ -59,7 +59,7 @@ def serve(experts, groups: PeerGroups, hidden: int, top_k: int, dtype: torch.dty
     device = groups.device
     pass_bytes = 0
     while True:
-        groups.header(header)
+        groups.header(header).wait()
         op, a, b, _ = header.tolist()
         if op == PASS:
             experts.begin_pass(a, b)
@@ -72,7 +72,7 @@ def serve(experts, groups: PeerGroups, hidden: int, top_k: int, dtype: torch.dty
             groups.reduce(out).wait()
         elif op == END:
             experts.end_pass()
-            groups.reduce_count(experts.streamed_bytes - pass_bytes)
+            groups.count(torch.tensor([experts.streamed_bytes - pass_bytes], dtype=torch.int64)).wait()
         elif op == STOP:
             return
         else:

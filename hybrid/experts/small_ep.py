@@ -108,11 +108,11 @@ class PeerGroups:
         else:
             self.data = dist.ProcessGroupGloo(dist.PrefixStore("data/", store), rank, world, timeout)
 
-    def header(self, t: torch.Tensor) -> None:
-        """Rank 0's int64 [HEADER] header, on every rank."""
+    def header(self, t: torch.Tensor) -> dist.Work:
+        """Rank 0's int64 [HEADER] header, on every rank once the work is done."""
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
-        self.control.broadcast([t], opts).wait()
+        return self.control.broadcast([t], opts)
 
     def broadcast(self, t: torch.Tensor) -> dist.Work:
         opts = dist.BroadcastOptions()
@@ -125,13 +125,11 @@ class PeerGroups:
         opts.rootRank, opts.reduceOp = 0, dist.ReduceOp.SUM
         return self.data.reduce([t], opts)
 
-    def reduce_count(self, n: int) -> int:
-        """The sum of every rank's `n`, on rank 0."""
-        t = torch.tensor([n], dtype=torch.int64)
+    def count(self, t: torch.Tensor) -> dist.Work:
+        """Sums every rank's int64 [1] `t` into rank 0's."""
         opts = dist.ReduceOptions()
         opts.rootRank, opts.reduceOp = 0, dist.ReduceOp.SUM
-        self.control.reduce([t], opts).wait()
-        return int(t)
+        return self.control.reduce([t], opts)
 
     def abort(self) -> None:
         """Abandons the data group's pending operations (NCCL), so nothing on a stream waits for them for ever."""
@@ -169,7 +167,10 @@ class ExpertPeers:
         self._call(what, work.wait)
 
     def _header(self, op: int, a: int = 0, b: int = 0) -> None:
-        self._call("header", self.groups.header, torch.tensor([op, a, b, 0], dtype=torch.int64))
+        # Polled like the layers' data: a blocking wait on gloo could sit out its whole timeout (300 s, seen one
+        # run in three) when the expert rank had been killed.
+        t = torch.tensor([op, a, b, 0], dtype=torch.int64)
+        self._finish("header", self._call("header", self.groups.header, t))
 
     def begin(self, num_tokens: int, longest_prefill: int) -> None:
         """A streamed pass of `num_tokens` starts: the expert ranks begin streaming their share of its first
@@ -195,7 +196,9 @@ class ExpertPeers:
     def end(self) -> int:
         """Closes the pass; returns the bytes the expert ranks streamed in it."""
         self._header(END)
-        return self._call("count", self.groups.reduce_count, 0)
+        t = torch.zeros(1, dtype=torch.int64)
+        self._finish("count", self._call("count", self.groups.count, t))
+        return int(t)
 
     def probe(self, tokens: int, dtype: torch.dtype, device: torch.device) -> None:
         """One exchange of a layer's data for `tokens` tokens with no expert work: what SmallEP adds per layer."""
