@@ -233,20 +233,6 @@ AVX512F_TARGET void attend_avx512(const PagedAttention& a, const Task& t, float*
   }
 }
 
-AVX512BF16_TARGET inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh>(v); }
-
-AVX512BF16_TARGET inline __m512bh bcast_pair(const uint16_t* p) {
-  int32_t pair;
-  std::memcpy(&pair, p, 4);
-  return as_bh(_mm512_set1_epi32(pair));
-}
-
-template <typename T>
-T* align64(std::vector<T>& buf, size_t n) {
-  buf.resize(n + 64 / sizeof(T));
-  return reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
-}
-
 // Scores of M rows (their bf16 query rows q[r]) against the 16 keys of kt, whose 32-bit lanes hold a pair of
 // head dims of one key: kt[c * 16 + key] = K[key][2c, 2c + 1].
 template <int M>
@@ -254,7 +240,7 @@ AVX512BF16_TARGET inline void score_pairs(const uint16_t* const* q, int pairs, c
   for (int r = 0; r < M; ++r) s[r] = _mm512_setzero_ps();
   for (int c = 0; c < pairs; ++c) {
     const __m512bh k = as_bh(_mm512_load_si512(kt + c * 16));
-    for (int r = 0; r < M; ++r) s[r] = _mm512_dpbf16_ps(s[r], bcast_pair(q[r] + 2 * c), k);
+    for (int r = 0; r < M; ++r) s[r] = _mm512_dpbf16_ps(s[r], as_bh(bcast32(q[r] + 2 * c)), k);
   }
 }
 
@@ -280,10 +266,12 @@ AVX512BF16_TARGET inline void weigh_pairs(float* acc, int64_t stride, const floa
 // head_dim a multiple of 32, v_head_dim of 16.
 AVX512BF16_TARGET void attend_avx512_bf16(const PagedAttention& a, const Task& t, float* part) {
   const int group = group_of(a), pairs = a.head_dim / 2, blocks = a.v_head_dim / 16, rows = t.nq * group;
-  thread_local std::vector<uint32_t> ktbuf, vpbuf;
+  thread_local AlignedVector<uint32_t> ktbuf, vpbuf;
   thread_local std::vector<uint16_t> zero_row;
-  uint32_t* kt = align64(ktbuf, size_t(pairs) * 16);
-  uint32_t* vp = align64(vpbuf, size_t(kChunk / 2) * blocks * 16);
+  ktbuf.resize(size_t(pairs) * 16);
+  vpbuf.resize(size_t(kChunk / 2) * blocks * 16);
+  uint32_t* kt = ktbuf.data();
+  uint32_t* vp = vpbuf.data();
   zero_row.assign(a.v_head_dim, 0);
   const auto* k = static_cast<const uint16_t*>(a.k);
   const auto* v = static_cast<const uint16_t*>(a.v);

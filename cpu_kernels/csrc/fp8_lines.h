@@ -3,6 +3,7 @@
 #pragma once
 
 #include "moe.h"
+#include "simd_math.h"
 
 #include <immintrin.h>
 
@@ -55,7 +56,6 @@ struct Fp8Tables {
 };
 const Fp8Tables& fp8_tables();
 
-AVX512_TARGET inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh>(v); }
 
 struct Fp8Regs {
   __m512i lo0, lo1, hi0, hi1, sign;

@@ -122,10 +122,6 @@ void tile_dot_generic(Format f, const Tile& t, int block_k, int group, const Act
 // ---------------------------------------------------------------------------------------------------------
 // AVX-512 BF16 + VBMI + VNNI kernels (Zen 4, Sapphire Rapids and later). TB tokens share each weight load.
 
-AVX512_TARGET inline __m512i bcast32(const void* p) {
-  return _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(p));
-}
-
 template <int TB>
 AVX512_TARGET void dot_bf16(const Tile& t, const uint16_t* const* x, float* out) {
   const uint16_t* w = reinterpret_cast<const uint16_t*>(t.data);

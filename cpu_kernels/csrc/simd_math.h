@@ -51,6 +51,16 @@ inline float stored_as(float v) {
   return element_f32(element_from_f32<T>(v));
 }
 
+// The bits of v as 32 bf16 values: a vdpbf16ps operand.
+AVX512BF16_TARGET inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh>(v); }
+
+// The 32 bits at p (a pair of bf16 values, four int8 values) in every lane.
+AVX512BF16_TARGET inline __m512i bcast32(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
 // 16 bf16 values widened to fp32 (exact).
 __attribute__((target("avx512f"))) inline __m512 widen_bf16(__m256i h) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
