@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -364,18 +363,33 @@ def test_a_start_that_times_out_says_where_each_process_was(tmp_path):
     assert not (d.home / "hybridd.pid").exists()
 
 
-def test_exits_of_another_supervisor_or_long_ago_are_no_crash_loop(tmp_path):
+def test_exits_of_another_supervisor_or_long_ago_are_no_crash_loop(tmp_path, monkeypatch):
     from hybrid.cli.daemon_commands import crash_loop
-    from hybrid.managers.daemon_config import DaemonPaths
+    from hybrid.llm import DEFAULT_MODEL_DIR
+    from hybrid.managers import supervisor
+    from hybrid.managers.daemon_config import DaemonConfig
 
-    paths = DaemonPaths(tmp_path)
-    paths.make()
-    now = time.time()
-    paths.exits_file.write_text(json.dumps({"supervisor": 42, "exits": {"api": [[now, 1], [now, 1]]}}))
-    assert crash_loop(paths, 43) is None
-    assert crash_loop(paths, 42) == "the api process exited 2 times while starting (exit codes [1, 1])"
-    paths.exits_file.write_text(json.dumps({"supervisor": 42, "exits": {"engine": [[now - 3600, -9], [now, 1]]}}))
-    assert crash_loop(paths, 42) is None
+    config = DaemonConfig(model=str(DEFAULT_MODEL_DIR), home=str(tmp_path))
+    s = supervisor.Supervisor(config)
+    s.paths.make()
+    monkeypatch.setattr(s, "spawn", lambda child: None)
+    clock = [1000.0]
+    monkeypatch.setattr(supervisor.time, "monotonic", lambda: clock[0])
+
+    def exits(role: str, code: int, at: float) -> None:
+        clock[0] = at
+        child = s.children[role]
+        child.proc = subprocess.Popen([sys.executable, "-c", f"raise SystemExit({code})"])
+        child.proc.wait()
+        s.check(child)
+
+    exits("api", 1, 1000.0)
+    exits("api", 1, 1001.0)
+    assert crash_loop(s.paths, os.getpid() + 1) is None
+    assert crash_loop(s.paths, os.getpid()) == "the api process exited 2 times while starting (exit codes [1, 1])"
+    exits("engine", 9, 2000.0)
+    exits("engine", 1, 2000.0 + supervisor.RESTART_WINDOW_S + 1)
+    assert crash_loop(s.paths, os.getpid()) is None
 
 
 def test_an_api_that_cannot_start_fails_the_start_at_once(tmp_path):

@@ -44,7 +44,7 @@ class DaemonPaths:
 
     @property
     def exits_file(self) -> Path:
-        """The supervisor's pid and, by role, the time and exit code of each child process that exited."""
+        """The supervisor's pid and, by role, the exit codes of its child processes within the restart window."""
         return self.run_dir / "exits.json"
 
     @property

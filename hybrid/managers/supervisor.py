@@ -56,7 +56,7 @@ class Child:
     role: str
     proc: subprocess.Popen | None = None
     start_after: float = 0.0
-    restarts: list[float] = field(default_factory=list)
+    exits: list[tuple[float, int]] = field(default_factory=list)  # (time, exit code) within RESTART_WINDOW_S
 
 
 class Supervisor:
@@ -65,7 +65,6 @@ class Supervisor:
         self.paths = config.paths
         self.children = {role: Child(role) for role in ["api"] + config.engine_roles}
         self.cores = core_split(sorted(os.sched_getaffinity(0)), config.prefill_cores) if config.disagg else {}
-        self.exits: dict[str, list[tuple[float, int]]] = {}  # role -> (time, exit code) of each exit
         self.stopping = False
 
     def spawn(self, child: Child) -> None:
@@ -86,13 +85,17 @@ class Supervisor:
         if child.proc is not None and child.proc.poll() is not None:
             log.error("%s (pid %d) exited with code %s; restarting it (log: %s)", child.role, child.proc.pid,
                       child.proc.returncode, self.paths.log_dir / f"{child.role}.log")
-            self.exits.setdefault(child.role, []).append((time.time(), child.proc.returncode))
-            write_private(self.paths.exits_file, json.dumps({"supervisor": os.getpid(), "exits": self.exits}))
+            child.exits = [e for e in child.exits if now - e[0] < RESTART_WINDOW_S] + [(now, child.proc.returncode)]
             child.proc = None
-            child.restarts = [t for t in child.restarts if now - t < RESTART_WINDOW_S] + [now]
-            child.start_after = now + min(2.0 ** (len(child.restarts) - 1) - 1, MAX_BACKOFF_S)
+            child.start_after = now + min(2.0 ** (len(child.exits) - 1) - 1, MAX_BACKOFF_S)
+            self.record_exits(now)
         if child.proc is None and now >= child.start_after:
             self.spawn(child)
+
+    def record_exits(self, now: float) -> None:
+        """Each role's exit codes within the restart window, for a starting `hybridd start` to read."""
+        exits = {c.role: [code for t, code in c.exits if now - t < RESTART_WINDOW_S] for c in self.children.values()}
+        write_private(self.paths.exits_file, json.dumps({"supervisor": os.getpid(), "exits": exits}))
 
     def run(self) -> int:
         """Serves until SIGTERM/SIGINT; raises DaemonError if another supervisor holds this home's lock."""
