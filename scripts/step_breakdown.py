@@ -91,41 +91,33 @@ def program_breakdown(engine, prompt: list[int], steps: int, make_params: Callab
     return out
 
 
-class _TimedCall:
-    """Stands in for a callable (a bound method, the sampler), adding each call's seconds to spent[name] while
-    window[0] is set."""
-
-    def __init__(self, inner, spent: dict[str, float], name: str, window: list[bool]):
-        self.inner, self.spent, self.name, self.window = inner, spent, name, window
-
-    def __call__(self, *args, **kwargs):
-        start = time.perf_counter()
+def timing(fn: Callable, spent: dict[str, float], name: str, window: list[bool]) -> Callable:
+    """fn, adding each call's seconds to spent[name] while window[0] is set (a plain function: patched on a class,
+    it binds as the method it replaces)."""
+    def timed(*args, **kwargs):
+        t = time.perf_counter()
         try:
-            return self.inner(*args, **kwargs)
+            return fn(*args, **kwargs)
         finally:
-            if self.window[0]:
-                self.spent[self.name] += time.perf_counter() - start
-
-    def __getattr__(self, name: str):
-        return getattr(self.inner, name)
+            if window[0]:
+                spent[name] += time.perf_counter() - t
+    return timed
 
 
 def timed_outside(engine, prompt: list[int], steps: int, params) -> dict[str, float]:
     """Seconds per decode step of the runner's execute, its lm_head and the sampler, timed around their calls over
     a second window of steps."""
     runner, spent, window = engine.runner, defaultdict(float), [False]
-    sampler = engine.sampler
-    patches = [(runner, "execute"), (runner.model, "compute_logits")]
-    names = {"execute": "execute", "compute_logits": "lm_head"}
-    for owner, attr in patches:
-        setattr(owner, attr, _TimedCall(getattr(owner, attr), spent, names[attr], window))
-    engine.sampler = _TimedCall(sampler, spent, "sampling", window)
+    sampler_class = type(engine.sampler)
+    sample = sampler_class.__call__  # looked up on the class, as Python does for a call
+    runner.execute = timing(runner.execute, spent, "execute", window)
+    runner.model.compute_logits = timing(runner.model.compute_logits, spent, "lm_head", window)
+    sampler_class.__call__ = timing(sample, spent, "sampling", window)
     try:
         decode_steps(engine, prompt, steps, params, window)
     finally:
-        for owner, attr in patches:
-            delattr(owner, attr)
-        engine.sampler = sampler
+        del runner.execute, runner.model.compute_logits  # the instances' patches: their class methods show again
+        sampler_class.__call__ = sample
     return {"execute": spent["execute"] / steps, "lm_head": spent["lm_head"] / steps,
             "sampling": spent["sampling"] / steps}
 
@@ -150,16 +142,7 @@ def _eager_breakdown(engine, prompt: list[int], steps: int, make_params: Callabl
             for owner in owners:  # a method: patched on its class
                 module = getattr(module, owner)
             fn = getattr(module, attr)
-
-            def timed(*args, _fn=fn, _cat=category, **kwargs):
-                t = time.perf_counter()
-                try:
-                    return _fn(*args, **kwargs)
-                finally:
-                    if window[0]:
-                        spent[_cat] += time.perf_counter() - t
-
-            setattr(module, attr, timed)
+            setattr(module, attr, timing(fn, spent, category, window))
             patched.append((module, attr, fn))
     try:
         wall = decode_steps(engine, prompt, steps, make_params(steps + 2), window) * steps
