@@ -1,6 +1,7 @@
 """The elementwise ops between a decode step's weight-streaming kernels (csrc/elementwise.cpp): the residual add,
-the dense MLP's silu(gate) * up, the widening of bf16 values to fp32, DeepSeek's router sigmoid and strided row
-copies, on the kernels' thread pool, and their torch references. Each rounds as the torch ops it stands for."""
+the dense MLP's silu(gate) * up, the widening of bf16 values to fp32, DeepSeek's router sigmoid, strided row copies
+and row gathers (embedding and rotary rows), on the kernels' thread pool, and their torch references. Each rounds
+as the torch ops it stands for."""
 
 from __future__ import annotations
 
@@ -101,3 +102,26 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
     if d.shape[0]:
         runner().copy_rows(s.data_ptr(), s.stride(0) * s.element_size(), d.data_ptr(), d.stride(0) * d.element_size(),
                            d.shape[0], width * d.element_size())
+
+
+def gather_rows(table: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out[i] = table[index[i]] for a table of contiguous rows [N, ...], int64 indices [n] and out [n, ...] of the
+    table's row shape and dtype (torch.index_select(table, 0, index, out=out)); an index outside [0, N) raises
+    ValueError before anything is written. Recordable: a program replays it over the index's current values."""
+    row = table.shape[1:]
+    if (out.shape != (index.shape[0], *row) or out.dtype != table.dtype or index.dim() != 1
+            or index.dtype != torch.int64 or {t.device.type for t in (table, index, out)} != {"cpu"}):
+        raise ValueError(f"gather_rows needs out [{index.shape[0] if index.dim() == 1 else 'n'}, "
+                         f"{', '.join(map(str, row))}] {table.dtype} and int64 indices [n] on the CPU, got out "
+                         f"{tuple(out.shape)} {out.dtype} and indices {tuple(index.shape)} {index.dtype}")
+    if not table[0].is_contiguous() or (index.shape[0] and not out[0].is_contiguous()) or not index.is_contiguous():
+        raise ValueError("gather_rows needs contiguous rows and indices")
+    if index.shape[0]:
+        runner().gather_rows(table.data_ptr(), table.shape[0], table.stride(0) * table.element_size(),
+                             index.data_ptr(), out.data_ptr(), out.stride(0) * out.element_size(), index.shape[0],
+                             table[0].numel() * table.element_size())
+    return out
+
+
+def gather_rows_reference(table: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    return torch.index_select(table, 0, index, out=out)

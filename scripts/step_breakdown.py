@@ -4,9 +4,9 @@
 a family's time includes its thread pool's fork and join), torch's own small ops (torch.profiler's self time of
 aten ops, in a second pass), and the rest: Python and dispatch between them.
 
-`program_breakdown`: a step that replays its kernel program (hybrid/graphs/cpu_decode_programs.py): each recorded
-call timed in C++ by kernel, and the rest of the step outside it, split in a second window of steps by timing the
-runner's execute, its lm_head and the sampler around their calls.
+`program_breakdown`: a step that replays its kernel program (hybrid/graphs/cpu_decode_programs.py), every row
+from one window of steps timed around the runner's execute, the program's replay and its inputs, the lm_head and
+the sampler; the replay is split by kernel in the shares that replays timed call by call in C++ give.
 """
 
 from __future__ import annotations
@@ -61,32 +61,46 @@ def decode_steps(engine, prompt: list[int], steps: int, params, window: list[boo
 
 
 def program_breakdown(engine, prompt: list[int], steps: int, make_params: Callable[[int], object]) -> dict[str, float]:
-    """Seconds per decode step of one sequence by kernel (replayed from its program, timed call by call), the
-    rest of the step, and the step itself ("step")."""
+    """Seconds per decode step of one sequence, every row from one window of steps timed around the calls that
+    make it up (so the rows add up to that window's step): the replayed program, split by kernel in the shares
+    that separate replays timed call by call in C++ give; its inputs (ids, positions, slots, block tables); the
+    lm_head; the rest of the runner; sampling; and the engine around the runner ("step": the window's step)."""
+    from hybrid.graphs.cpu_decode_programs import CpuDecodePrograms, StaticStep
+
     programs = engine.runner.graphs
     engine.add_request(prompt, make_params(steps + 2))
     engine.step()
     engine.step()  # records the one-sequence program if it was not yet
     program = programs.steps[1].program
-    spent: dict[str, float] = defaultdict(float)
+    kernels: dict[str, float] = defaultdict(float)
     for _ in range(steps):  # a replay repeats the last step: the same rows into the same cache slots
         for name, seconds in program.run_timed()[1].items():
-            spent[STREAMING.get(name, f"{name} (kernel)")] += seconds
-    start = time.perf_counter()
-    for _ in range(steps):
-        program.run()
-    replay = (time.perf_counter() - start) / steps
+            kernels[STREAMING.get(name, f"{name} (kernel)")] += seconds
     while engine.has_unfinished():
         engine.step()
-    step = decode_steps(engine, prompt, steps, make_params(steps + 2))
-    out = {k: v / steps for k, v in spent.items()}
-    outside = timed_outside(engine, prompt, steps, make_params(steps + 2))
-    out["lm_head (kernel, outside the program)"] = outside["lm_head"]
-    out["rest of the runner (inputs, embedding, program dispatch)"] = max(
-        0.0, outside["execute"] - replay - outside["lm_head"])
-    out["sampling"] = outside["sampling"]
-    # Against the first window's step, as every other row: the rows add up to it.
-    out["engine (scheduling, outputs)"] = max(0.0, step - outside["execute"] - outside["sampling"])
+    runner, spent, window = engine.runner, defaultdict(float), [False]
+    sampler_class = type(engine.sampler)
+    originals = [(CpuDecodePrograms, "run"), (StaticStep, "load"), (sampler_class, "__call__")]
+    originals = [(owner, name, getattr(owner, name)) for owner, name in originals]
+    runner.execute = timing(runner.execute, spent, "execute", window)
+    runner.model.compute_logits = timing(runner.model.compute_logits, spent, "lm_head", window)
+    for owner, name, fn in originals:  # methods are looked up on the class, as Python does for a call
+        setattr(owner, name, timing(fn, spent, name, window))
+    try:
+        step = decode_steps(engine, prompt, steps, make_params(steps + 2), window)
+    finally:
+        del runner.execute, runner.model.compute_logits  # the instances' patches: their class methods show again
+        for owner, name, fn in originals:
+            setattr(owner, name, fn)
+    per = {k: v / steps for k, v in spent.items()}
+    replay = per["run"] - per["load"]
+    total = sum(kernels.values())
+    out = {name: replay * seconds / total for name, seconds in kernels.items()}
+    out["program inputs (ids, positions, slots, block tables)"] = per["load"]
+    out["lm_head (kernel, outside the program)"] = per["lm_head"]
+    out["rest of the runner (batch lists, dispatch, logits)"] = per["execute"] - per["run"] - per["lm_head"]
+    out["sampling"] = per["__call__"]
+    out["engine (scheduling, outputs)"] = step - per["execute"] - per["__call__"]
     out["step"] = step
     return out
 
@@ -102,24 +116,6 @@ def timing(fn: Callable, spent: dict[str, float], name: str, window: list[bool])
             if window[0]:
                 spent[name] += time.perf_counter() - t
     return timed
-
-
-def timed_outside(engine, prompt: list[int], steps: int, params) -> dict[str, float]:
-    """Seconds per decode step of the runner's execute, its lm_head and the sampler, timed around their calls over
-    a second window of steps."""
-    runner, spent, window = engine.runner, defaultdict(float), [False]
-    sampler_class = type(engine.sampler)
-    sample = sampler_class.__call__  # looked up on the class, as Python does for a call
-    runner.execute = timing(runner.execute, spent, "execute", window)
-    runner.model.compute_logits = timing(runner.model.compute_logits, spent, "lm_head", window)
-    sampler_class.__call__ = timing(sample, spent, "sampling", window)
-    try:
-        decode_steps(engine, prompt, steps, params, window)
-    finally:
-        del runner.execute, runner.model.compute_logits  # the instances' patches: their class methods show again
-        sampler_class.__call__ = sample
-    return {"execute": spent["execute"] / steps, "lm_head": spent["lm_head"] / steps,
-            "sampling": spent["sampling"] / steps}
 
 
 def breakdown(engine, prompt: list[int], steps: int, make_params: Callable[[int], object]) -> dict[str, float]:

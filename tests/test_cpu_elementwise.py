@@ -13,6 +13,8 @@ from cpu_kernels.elementwise import (
     add,
     add_reference,
     copy_into,
+    gather_rows,
+    gather_rows_reference,
     sigmoid,
     sigmoid_reference,
     silu_mul,
@@ -106,6 +108,27 @@ def test_copy_into_strided_rows():
     assert torch.equal(dst[..., 7:], src) and not dst[..., :7].any()
     with pytest.raises(ValueError, match="one shape"):
         copy_into(dst[..., :2], src)
+
+
+@pytest.mark.parametrize("rows,shape", [(1, (7,)), (5, (2048,)), (3, (1, 64)), (64, (17, 3)), (0, (5,))], ids=str)
+@DTYPES
+def test_gather_rows_is_index_select(rows, shape, dtype):
+    table = randn(101, *shape, seed=rows, dtype=dtype)
+    index = torch.randint(0, 101, (rows,), generator=torch.Generator().manual_seed(rows))
+    index[:1] = 100  # the last row, and repeats
+    out = torch.full((rows, *shape), 7, dtype=dtype)
+    assert torch.equal(gather_rows(table, index, out), gather_rows_reference(table, index, torch.empty_like(out)))
+
+
+def test_gather_rows_refuses_an_index_outside_the_table_before_writing():
+    table = randn(10, 4, seed=9, dtype=torch.float32)
+    out = torch.zeros(3, 4)
+    for bad in (10, -1):
+        with pytest.raises(ValueError, match=f"row index {bad} at 2 is outside the table's 10 rows"):
+            gather_rows(table, torch.tensor([1, 2, bad]), out)
+        assert not out.any()
+    with pytest.raises(ValueError, match="int64 indices"):
+        gather_rows(table, torch.tensor([1, 2, 3], dtype=torch.int32), out)
 
 
 @pytest.mark.parametrize("tokens,heads,n,k", [(1, 128, 512, 128), (3, 16, 128, 512), (2, 5, 24, 17), (4, 1, 7, 33)],

@@ -67,3 +67,21 @@ def test_cos_sin_are_computed_once_per_step_except_for_static_batches(monkeypatc
     static.positions.copy_(torch.tensor([6, 9]))  # rewritten before a replay: the rotation follows
     moved = rope(static, q, k)
     assert len(calls) == 3 and not torch.equal(moved[0][0], first[0][0]) and torch.equal(moved[0][1], first[0][1])
+
+
+@pytest.mark.parametrize("rope_scaling", [None, REAL_DEEPSEEK_YARN], ids=["default", "yarn"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_the_position_table_holds_each_positions_cos_sin_bit_for_bit(rope_scaling, dtype):
+    """Decode programs gather their rotary rows from this table: each row must be what cos_sin gives for that
+    position alone (or in any batch), or programs would rotate otherwise than eager steps."""
+    from hybrid.config import RopeConfig
+    from hybrid.layers.rotary_embedding import RotaryEmbedding
+
+    kw = {} if rope_scaling is None else dict(rope_type="yarn", factor=40.0, original_max_position_embeddings=4096,
+                                              mscale=1.0, mscale_all_dim=1.0)
+    rope = RotaryEmbedding(RopeConfig(rope_theta=10000.0, rotary_dim=64, **kw))
+    cos, sin = rope.table(dtype, 5000)
+    assert cos.shape == sin.shape == (5000, 1, 64) and rope.table(dtype, 5000)[0] is cos
+    for positions in ([0], [4999], [17, 4096, 3], list(range(1000, 1031))):
+        one = rope.cos_sin(torch.tensor(positions), dtype)
+        assert torch.equal(one[0], cos[positions]) and torch.equal(one[1], sin[positions])

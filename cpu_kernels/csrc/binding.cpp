@@ -144,6 +144,13 @@ void k_copy_rows(MoeRunner&, uintptr_t src, int64_t src_stride, uintptr_t dst, i
                       .dst_stride = dst_stride, .rows = rows, .row_bytes = row_bytes});
 }
 
+void k_gather_rows(MoeRunner&, uintptr_t table, int64_t num_rows, int64_t row_stride, uintptr_t index, uintptr_t dst,
+                   int64_t dst_stride, int64_t rows, int64_t row_bytes) {
+  hybridd::gather_rows({.table = as<const void>(table), .num_rows = num_rows, .row_stride = row_stride,
+                        .index = as<const int64_t>(index), .dst = as<void>(dst), .dst_stride = dst_stride,
+                        .rows = rows, .row_bytes = row_bytes});
+}
+
 void k_store_rows(MoeRunner&, uintptr_t cache, int64_t num_slots, int64_t slot_stride, uintptr_t slots, uintptr_t src,
                   int64_t src_stride, int64_t rows, int64_t row_bytes) {
   hybridd::store_rows({.cache = as<void>(cache), .num_slots = num_slots, .slot_stride = slot_stride,
@@ -323,6 +330,7 @@ PYBIND11_MODULE(_C, m) {
   def_kernel(runner, program, "sigmoid", &k_sigmoid);
   def_kernel(runner, program, "copy_rows", &k_copy_rows);
   def_kernel(runner, program, "store_rows", &k_store_rows);
+  def_kernel(runner, program, "gather_rows", &k_gather_rows);
   def_kernel(slot_call, program, "expert_submit", &k_expert_submit);
   def_kernel(slot_call, program, "expert_wait", &k_expert_wait);
   def_kernel(collectives, program, "all_reduce", &k_all_reduce);

@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <cstring>
+#include <stdexcept>
+#include <string>
 
 #include "moe.h"
 #include "row_ops.h"
@@ -87,6 +89,16 @@ void copy_rows(const CopyRows& c) {
   for (int64_t i = 0; i < c.rows; ++i)
     std::memcpy(static_cast<uint8_t*>(c.dst) + i * c.dst_stride, static_cast<const uint8_t*>(c.src) + i * c.src_stride,
                 c.row_bytes);
+}
+
+void gather_rows(const GatherRows& g) {
+  for (int64_t i = 0; i < g.rows; ++i)
+    if (g.index[i] < 0 || g.index[i] >= g.num_rows)
+      throw std::invalid_argument("row index " + std::to_string(g.index[i]) + " at " + std::to_string(i) +
+                                  " is outside the table's " + std::to_string(g.num_rows) + " rows");
+  for (int64_t i = 0; i < g.rows; ++i)
+    std::memcpy(static_cast<uint8_t*>(g.dst) + i * g.dst_stride,
+                static_cast<const uint8_t*>(g.table) + g.index[i] * g.row_stride, g.row_bytes);
 }
 
 void MoeRunner::widen(const Widen& w, Isa isa) {

@@ -43,6 +43,16 @@ struct CopyRows {
   int64_t src_stride = 0, dst_stride = 0, rows = 0, row_bytes = 0;
 };
 
+// Row i of `rows` rows of row_bytes bytes from table row index[i] (of num_rows, row_stride bytes apart) to
+// dst + i * dst_stride: an embedding lookup, or a decode step's rotary rows from a table of positions.
+struct GatherRows {
+  const void* table = nullptr;
+  int64_t num_rows = 0, row_stride = 0;
+  const int64_t* index = nullptr;
+  void* dst = nullptr;
+  int64_t dst_stride = 0, rows = 0, row_bytes = 0;
+};
+
 // out = fp32(x) for n bf16 values (exact).
 struct Widen {
   const uint16_t* x = nullptr;
@@ -57,5 +67,7 @@ void widen_range(const Widen& w, int64_t i0, int64_t i1, Isa isa);
 void sigmoid_range(const Sigmoid& s, int64_t i0, int64_t i1, Isa isa);
 // On the calling thread: a few rows per decode step.
 void copy_rows(const CopyRows& c);
+// Throws std::invalid_argument, before writing anything, for an index outside [0, num_rows).
+void gather_rows(const GatherRows& g);
 
 }  // namespace hybridd

@@ -236,7 +236,7 @@ class ModelRunner:
         if hidden is None:
             input_ids, fb = host.to_device(self.device, self.kv_pool.caches, self.attention)
             hidden = self.model(input_ids, fb)
-        if not all_logits:
+        if not all_logits and len(host.sample_rows) < len(host.ids):  # rows are ascending: all of them, or a choice
             hidden = hidden[host.sample_rows]
         return self.model.compute_logits(hidden).float()
 

@@ -5,8 +5,10 @@ and a wait, with the shared experts recorded in between), a decode step's layers
 with Python between them, and that Python (plus the small torch ops it used to run) cost ~0.1 ms per layer with
 the caches warm and ~0.4 ms right after the experts' weights streamed through them (Qwen3-30B-A3B shapes, 2-core
 EPYC): at 16 cores as long as such a layer's whole read. A program records the calls of `forward_layers` once per
-batch size, over static inputs (ids, positions, slots, block tables, context lengths, the rotary tables and the
-embedded rows) that each step rewrites in place, and replays them from C++.
+batch size, over static inputs (ids, positions, slots, block tables, context lengths) that each step rewrites in
+place, and replays them from C++. A program also gathers its step's embedded rows and rotary rows (from a table of
+every position below max_model_len, made once: 21 MB in bf16 for Qwen3-30B-A3B's 40,960 positions of 128 dims),
+which the step's Python computed with torch ops before (~0.15 ms of a 2-core step with cold caches).
 
 Programs are recorded per exact batch size up to `MAX_PROGRAM_BATCH` (no padding rows: a padding row would stream
 the weights of the experts it routes to), at each size's first use (a few ms per layer); larger batches run
@@ -30,6 +32,7 @@ import torch
 from torch import nn
 
 from cpu_kernels.arena import Arena
+from cpu_kernels.elementwise import gather_rows
 from cpu_kernels.program import Program, RecordError, record
 from hybrid.experts.base import Experts
 from hybrid.layers.attention.backend import AttentionBackend
@@ -55,29 +58,38 @@ class StaticInputs:
 
 
 class StaticStep:
-    """A decode step of `size` sequences over the first rows of the static inputs, and its program."""
+    """A decode step of `size` sequences over the first rows of the static inputs, and its program. The program
+    gathers the step's rotary rows from their tables by position and, on a rank that embeds (`embeds`), the ids'
+    embedded rows: only ids, positions, slots, tables and context lengths are written between replays."""
 
     def __init__(self, size: int, inputs: StaticInputs, dtype: torch.dtype, kv_caches: list,
-                 attention: AttentionBackend, ropes: list[RotaryEmbedding]):
+                 attention: AttentionBackend, ropes: list[RotaryEmbedding], max_positions: int, embeds: bool):
         self.io, self.tables, self.ctx, self.x = inputs.io[:, :size], inputs.tables[:size], inputs.ctx[:size], \
             inputs.x[:size]
-        self.ropes, self.dtype = ropes, dtype
+        self.embeds = embeds
         self.batch = ForwardBatch.static_decode(self.io[1], self.io[2], self.tables, self.ctx, kv_caches, attention,
                                                 None)
         self.batch.query_lens_tensor = inputs.query_lens[:size]
-        # The rotary tables live in static tensors that `load` rewrites, not made again at each replay.
-        self.batch.memo = {rope.step_key(dtype): rope.cos_sin(self.io[1], dtype) for rope in ropes}
+        self.rotary = [(rope.table(dtype, max_positions), tuple(torch.empty_like(t[:size])
+                                                                 for t in rope.table(dtype, max_positions)))
+                       for rope in ropes]
+        self.batch.memo = {rope.step_key(dtype): rows for rope, (_, rows) in zip(ropes, self.rotary)}
         self.program: Program | None = None
 
-    def load(self, host: HostBatch, embed: torch.Tensor | None, x: torch.Tensor | None) -> None:
-        """The step's inputs: the hidden states x a previous pipeline stage sent, or else the ids' embedded rows."""
+    def forward(self, body: nn.Module) -> torch.Tensor:
+        """What the program records: the step's rotary rows and embedded rows gathered, then the layers."""
+        for tables, rows in self.rotary:
+            for table, out in zip(tables, rows):
+                gather_rows(table, self.io[1], out)
+        if self.embeds:
+            gather_rows(body.embed_tokens.weight, self.io[0], self.x)
+        return body.forward_layers(self.x, self.batch)
+
+    def load(self, host: HostBatch, x: torch.Tensor | None) -> None:
+        """The step's inputs, and the hidden states x a previous pipeline stage sent (on a rank that does not
+        embed)."""
         host.write_static(self.io, self.tables, self.ctx, pad_block=0)
-        for rope in self.ropes:
-            for static, fresh in zip(self.batch.memo[rope.step_key(self.dtype)], rope.cos_sin(self.io[1], self.dtype)):
-                static.copy_(fresh)
-        if x is None:
-            torch.index_select(embed, 0, self.io[0], out=self.x)
-        else:
+        if x is not None:
             self.x.copy_(x)
 
 
@@ -90,6 +102,7 @@ class CpuDecodePrograms:
         self.body, self.kv_caches, self.attention, self.dtype = body, kv_caches, attention, dtype
         self.experts, self.epoch = experts, experts.epoch
         self.max_blocks = -(-max_model_len // block_size)
+        self.max_positions = max_model_len
         self.max_batch = min(max_batch, MAX_PROGRAM_BATCH)
         self.ropes = list({id(m): m for m in body.modules() if isinstance(m, RotaryEmbedding)}.values())
         self.inputs = StaticInputs(self.max_batch, self.max_blocks, hidden, dtype)
@@ -119,23 +132,23 @@ class CpuDecodePrograms:
             self.epoch = self.experts.epoch
         n = len(host.ids)
         step = self.steps.get(n)
-        if step is None or step.program.generation != self.arena.generation:
-            step = self._record(n)
+        if step is None or step.program.generation != self.arena.generation or step.embeds != (x is None):
+            step = self._record(n, embeds=x is None)
             if step is None:
                 return None
-        step.load(host, None if x is not None else self.body.embed_tokens.weight, x)
+        step.load(host, x)
         return step.program.run()
 
-    def _record(self, n: int) -> StaticStep | None:
+    def _record(self, n: int, embeds: bool) -> StaticStep | None:
         """A new step of n sequences with its program, or None (refused). The step is new each time: what a
         recording memoizes in it lies in the arena block it was recorded into."""
-        step = StaticStep(n, self.inputs, self.dtype, self.kv_caches, self.attention, self.ropes)
+        step = StaticStep(n, self.inputs, self.dtype, self.kv_caches, self.attention, self.ropes, self.max_positions,
+                          embeds)
         generation = self.arena.generation
         try:
             # An arena that must grow grows for the largest batch at once (intermediates scale with the rows): the
             # sizes recorded meanwhile are then not recorded again at every new largest batch.
-            step.program = record(lambda: self.body.forward_layers(step.x, step.batch), self.arena,
-                                  headroom=self.max_batch / n)
+            step.program = record(lambda: step.forward(self.body), self.arena, headroom=self.max_batch / n)
         except RecordError as e:
             self.refused = str(e)
             log.warning("decode steps run eagerly: %s", e)

@@ -108,8 +108,16 @@ class HostBatch:
         """A decode step into the first rows of the static inputs a replayed step reads: ids, positions and slots
         into io [3, size], block tables padded with pad_block into tables, context lengths into context_lens."""
         n = len(self.ids)
-        io[:, :n].copy_(torch.tensor([self.ids, self.positions, self.slots], dtype=torch.long))
         width = max(len(t) for t in self.block_tables)
+        if io.device.type == "cpu":  # through numpy views: a tenth of the torch calls' time, every CPU decode step
+            io_, tables_ = io.numpy(), tables.numpy()
+            io_[0, :n], io_[1, :n], io_[2, :n] = self.ids, self.positions, self.slots
+            for row, t in zip(tables_, self.block_tables):
+                row[:len(t)] = t
+                row[len(t):width] = pad_block
+            context_lens.numpy()[:n] = self.context_lens
+            return
+        io[:, :n].copy_(torch.tensor([self.ids, self.positions, self.slots], dtype=torch.long))
         rows = [t + [pad_block] * (width - len(t)) for t in self.block_tables]
         tables[:n, :width].copy_(torch.tensor(rows, dtype=torch.int32))
         context_lens[:n].copy_(torch.tensor(self.context_lens, dtype=torch.int32))

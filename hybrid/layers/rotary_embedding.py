@@ -65,6 +65,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.interleave = rope.interleave
         self.kernel = False
+        self.tables: dict[tuple[torch.dtype, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def use_kernel(self) -> None:
         """Rotate with the CPU kernels' one-pass RoPE (cpu_kernels.rope): the same bits as the torch ops."""
@@ -76,6 +77,15 @@ class RotaryEmbedding(nn.Module):
         cos = emb.cos() * self.attention_scaling
         sin = emb.sin() * self.attention_scaling
         return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
+
+    def table(self, dtype: torch.dtype, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos / sin [positions, 1, R] of every position below `positions`, the rows cos_sin gives for each, from
+        which a decode program gathers its step's rows (cpu_decode_programs.py): made once per dtype and length,
+        and kept, since the programs recorded over it read its address."""
+        key = (dtype, positions)
+        if key not in self.tables:
+            self.tables[key] = self.cos_sin(torch.arange(positions, device=self.inv_freq.device), dtype)
+        return self.tables[key]
 
     def step_key(self, dtype: torch.dtype) -> tuple[int, torch.dtype]:
         """Where a step's ForwardBatch keeps this embedding's cos / sin for `dtype` (ForwardBatch.derived)."""
