@@ -2,7 +2,8 @@
 
 Stage 1: one program per (sequence, KV head, split) runs an online softmax over its share of the
 context for all query heads of that KV head at once (the group is the M side of the dot), writing a
-partial output and its log-sum-exp. Stage 2 combines the splits. GQA and MLA share the kernel: MLA's
+partial output and its log-sum-exp. Stage 2 combines the splits; with one split (short contexts), stage 1 writes
+the result and stage 2 does not run. GQA and MLA share the kernel: MLA's
 absorbed decode is one latent KV head whose keys are the cached [latent | rope] rows and whose values
 are the latent part of the same rows, with every query head in the group.
 """
@@ -57,7 +58,7 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, tables, ctx_lens, o_part, lse_part,
                   scale, num_splits,
                   GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, PAGE: tl.constexpr,
                   BLOCK_H: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
-                  UPCAST: tl.constexpr):
+                  UPCAST: tl.constexpr, FINAL: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -86,9 +87,13 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, tables, ctx_lens, o_part, lse_part,
     safe = tl.where(denom > 0, denom, 1.0)
     out = acc / safe[:, None]
     lse = tl.where(denom > 0, m + tl.log(safe), float("-inf"))
-    tl.store(o_part + b * s_ob + heads[:, None] * s_oh + split * s_os + dv[None, :], out,
-             mask=hmask[:, None] & (dv[None, :] < DV))
-    tl.store(lse_part + b * s_lb + heads * s_lh + split, lse, mask=hmask)
+    o_ptrs = o_part + b * s_ob + heads[:, None] * s_oh + split * s_os + dv[None, :]
+    o_mask = hmask[:, None] & (dv[None, :] < DV)
+    if FINAL:  # one split, whose normalized output is the result: what the combine would write, bit for bit
+        tl.store(o_ptrs, out.to(o_part.dtype.element_ty), mask=o_mask)
+    else:
+        tl.store(o_ptrs, out, mask=o_mask)
+        tl.store(lse_part + b * s_lb + heads * s_lh + split, lse, mask=hmask)
 
 
 @triton.jit
@@ -148,16 +153,19 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     q = q.contiguous()
     group = hq // hkv
     splits = num_splits or split_count(int(context_lens.max()), block_n)
-    o_part = torch.empty(batch, hq, splits, dv, dtype=torch.float32, device=q.device)
-    lse = torch.empty(batch, hq, splits, dtype=torch.float32, device=q.device)
+    out = torch.empty(batch, hq, dv, dtype=q.dtype, device=q.device)
+    final = splits == 1  # the split kernel writes the result: no partials, no combine
+    o_part = out.unsqueeze(2) if final else torch.empty(batch, hq, splits, dv, dtype=torch.float32, device=q.device)
+    lse = out if final else torch.empty(batch, hq, splits, dtype=torch.float32, device=q.device)
     _split_kernel[(batch, hkv, splits)](
         q, k_cache, v_cache, block_tables, context_lens, o_part, lse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
         scale, splits, GROUP=group, DK=dk, DV=dv, PAGE=page, BLOCK_H=dot_width(group),
-        BLOCK_DK=dot_width(dk), BLOCK_DV=dot_width(dv), BLOCK_N=block_n, UPCAST=upcast_dots(q.dtype))
-    out = torch.empty(batch, hq, dv, dtype=q.dtype, device=q.device)
+        BLOCK_DK=dot_width(dk), BLOCK_DV=dot_width(dv), BLOCK_N=block_n, UPCAST=upcast_dots(q.dtype), FINAL=final)
+    if final:
+        return out
     _combine_kernel[(batch, hq)](o_part, lse, out, splits, o_part.stride(0), o_part.stride(1), o_part.stride(2),
                                  lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), DV=dv,
                                  BLOCK_S=triton.next_power_of_2(splits), BLOCK_DV=triton.next_power_of_2(dv))
