@@ -299,8 +299,7 @@ def main() -> None:
                                                  devices)
         half = SlpRates(best_rate, compute_s / tokens / len(devices), cpu_s / tokens,
                         -(-layer_bytes // len(devices)), exchange_s / tokens)
-        share_bound = pipeline_bound(half.layer_bytes / best_rate, tokens * (half.device_s_per_token
-                                                                            + half.comm_s_per_token), len(layers))
+        share_bound = pipeline_bound(half.copy_s(), half.compute_s(tokens), len(layers))
         print(f"SmallEP pass over {len(devices)} {'GPUs' if DEVICE.type == 'cuda' else 'CPU processes'}: "
               f"{sep_s * 1e3:.1f} ms per layer = {tokens / sep_s:.0f} tokens/s per layer "
               f"({pass_s / sep_s:.2f}x the one-device pass), {moved / len(layers) / 1e9:.3f} GB streamed per layer "

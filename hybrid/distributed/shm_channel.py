@@ -17,7 +17,8 @@ import struct
 
 import torch
 
-from hybrid.distributed.shm_communicator import FLAG_LINE, SHM_DIR
+from hybrid.distributed.shm_communicator import FLAG_LINE
+from hybrid.shm_orphans import SHM_DIR
 
 DEFAULT_CAPACITY = 4 << 20
 SPIN_US = 2000

@@ -21,8 +21,8 @@ import torch.distributed as dist
 
 from cpu_kernels.moe import recordable
 from hybrid.distributed.communicator import CommunicationError, Communicator
+from hybrid.shm_orphans import SHM_DIR
 
-SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
 FLAG_LINE = 64
 # Per rank and parity: one decode step's hidden states for hundreds of rows, or a step message of a long prefill.
 DEFAULT_CAPACITY = 8 << 20

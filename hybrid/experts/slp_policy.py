@@ -37,9 +37,15 @@ class SlpRates:
         if self.h2d_bytes_per_s <= 0 or self.layer_bytes <= 0:
             raise ValueError("SLP rates need a positive bandwidth and layer size")
 
+    def copy_s(self) -> float:
+        return self.layer_bytes / self.h2d_bytes_per_s
+
+    def compute_s(self, tokens: int) -> float:
+        """The device's experts and SmallEP's exchange for one layer of a pass of `tokens` tokens."""
+        return tokens * (self.device_s_per_token + self.comm_s_per_token) + self.comm_s_per_layer
+
     def stream_s(self, tokens: int) -> float:
-        compute = tokens * (self.device_s_per_token + self.comm_s_per_token) + self.comm_s_per_layer
-        return max(self.layer_bytes / self.h2d_bytes_per_s, compute)
+        return max(self.copy_s(), self.compute_s(tokens))
 
     def cpu_s(self, tokens: int) -> float:
         return tokens * self.cpu_s_per_token
