@@ -64,7 +64,8 @@ def program_breakdown(engine, prompt: list[int], steps: int, make_params: Callab
     """Seconds per decode step of one sequence, every row from one window of steps timed around the calls that
     make it up (so the rows add up to that window's step): the replayed program, split by kernel in the shares
     that separate replays timed call by call in C++ give; its inputs (ids, positions, slots, block tables); the
-    lm_head; the rest of the runner; sampling; and the engine around the runner ("step": the window's step)."""
+    lm_head (in the program, or after it); the rest of the runner; sampling; and the engine around the runner
+    ("step": the window's step)."""
     from hybrid.graphs.cpu_decode_programs import CpuDecodePrograms, StaticStep
 
     programs = engine.runner.graphs
@@ -72,10 +73,13 @@ def program_breakdown(engine, prompt: list[int], steps: int, make_params: Callab
     engine.step()
     engine.step()  # records the one-sequence program if it was not yet
     program = programs.steps[1].program
+    names = [STREAMING.get(name, f"{name} (kernel)") for name in program.names]
+    if programs.gives_logits:  # the program's last call
+        names[-1] = "lm_head (kernel)"
     kernels: dict[str, float] = defaultdict(float)
     for _ in range(steps):  # a replay repeats the last step: the same rows into the same cache slots
-        for name, seconds in program.run_timed()[1].items():
-            kernels[STREAMING.get(name, f"{name} (kernel)")] += seconds
+        for name, seconds in zip(names, program.program.run_timed()):
+            kernels[name] += seconds
     while engine.has_unfinished():
         engine.step()
     runner, spent, window = engine.runner, defaultdict(float), [False]
@@ -97,8 +101,9 @@ def program_breakdown(engine, prompt: list[int], steps: int, make_params: Callab
     total = sum(kernels.values())
     out = {name: replay * seconds / total for name, seconds in kernels.items()}
     out["program inputs (ids, positions, slots, block tables)"] = per["load"]
-    out["lm_head (kernel, outside the program)"] = per["lm_head"]
-    out["rest of the runner (batch lists, dispatch, logits)"] = per["execute"] - per["run"] - per["lm_head"]
+    if not programs.gives_logits:
+        out["lm_head (kernel, outside the program)"] = per.get("lm_head", 0.0)
+    out["rest of the runner (batch lists, dispatch, logits)"] = per["execute"] - per["run"] - per.get("lm_head", 0.0)
     out["sampling"] = per["__call__"]
     out["engine (scheduling, outputs)"] = step - per["execute"] - per["__call__"]
     out["step"] = step

@@ -153,9 +153,12 @@ class ModelRunner:
         if self.uses_programs:
             from hybrid.graphs.cpu_decode_programs import CpuDecodePrograms
 
+            # One process: the lm_head is recorded too. Pipeline stages hand hidden states on; the driver's head runs
+            # after the last stage's.
             return CpuDecodePrograms(self.model.model, self.kv_pool.caches, self.attention, self.experts,
                                      self.block_size, self.max_model_len, self.engine_config.max_num_seqs,
-                                     self.config.hidden_size, self.dtype)
+                                     self.config.hidden_size, self.dtype,
+                                     head=self.model.lm_head if self.parallel is None else None)
         if not self.uses_graphs:
             return None
         from hybrid.graphs.decode_graphs import DecodeGraphs  # Triton: only engines that replay graphs need it
@@ -233,6 +236,8 @@ class ModelRunner:
         hidden = None
         if not all_logits and self.graphs is not None and self.graphs.fits(host):
             hidden = self.graphs.run(host)
+            if hidden is not None and self.graphs.gives_logits:
+                return (hidden if len(host.sample_rows) == len(host.ids) else hidden[host.sample_rows]).float()
         if hidden is None:
             input_ids, fb = host.to_device(self.device, self.kv_pool.caches, self.attention)
             hidden = self.model(input_ids, fb)

@@ -8,7 +8,9 @@ EPYC): at 16 cores as long as such a layer's whole read. A program records the c
 batch size, over static inputs (ids, positions, slots, block tables, context lengths) that each step rewrites in
 place, and replays them from C++. A program also gathers its step's embedded rows and rotary rows (from a table of
 every position below max_model_len, made once: 21 MB in bf16 for Qwen3-30B-A3B's 40,960 positions of 128 dims),
-which the step's Python computed with torch ops before (~0.15 ms of a 2-core step with cold caches).
+which the step's Python computed with torch ops before (~0.15 ms of a 2-core step with cold caches). In a
+single-process engine the program ends with the lm_head, so a replay gives the step's logits (whose rows, 300 KB
+each in bf16 for a 152K vocabulary, then set the arena's peak).
 
 Programs are recorded per exact batch size up to `MAX_PROGRAM_BATCH` (no padding rows: a padding row would stream
 the weights of the experts it routes to), at each size's first use (a few ms per layer); larger batches run
@@ -76,14 +78,16 @@ class StaticStep:
         self.batch.memo = {rope.step_key(dtype): rows for rope, (_, rows) in zip(ropes, self.rotary)}
         self.program: Program | None = None
 
-    def forward(self, body: nn.Module) -> torch.Tensor:
-        """What the program records: the step's rotary rows and embedded rows gathered, then the layers."""
+    def forward(self, body: nn.Module, head: nn.Module | None) -> torch.Tensor:
+        """What the program records: the step's rotary rows and embedded rows gathered, then the layers, and the
+        head over their output when given."""
         for tables, rows in self.rotary:
             for table, out in zip(tables, rows):
                 gather_rows(table, self.io[1], out)
         if self.embeds:
             gather_rows(body.embed_tokens.weight, self.io[0], self.x)
-        return body.forward_layers(self.x, self.batch)
+        hidden = body.forward_layers(self.x, self.batch)
+        return hidden if head is None else head(hidden)
 
     def load(self, host: HostBatch, x: torch.Tensor | None) -> None:
         """The step's inputs, and the hidden states x a previous pipeline stage sent (on a rank that does not
@@ -98,8 +102,10 @@ class CpuDecodePrograms:
     DecodeGraphs offers them), recorded at first use of each batch size."""
 
     def __init__(self, body: nn.Module, kv_caches: list, attention: AttentionBackend, experts: Experts,
-                 block_size: int, max_model_len: int, max_batch: int, hidden: int, dtype: torch.dtype):
+                 block_size: int, max_model_len: int, max_batch: int, hidden: int, dtype: torch.dtype,
+                 head: nn.Module | None = None):
         self.body, self.kv_caches, self.attention, self.dtype = body, kv_caches, attention, dtype
+        self.head = head  # recorded after the layers: the programs then give logits
         self.experts, self.epoch = experts, experts.epoch
         self.max_blocks = -(-max_model_len // block_size)
         self.max_positions = max_model_len
@@ -109,6 +115,10 @@ class CpuDecodePrograms:
         self.steps: dict[int, StaticStep] = {}
         self.arena = Arena()  # every size's intermediates: one program runs at a time
         self.refused: str | None = None  # why this model's steps cannot be recorded
+
+    @property
+    def gives_logits(self) -> bool:
+        return self.head is not None
 
     @property
     def num_captured(self) -> int:
@@ -124,9 +134,9 @@ class CpuDecodePrograms:
 
     def run(self, host: HostBatch, x: torch.Tensor | None = None) -> torch.Tensor | None:
         """This rank's output [n, H] of the decode step (the final hidden states on the last pipeline stage) from
-        the embedded ids, or from x on a later stage; None where its program could not be recorded (the caller runs
-        the step eagerly; `refused` says why, and no later step is tried). The output is the program's own
-        buffer, rewritten by its next replay."""
+        the embedded ids, or from x on a later stage, or with a head its logits [n, vocab]; None where its program
+        could not be recorded (the caller runs the step eagerly; `refused` says why, and no later step is tried).
+        The output is the program's own buffer, rewritten by its next replay."""
         if self.experts.epoch != self.epoch:  # a restarted expert process: new slots
             self.steps.clear()
             self.epoch = self.experts.epoch
@@ -148,7 +158,7 @@ class CpuDecodePrograms:
         try:
             # An arena that must grow grows for the largest batch at once (intermediates scale with the rows): the
             # sizes recorded meanwhile are then not recorded again at every new largest batch.
-            step.program = record(lambda: step.forward(self.body), self.arena, headroom=self.max_batch / n)
+            step.program = record(lambda: step.forward(self.body, self.head), self.arena, headroom=self.max_batch / n)
         except RecordError as e:
             self.refused = str(e)
             log.warning("decode steps run eagerly: %s", e)

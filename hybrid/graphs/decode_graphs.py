@@ -71,6 +71,8 @@ class StaticDecode:
 
 
 class DecodeGraphs:
+    gives_logits = False  # run() gives the final hidden states; the runner's lm_head follows
+
     def __init__(self, body: nn.Module, kv_caches: list, attention: AttentionBackend, pad_block: int,
                  block_size: int, max_model_len: int, max_batch: int, dtype: torch.dtype, device: torch.device,
                  lanes: int = 1):
