@@ -49,6 +49,7 @@ class EngineState:
     progress: messages.Progress | None = None
     last_seen: float = 0.0
     restarts: int = 0
+    greeted: int | None = None  # the engine pid this api last sent a Hello
 
     def describe(self) -> str:
         return f"the engine is {self.status}" + (f": {self.reason}" if self.reason else "")
@@ -191,8 +192,9 @@ class EngineClient:
     async def _engine_message(self, msg, state: EngineState) -> None:
         if isinstance(msg, messages.EngineStats):
             state.stats = msg
-            if msg.pid != state.pid:
-                await self._send(messages.Hello(), msg.role)  # an engine that was ready before this api started
+            if msg.pid != state.pid and msg.pid != state.greeted:  # an engine that was ready before this api started
+                state.greeted = msg.pid  # once: its stats keep coming until its Ready does
+                await self._send(messages.Hello(), msg.role)
             elif state.status == "down" and self._alive(msg.pid):
                 state.status, state.reason = "ready", ""
         elif isinstance(msg, messages.Ready):

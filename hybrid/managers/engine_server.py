@@ -1,10 +1,11 @@
 """The engine process: runs `LLMEngine` behind ZeroMQ for the api process.
 
 Messages are the typed structs of hybrid/managers/messages.py. In (PULL): AddRequest, AbortRequest, Hello (a
-restarted api asks for Ready). Out (PUSH): Progress while packing/loading, Ready with the engine's facts,
-TokenDelta per new token(s), RequestFailed for a request the engine cannot finish, and EngineStats every
-STATS_PERIOD_S and between steps (the api process treats a silent engine as hung). If the expert process
-dies, every in-flight request gets an error, the expert process is restarted and the engine keeps serving.
+restarted api asks for Ready; the requests of the api before it are aborted, as nobody reads their tokens). Out
+(PUSH): Progress while packing/loading, Ready with the engine's facts, TokenDelta per new token(s), RequestFailed
+for a request the engine cannot finish, and EngineStats every STATS_PERIOD_S and between steps (the api process
+treats a silent engine as hung). If the expert process dies, every in-flight request gets an error, the expert
+process is restarted and the engine keeps serving.
 
 `--role prefill|decode` runs one half of a disaggregated pair (prefill_server.py, decode_server.py).
 """
@@ -227,6 +228,10 @@ class EngineServer:
                 return
             self.in_flight.add(msg.request_id)
         elif isinstance(msg, Hello):
+            # A restarted api: the requests in flight were its predecessor's, whose clients are gone with it.
+            if self.in_flight:
+                log.warning("the api restarted: ending the %d requests its predecessor had sent", len(self.in_flight))
+                self.fail_all(503, "the api that took this request restarted")
             self.send(Ready(os.getpid(), self.info(), self.role))
         elif isinstance(msg, AbortRequest):
             if msg.request_id in self.in_flight:
