@@ -1,5 +1,6 @@
 """The pass over a step's logits before sampling (cpu_kernels/logits_scan.py) against its torch reference on every
-instruction set: odd vocabulary sizes, NaN / +inf / -inf anywhere, ties, strided rows, bad inputs."""
+instruction set, fp32 and bf16: odd vocabulary sizes, NaN / +inf / -inf anywhere, every bf16 code, ties, strided
+rows, bad inputs."""
 
 from __future__ import annotations
 
@@ -13,11 +14,13 @@ INF = float("inf")
 
 
 def check(logits: torch.Tensor) -> None:
-    want = logits_scan_reference(logits)
-    for isa in ISAS:
-        greedy, broken = logits_scan(logits, isa=isa)
-        assert torch.equal(broken, want[1]), isa
-        assert torch.equal(greedy, want[0]), isa
+    """On fp32 logits and on bf16 ones (the model's own: the sampler scans them unwidened), every instruction set."""
+    for x in (logits, logits.bfloat16()):
+        want = logits_scan_reference(x.float())
+        for isa in ISAS:
+            greedy, broken = logits_scan(x, isa=isa)
+            assert torch.equal(broken, want[1]), (isa, x.dtype)
+            assert torch.equal(greedy, want[0]), (isa, x.dtype)
 
 
 @pytest.mark.parametrize("vocab", [1, 2, 15, 16, 17, 31, 33, 1000, 32003, 151936])
@@ -25,6 +28,14 @@ def check(logits: torch.Tensor) -> None:
 def test_random_rows(rows, vocab):
     g = torch.Generator().manual_seed(rows * 100003 + vocab)
     check(torch.randn(rows, vocab, generator=g) * 10)
+
+
+def test_every_bf16_value_scans_as_its_fp32_widening():
+    codes = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)  # NaNs and infinities too
+    finite = codes[torch.isfinite(codes)]
+    check(finite.unsqueeze(0))  # every finite code in one row
+    check(finite[:5 * 13005].view(5, 13005)[:, torch.randperm(13005, generator=torch.Generator().manual_seed(1))])
+    check(codes.view(8, -1))  # every row holds a NaN or an infinity
 
 
 @pytest.mark.parametrize("vocab", [1, 5, 16, 17, 40, 333])
@@ -66,7 +77,7 @@ def test_strided_and_transposed_rows():
 
 
 @pytest.mark.parametrize("bad", [torch.zeros(10), torch.zeros(2, 10, dtype=torch.float64), torch.zeros(2, 0),
-                                 torch.zeros(2, 10, dtype=torch.bfloat16), torch.zeros(1, 2, 3)])
+                                 torch.zeros(2, 10, dtype=torch.float16), torch.zeros(1, 2, 3)])
 def test_bad_inputs_are_refused(bad):
-    with pytest.raises(ValueError, match="logits_scan reads fp32 CPU logits"):
+    with pytest.raises(ValueError, match="logits_scan reads fp32 or bf16 CPU logits"):
         logits_scan(bad)

@@ -216,10 +216,10 @@ PYBIND11_MODULE(_C, m) {
   m.def("row_axpy_tiles", [](int isa, float w, uintptr_t hi, uintptr_t lo, int64_t stride, int n, uintptr_t acc) {
     hybridd::axpy_tiles(static_cast<Isa>(isa), w, as<const float>(hi), as<const float>(lo), stride, n, as<float>(acc));
   });
-  m.def("logits_scan", [](int isa, uintptr_t logits, int64_t rows, int64_t vocab, int64_t stride, uintptr_t greedy,
-                          uintptr_t broken) {
-    hybridd::logits_scan(static_cast<Isa>(isa), as<const float>(logits), rows, vocab, stride, as<int64_t>(greedy),
-                         as<uint8_t>(broken));
+  m.def("logits_scan", [](int isa, uintptr_t logits, bool bf16, int64_t rows, int64_t vocab, int64_t stride,
+                          uintptr_t greedy, uintptr_t broken) {
+    hybridd::logits_scan(static_cast<Isa>(isa), as<const void>(logits), bf16, rows, vocab, stride,
+                         as<int64_t>(greedy), as<uint8_t>(broken));
   });
   m.def("row_silu_mul", [](int isa, uintptr_t g, uintptr_t u, uintptr_t out) {
     hybridd::silu_mul_row(static_cast<Isa>(isa), as<const float>(g), as<const float>(u), as<float>(out));

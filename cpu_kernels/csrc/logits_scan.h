@@ -8,10 +8,10 @@ namespace hybridd {
 
 enum class Isa : int;
 
-// For each of `rows` rows of `vocab` fp32 logits, `stride` floats apart: broken[r] = 1 when the row holds a NaN or
-// +inf or nothing above -inf (no token can be drawn), else 0 and greedy[r] = the first index of the row's largest
-// value (torch.argmax's choice); greedy[r] = -1 for a broken row.
-void logits_scan(Isa isa, const float* logits, int64_t rows, int64_t vocab, int64_t stride, int64_t* greedy,
-                 uint8_t* broken);
+// For each of `rows` rows of `vocab` logits (fp32, or bf16 when bf16), `stride` values apart: broken[r] = 1 when
+// the row holds a NaN or +inf or nothing above -inf (no token can be drawn), else 0 and greedy[r] = the first index
+// of the row's largest value (torch.argmax's choice); greedy[r] = -1 for a broken row.
+void logits_scan(Isa isa, const void* logits, bool bf16, int64_t rows, int64_t vocab, int64_t stride,
+                 int64_t* greedy, uint8_t* broken);
 
 }  // namespace hybridd

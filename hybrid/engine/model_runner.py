@@ -192,7 +192,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: list[ScheduledSeq], all_logits: bool = False) -> torch.Tensor:
-        """Logits [num sampling seqs, vocab] in float32, or for every query row when all_logits is set.
+        """Logits [num sampling seqs, vocab] in the model's dtype (the sampler widens them where it needs fp32), or
+        for every query row when all_logits is set. A replayed program's logits are its own buffer, valid until the
+        next step.
         Decode steps replay captured graphs unless the engine runs eagerly or the batch is too large; the
         overlap policy says which decode steps run split, and learns from their times in auto."""
         if all_logits or not self.can_overlap(batch):
@@ -231,19 +233,19 @@ class ModelRunner:
                 (ids_a, fb_a), (ids_b, fb_b) = (h.to_device(self.device, self.kv_pool.caches, self.attention)
                                                 for h in (a, b))
                 hidden_a, hidden_b = self.model.model.forward_overlapped(ids_a, fb_a, ids_b, fb_b)
-            return self.model.compute_logits(torch.cat([hidden_a[a.sample_rows], hidden_b[b.sample_rows]])).float()
+            return self.model.compute_logits(torch.cat([hidden_a[a.sample_rows], hidden_b[b.sample_rows]]))
         host = self.host_batch(batch)
         hidden = None
         if not all_logits and self.graphs is not None and self.graphs.fits(host):
             hidden = self.graphs.run(host)
             if hidden is not None and self.graphs.gives_logits:
-                return (hidden if len(host.sample_rows) == len(host.ids) else hidden[host.sample_rows]).float()
+                return hidden if len(host.sample_rows) == len(host.ids) else hidden[host.sample_rows]
         if hidden is None:
             input_ids, fb = host.to_device(self.device, self.kv_pool.caches, self.attention)
             hidden = self.model(input_ids, fb)
         if not all_logits and len(host.sample_rows) < len(host.ids):  # rows are ascending: all of them, or a choice
             hidden = hidden[host.sample_rows]
-        return self.model.compute_logits(hidden).float()
+        return self.model.compute_logits(hidden)
 
     def _execute_parallel(self, batch: list[ScheduledSeq], all_logits: bool) -> torch.Tensor:
         """The step on every rank: with pipeline stages, as one micro-batch per stage (of whole sequences)."""
@@ -257,7 +259,7 @@ class ModelRunner:
                 rows.extend(offset + r for r in host.sample_rows)
                 offset += len(host.ids)
             hidden = hidden[rows]
-        return self.model.compute_logits(hidden).float()
+        return self.model.compute_logits(hidden)
 
     def follow(self) -> None:
         """A rank other than the driver: runs the driver's steps until it closes."""
