@@ -287,7 +287,7 @@ def test_api_process_death_is_restarted_and_its_requests_end(daemon, client):
     while daemon.status()["stats"].get("running") != 0 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert daemon.status()["stats"]["running"] == 0
-    assert "the api restarted: ending the 4 requests" in (daemon.home / "logs" / "engine.log").read_text()
+    assert "the api restarted: ended the 4 requests" in (daemon.home / "logs" / "engine.log").read_text()
     assert client.completions.create(model=MODEL, prompt="up", max_tokens=2).usage.completion_tokens >= 1
     for t in threads:
         t.join(10)

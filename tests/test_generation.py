@@ -156,6 +156,21 @@ def test_rows_of_logits_that_are_not_numbers_fail_only_their_request():
     assert [s.token for s in Sampler()(logits, seqs)] == [1, None, None, None, 1]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["f32", "bf16", "f16"])
+def test_the_sampler_takes_logits_in_the_models_dtype(dtype):
+    """The runner hands over the model's own logits: greedy rows read them as they are (fp32, bf16), fp16 ones are
+    widened first, and random draws and logprobs see them widened: the same tokens from each dtype."""
+    nan = float("nan")
+    logits = torch.tensor([[0.0, 2.0, 1.0], [nan, 1.0, 0.0], [0.5, 0.0, 3.0], [3.0, 1.0, 0.0]])
+    def seqs() -> list[Sequence]:  # fresh seeded generators for each draw
+        return [Sequence(str(i), [1], SamplingParams(temperature=t, seed=0, logprobs=1))
+                for i, t in enumerate([0, 0, 1, 0])]
+
+    samples, want = Sampler()(logits.to(dtype), seqs()), Sampler()(logits, seqs())
+    assert [s.token for s in samples] == [s.token for s in want] and samples[0].token == 1 and samples[1].token is None
+    assert samples[3].logprob.logprob == pytest.approx(want[3].logprob.logprob, abs=1e-2)
+
+
 def test_a_grammar_that_leaves_only_minus_inf_logits_fails_that_row(monkeypatch):
     """The grammar allows tokens, but every one of them has a -inf logit: no token (never id -1), and the error
     says the grammar allowed nothing; an unconstrained neighbour draws as usual."""

@@ -130,7 +130,8 @@ class CpuDecodePrograms:
 
     def fits(self, host: HostBatch) -> bool:
         return (self.refused is None and host.is_decode and len(host.ids) <= self.max_batch
-                and max(len(t) for t in host.block_tables) <= self.max_blocks)
+                and max(len(t) for t in host.block_tables) <= self.max_blocks
+                and max(host.positions) < self.max_positions)  # rows of the rotary tables
 
     def run(self, host: HostBatch, x: torch.Tensor | None = None) -> torch.Tensor | None:
         """This rank's output [n, H] of the decode step (the final hidden states on the last pipeline stage) from

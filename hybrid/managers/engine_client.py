@@ -27,6 +27,7 @@ from hybrid.sampling_params import SamplingParams
 log = logging.getLogger("hybridd.api")
 
 WATCH_PERIOD_S = 0.2
+HELLO_RESEND_S = 1.0
 
 
 class EngineError(Exception):
@@ -49,7 +50,7 @@ class EngineState:
     progress: messages.Progress | None = None
     last_seen: float = 0.0
     restarts: int = 0
-    greeted: int | None = None  # the engine pid this api last sent a Hello
+    greeted: tuple[int, float] | None = None  # the engine pid this api last sent a Hello, and when
 
     def describe(self) -> str:
         return f"the engine is {self.status}" + (f": {self.reason}" if self.reason else "")
@@ -192,8 +193,13 @@ class EngineClient:
     async def _engine_message(self, msg, state: EngineState) -> None:
         if isinstance(msg, messages.EngineStats):
             state.stats = msg
-            if msg.pid != state.pid and msg.pid != state.greeted:  # an engine that was ready before this api started
-                state.greeted = msg.pid  # once: its stats keep coming until its Ready does
+            # An engine that was ready before this api started: asked for its Ready, again only if none has come
+            # within HELLO_RESEND_S (its stats keep coming until it does). A repeated Hello ends nothing of this
+            # api's: it sends no request before that Ready, and the engine reads its messages in order.
+            now = time.monotonic()
+            if msg.pid != state.pid and (state.greeted is None or state.greeted[0] != msg.pid
+                                         or now - state.greeted[1] > HELLO_RESEND_S):
+                state.greeted = (msg.pid, now)
                 await self._send(messages.Hello(), msg.role)
             elif state.status == "down" and self._alive(msg.pid):
                 state.status, state.reason = "ready", ""

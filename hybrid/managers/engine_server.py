@@ -230,8 +230,10 @@ class EngineServer:
         elif isinstance(msg, Hello):
             # A restarted api: the requests in flight were its predecessor's, whose clients are gone with it.
             if self.in_flight:
-                log.warning("the api restarted: ending the %d requests its predecessor had sent", len(self.in_flight))
+                before = len(self.in_flight)
                 self.fail_all(503, "the api that took this request restarted")
+                log.warning("the api restarted: ended the %d requests its predecessor had sent",
+                            before - len(self.in_flight))
             self.send(Ready(os.getpid(), self.info(), self.role))
         elif isinstance(msg, AbortRequest):
             if msg.request_id in self.in_flight:
