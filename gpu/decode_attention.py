@@ -156,6 +156,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     out = torch.empty(batch, hq, dv, dtype=q.dtype, device=q.device)
     final = splits == 1  # the split kernel writes the result: no partials, no combine
     o_part = out.unsqueeze(2) if final else torch.empty(batch, hq, splits, dv, dtype=torch.float32, device=q.device)
+    # With FINAL the kernel stores no log-sum-exp: `out` only fills the argument and its strides.
     lse = out if final else torch.empty(batch, hq, splits, dtype=torch.float32, device=q.device)
     _split_kernel[(batch, hkv, splits)](
         q, k_cache, v_cache, block_tables, context_lens, o_part, lse,

@@ -235,17 +235,16 @@ class ModelRunner:
                 hidden_a, hidden_b = self.model.model.forward_overlapped(ids_a, fb_a, ids_b, fb_b)
             return self.model.compute_logits(torch.cat([hidden_a[a.sample_rows], hidden_b[b.sample_rows]]))
         host = self.host_batch(batch)
-        hidden = None
+        out = None  # hidden states, or a replay's logits where the program ends with the lm_head
         if not all_logits and self.graphs is not None and self.graphs.fits(host):
-            hidden = self.graphs.run(host)
-            if hidden is not None and self.graphs.gives_logits:
-                return hidden if len(host.sample_rows) == len(host.ids) else hidden[host.sample_rows]
-        if hidden is None:
+            out = self.graphs.run(host)
+        logits = out is not None and self.graphs.gives_logits
+        if out is None:
             input_ids, fb = host.to_device(self.device, self.kv_pool.caches, self.attention)
-            hidden = self.model(input_ids, fb)
+            out = self.model(input_ids, fb)
         if not all_logits and len(host.sample_rows) < len(host.ids):  # rows are ascending: all of them, or a choice
-            hidden = hidden[host.sample_rows]
-        return self.model.compute_logits(hidden)
+            out = out[host.sample_rows]
+        return out if logits else self.model.compute_logits(out)
 
     def _execute_parallel(self, batch: list[ScheduledSeq], all_logits: bool) -> torch.Tensor:
         """The step on every rank: with pipeline stages, as one micro-batch per stage (of whole sequences)."""

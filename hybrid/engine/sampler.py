@@ -86,10 +86,10 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[Sample]:
         """logits [len(seqs), vocab] in fp32 or the model's dtype: widened to fp32 only for a batch with a row that
         draws at random or under a grammar (greedy rows and logprobs read them as they are, exactly)."""
-        if logits.dtype not in (torch.float32, torch.bfloat16):  # fp16 models (torch backend or a device)
-            logits = logits.float()
-        greedy, broken = scan(logits)
-        raw = logits.float() if any(seq.matcher is not None or not seq.params.greedy for seq in seqs) else logits
+        widen = (logits.dtype not in (torch.float32, torch.bfloat16)  # fp16 (torch backend or a device): no scan
+                 or any(seq.matcher is not None or not seq.params.greedy for seq in seqs))
+        raw = logits.float() if widen else logits
+        greedy, broken = scan(raw)
         logits, unsatisfiable = self.apply_grammars(raw, seqs)
         if any(seq.matcher is not None for seq in seqs):  # greedy among the tokens the grammars allow
             greedy, masked_out = scan(logits)

@@ -72,10 +72,13 @@ class StaticStep:
         self.batch = ForwardBatch.static_decode(self.io[1], self.io[2], self.tables, self.ctx, kv_caches, attention,
                                                 None)
         self.batch.query_lens_tensor = inputs.query_lens[:size]
-        self.rotary = [(rope.table(dtype, max_positions), tuple(torch.empty_like(t[:size])
-                                                                 for t in rope.table(dtype, max_positions)))
-                       for rope in ropes]
-        self.batch.memo = {rope.step_key(dtype): rows for rope, (_, rows) in zip(ropes, self.rotary)}
+        self.rotary: list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]] = []  # (tables, step's rows)
+        self.batch.memo = {}
+        for rope in ropes:
+            tables = rope.table(dtype, max_positions)
+            rows = tuple(torch.empty_like(t[:size]) for t in tables)
+            self.rotary.append((tables, rows))
+            self.batch.memo[rope.step_key(dtype)] = rows
         self.program: Program | None = None
 
     def forward(self, body: nn.Module, head: nn.Module | None) -> torch.Tensor:
