@@ -36,12 +36,23 @@ def check_prompt(prompt_ids: list[int], limits: RequestLimits, param: str = "pro
                              code="context_length_exceeded")
 
 
-def resolve_max_tokens(requested: int | None, prompt_len: int, limits: RequestLimits) -> int:
-    """The completion budget: `requested` if it fits the context after the prompt, else an error; all the room
-    left when nothing was asked for (OpenAI's semantics)."""
+def check_stop_token_ids(stop_token_ids: list[int], limits: RequestLimits) -> None:
+    """Refuses stop token ids outside the vocabulary (they could never end the request)."""
+    bad = [t for t in stop_token_ids if not 0 <= t < limits.vocab_size]
+    if bad:
+        raise InvalidRequest(f"stop_token_ids: {bad[:5]} are outside the vocabulary [0, {limits.vocab_size})",
+                             param="stop_token_ids")
+
+
+def resolve_max_tokens(requested: int | None, prompt_len: int, limits: RequestLimits,
+                       default: int | None = None) -> int:
+    """The completion budget: `requested` if it fits the context after the prompt, else an error; when nothing was
+    asked for, `default` or the room left, whichever is smaller (None: all the room, OpenAI's chat semantics)."""
     room = limits.max_model_len - prompt_len
     if requested is not None and requested > room:
         raise InvalidRequest(f"max_tokens={requested} does not fit: the prompt has {prompt_len} tokens of the "
                              f"{limits.max_model_len}-token context, leaving {room}", param="max_tokens",
                              code="context_length_exceeded")
-    return room if requested is None else requested
+    if requested is None:
+        return room if default is None else min(default, room)
+    return requested

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 # Below this temperature sampling is greedy: dividing logits by it would overflow float32.
 GREEDY_BELOW = 1e-5
 MAX_LOGPROBS = 20
+MAX_TOP_K = 2**31 - 1  # top_k goes over the wire as an int; any k above the vocabulary keeps every token
 SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed accepts
 
 
@@ -37,8 +38,8 @@ class SamplingParams:
             raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 <= self.top_k <= MAX_TOP_K:
+            raise ValueError(f"top_k must be in [0, 2**31), got {self.top_k}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if any(not s for s in self.stop):

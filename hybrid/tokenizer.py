@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import re
 from pathlib import Path
 
@@ -48,12 +49,16 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return self.hf.encode(text, add_special_tokens=True)
 
-    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
+                            template_kwargs: dict | None = None) -> list[int]:
         """Renders the conversation (and the tools offered, in the template's own tool section); the template's
         own markers become special tokens, while a marker a user typed (`<|im_end|>` in a message) stays text,
-        so nobody can forge a turn boundary."""
+        so nobody can forge a turn boundary. `template_kwargs` are variables for the template (Qwen3's
+        `enable_thinking`, say); they may not name the rendering's own arguments."""
         if not getattr(self.hf, "chat_template", None):
             raise TokenizerError("this model's tokenizer has no chat_template")
+        template_kwargs = template_kwargs or {}
+        self.check_template_kwargs(template_kwargs)
         typed: dict[str, str] = {}
         slotted = []
         for i, m in enumerate(messages):
@@ -63,7 +68,8 @@ class Tokenizer:
                 typed[slot] = content
                 m = {**m, "content": slot}
             slotted.append(m)
-        text = self.hf.apply_chat_template(slotted, tools=tools, tokenize=False, add_generation_prompt=True)
+        text = self.hf.apply_chat_template(slotted, tools=tools, tokenize=False, add_generation_prompt=True,
+                                           **template_kwargs)
         ids: list[int] = []
         for piece in _SLOT_RE.split(text):
             if piece in typed:
@@ -71,6 +77,12 @@ class Tokenizer:
             elif piece:
                 ids += self.hf.encode(piece, add_special_tokens=False)
         return ids
+
+    def check_template_kwargs(self, template_kwargs: dict) -> None:
+        """Refuses template variables that would set the rendering's own arguments (tokenize, tools, ...)."""
+        reserved = set(inspect.signature(self.hf.apply_chat_template).parameters) - {"kwargs"}
+        if taken := sorted(reserved & set(template_kwargs)):
+            raise TokenizerError(f"the template's own arguments cannot be set: {', '.join(taken)}")
 
     @property
     def added_tokens(self) -> set[str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import time
 import uuid
@@ -21,7 +22,13 @@ from hybrid.experts.process.liveness import is_stopped
 from hybrid.managers.daemon_config import DaemonConfig
 from hybrid.managers.engine_client import EngineClient, EngineError
 from hybrid.managers.messages import TokenDelta, as_json
-from hybrid.request_checks import InvalidRequest, RequestLimits, check_prompt, resolve_max_tokens
+from hybrid.request_checks import (
+    InvalidRequest,
+    RequestLimits,
+    check_prompt,
+    check_stop_token_ids,
+    resolve_max_tokens,
+)
 from hybrid.sampling_params import SamplingParams
 from hybrid.structured_output.backend import GrammarError
 from hybrid.structured_output.grammar_checker import GrammarChecker
@@ -47,6 +54,7 @@ PAGE_CSP = ("default-src 'self'; script-src 'self'; style-src 'self'; img-src 's
             "base-uri 'none'; frame-ancestors 'none'")
 RETRY_AFTER_S = 2
 DISCONNECT_POLL_S = 0.25
+log = logging.getLogger(__name__)
 
 
 class ApiError(Exception):
@@ -58,6 +66,28 @@ class ApiError(Exception):
 
 def _error_response(e: ApiError) -> JSONResponse:
     return JSONResponse(error_body(e.message, e.status, e.param, e.code), status_code=e.status, headers=e.headers)
+
+
+# Parts of a validation error's location that name a branch of a union (`str`, `list[dict[any,any]]`), not a field.
+_UNION_BRANCHES = {"str", "int", "float", "bool", "none", "list", "dict"}
+
+
+def _validation_error(err: dict) -> ApiError:
+    """One pydantic error of a request body as a 400 naming the field (or saying what is wrong with the body)."""
+    parts = [str(x) for x in err.get("loc", ()) if x != "body"]
+    loc = ".".join(p for p in parts if p not in _UNION_BRANCHES and "[" not in p)
+    loc = loc or err.get("ctx", {}).get("param", "")
+    kind = err.get("type")
+    if kind == "json_invalid":  # FastAPI puts the decoder's position after "body" in the location
+        at = f" at character {parts[0]}" if parts else ""
+        return ApiError(400, f"the request body is not valid JSON: {err.get('ctx', {}).get('error', err.get('msg'))}"
+                             f"{at}")
+    if not loc and kind == "missing":
+        return ApiError(400, "the request has no body: send a JSON object (Content-Type: application/json)")
+    if not loc and kind in ("model_attributes_type", "dict_type", "model_type"):
+        return ApiError(400, "the request body must be a JSON object sent as Content-Type: application/json")
+    msg = err.get("msg", "invalid request").removeprefix("Value error, ")
+    return ApiError(400, f"{loc}: {msg}" if loc else msg, param=loc or None)
 
 
 def _sse(obj: dict | str) -> str:
@@ -167,19 +197,19 @@ def build_app(config: DaemonConfig, client: EngineClient, tokenizer: Tokenizer |
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, e: RequestValidationError):
-        err = e.errors()[0]
-        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body") or err.get("ctx", {}).get("param", "")
-        if err.get("type") == "json_invalid":
-            return _error_response(ApiError(400, f"the request body is not valid JSON: {err.get('msg')}"))
-        msg = err.get("msg", "invalid request").removeprefix("Value error, ")
-        return _error_response(ApiError(400, f"{loc}: {msg}" if loc else msg, param=loc or None))
+        return _error_response(_validation_error(e.errors()[0]))
+
+    @app.exception_handler(Exception)
+    async def _failed(_: Request, e: Exception):  # uvicorn logs the traceback
+        return _error_response(ApiError(500, f"the server failed on this request ({type(e).__name__}); it goes on "
+                                        "serving others, and its log has the details"))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, e: StarletteHTTPException):
         return _error_response(ApiError(e.status_code, str(e.detail)))
 
     def check_model(req: SamplingFields) -> None:
-        if req.model != name:
+        if req.model is not None and req.model != name:
             raise ApiError(404, f"the model {req.model!r} does not exist; this daemon serves {name!r}",
                            param="model", code="model_not_found")
 
@@ -207,7 +237,8 @@ def build_app(config: DaemonConfig, client: EngineClient, tokenizer: Tokenizer |
         limits = RequestLimits(info.vocab_size, info.max_model_len)
         try:
             check_prompt(prompt_ids, limits, prompt_field)
-            max_tokens = resolve_max_tokens(req.requested_max_tokens, len(prompt_ids), limits)
+            check_stop_token_ids(req.stop_token_ids, limits)
+            max_tokens = resolve_max_tokens(req.requested_max_tokens, len(prompt_ids), limits, req.default_max_tokens)
             params = req.sampling_params(max_tokens, grammar)
         except InvalidRequest as e:
             raise ApiError(400, str(e), param=e.param, code=e.code) from None
@@ -247,6 +278,11 @@ def build_app(config: DaemonConfig, client: EngineClient, tokenizer: Tokenizer |
             except EngineError as e:
                 outcome = "error"
                 yield _sse(error_body(str(e), e.status))
+                yield _sse("[DONE]")
+            except Exception as e:  # the stream has begun: the error can only be an event
+                log.exception("request %s failed mid-stream", shape.rid)
+                outcome = "error"
+                yield _sse(error_body(f"the server failed on this request ({type(e).__name__})", 500))
                 yield _sse("[DONE]")
             finally:
                 stats.end(outcome)
@@ -291,8 +327,12 @@ def build_app(config: DaemonConfig, client: EngineClient, tokenizer: Tokenizer |
             grammar, param = tool_format.grammar(forced, req.parallel_tool_calls), "tools"
         await check_grammar(grammar, param)
         try:
+            tok.check_template_kwargs(req.chat_template_kwargs or {})
+        except TokenizerError as e:
+            raise ApiError(400, f"chat_template_kwargs: {e}", param="chat_template_kwargs") from None
+        try:
             messages = [m.rendered() for m in req.messages]
-            prompt_ids = await asyncio.to_thread(tok.apply_chat_template, messages, tools)
+            prompt_ids = await asyncio.to_thread(tok.apply_chat_template, messages, tools, req.chat_template_kwargs)
         except (ValueError, TokenizerError) as e:
             raise ApiError(400, f"messages: {e}", param="messages") from None
         except Exception as e:  # a chat template raising on an odd conversation is the caller's error

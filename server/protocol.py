@@ -2,26 +2,37 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from hybrid.sampling_params import MAX_LOGPROBS, SEED_RANGE, SamplingParams
+from hybrid.sampling_params import MAX_LOGPROBS, MAX_TOP_K, SEED_RANGE, SamplingParams
 from hybrid.structured_output.backend import GrammarError
 from hybrid.structured_output.grammars import check_schema, json_object_grammar, json_schema_grammar
 from hybrid.structured_output.tool_formats import Function
 
 MAX_STOP_SEQUENCES = 16
-# OpenAI fields hybridd does not implement, with the values that ask for nothing (and so are accepted).
+MAX_STOP_CHARS = 512  # a stream holds back the longest stop string's length, and every step searches that much text
+COMPLETION_MAX_TOKENS = 16
+# Fields hybridd does not implement, with the values that ask for nothing (and so are accepted): OpenAI's, and the
+# extensions of vLLM and llama-server a client of theirs may send, refused rather than silently ignored.
 UNSUPPORTED = {
     "functions": (None, []), "function_call": (None, "none"), "logit_bias": (None, {}),
     "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0), "best_of": (None, 1),
     "suffix": (None, ""), "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
     "web_search_options": (None,), "min_p": (None, 0, 0.0), "min_tokens": (None, 0),
+    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+    "structured_outputs": (None,), "grammar": (None, ""), "json_schema": (None,), "use_beam_search": (None, False),
+    "length_penalty": (None, 1, 1.0), "allowed_token_ids": (None,), "bad_words": (None, []),
+    "include_stop_str_in_output": (None, False), "logits_processors": (None, []), "repeat_penalty": (None, 1, 1.0),
+    "typical_p": (None, 1, 1.0), "mirostat": (None, 0), "tfs_z": (None, 1, 1.0), "n_predict": (None,),
+    "dry_multiplier": (None, 0, 0.0), "xtc_probability": (None, 0, 0.0), "n_probs": (None, 0),
 }
+log = logging.getLogger(__name__)
 
 
 class StreamOptions(BaseModel):
@@ -110,16 +121,18 @@ class ToolCallIn(BaseModel):
 
 
 class SamplingFields(BaseModel):
-    """Fields shared by both completion routes; unknown fields are ignored as OpenAI's API does."""
+    """Fields shared by both completion routes. A field that would change the output and is not implemented is
+    refused (UNSUPPORTED); any other unknown field is ignored with a warning in the log, as vLLM does. `model` may
+    be left out (the daemon serves one)."""
 
     model_config = ConfigDict(extra="ignore")
 
-    model: str
+    model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=-1)
+    top_k: int = Field(default=0, ge=-1, le=MAX_TOP_K)
     seed: int | None = Field(default=None, ge=SEED_RANGE[0], lt=SEED_RANGE[1])
     stop: str | list[str] | None = Field(default=None, validate_default=True)
     n: int = Field(default=1, ge=1, le=1)
@@ -128,6 +141,8 @@ class SamplingFields(BaseModel):
     ignore_eos: bool = False
     user: str | None = None
     response_format: ResponseFormat | None = None
+    stop_token_ids: list[int] = Field(default_factory=list, max_length=MAX_STOP_SEQUENCES)
+    skip_special_tokens: bool = True
 
     @model_validator(mode="before")
     @classmethod
@@ -137,6 +152,9 @@ class SamplingFields(BaseModel):
                 if name in data and not any(data[name] == v and type(data[name]) is type(v) for v in neutral):
                     raise PydanticCustomError("unsupported", "hybridd does not support this field yet",
                                               {"param": name})
+            known = {f.alias or n for n, f in cls.model_fields.items()} | set(cls.model_fields) | set(UNSUPPORTED)
+            if ignored := sorted(str(k) for k in data if k not in known):
+                log.warning("ignored request fields hybridd does not know: %s", ", ".join(ignored[:20]))
         return data
 
     @field_validator("stop")
@@ -147,13 +165,16 @@ class SamplingFields(BaseModel):
             raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences")
         if any(not s for s in stops):
             raise ValueError("stop sequences must be non-empty")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"stop sequences must be at most {MAX_STOP_CHARS} characters")
         return stops
 
     def sampling_params(self, max_tokens: int, grammar: str | None = None) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0),
-                              max_tokens=max_tokens, seed=self.seed, stop=self.stop, ignore_eos=self.ignore_eos,
-                              logprobs=self.logprob_count, prompt_logprobs=self.prompt_logprob_count,
-                              grammar=grammar)
+                              max_tokens=max_tokens, seed=self.seed, stop=self.stop,
+                              stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+                              skip_special_tokens=self.skip_special_tokens, logprobs=self.logprob_count,
+                              prompt_logprobs=self.prompt_logprob_count, grammar=grammar)
 
     @property
     def logprob_count(self) -> int | None:
@@ -172,6 +193,11 @@ class SamplingFields(BaseModel):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def default_max_tokens(self) -> int | None:
+        """The budget when none is asked for (None: all the room the context leaves)."""
+        return None
 
     @property
     def include_usage(self) -> bool:
@@ -214,6 +240,7 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    chat_template_kwargs: dict | None = None
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self):
@@ -265,6 +292,12 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    @property
+    def default_max_tokens(self) -> int | None:
+        """16, as OpenAI's and vLLM's legacy completions: a base model given no budget would run to the end of
+        its context."""
+        return COMPLETION_MAX_TOKENS
 
     @property
     def logprob_count(self) -> int | None:

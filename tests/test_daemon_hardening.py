@@ -18,6 +18,9 @@ import psutil
 import pytest
 from daemon_harness import LONG, MODEL, Daemon, free_port
 
+from hybrid.llm import DEFAULT_MODEL_DIR
+from hybrid.tokenizer import Tokenizer
+
 
 def sse_events(body: str) -> list:
     return [json.loads(x) if x != "[DONE]" else x for x in
@@ -48,6 +51,16 @@ def test_degenerate_sampling_never_hurts_a_concurrent_stream(daemon, client):
     assert after["restarts"] == 0 and after["engine_pid"] == before["engine_pid"]
 
 
+def _nested(levels: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+DEEP_SCHEMA = _nested(400)  # deeper than Python's recursion limit lets jsonschema check
+
+
 def test_every_field_is_checked_at_the_api_with_its_name(daemon):
     url = f"{daemon.url}/v1"
     cases = [
@@ -65,6 +78,19 @@ def test_every_field_is_checked_at_the_api_with_its_name(daemon):
         ("chat/completions", {"top_logprobs": 3}, "top_logprobs"),
         ("chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ("completions", {"logprobs": 50}, "logprobs"),
+        ("chat/completions", {"top_k": 2**64, "stream": True}, "top_k"),
+        ("completions", {"stop": ["x" * 513]}, "stop"),
+        ("completions", {"stop_token_ids": [2**40]}, "stop_token_ids"),
+        ("completions", {"guided_json": {"type": "object"}}, "guided_json"),
+        ("chat/completions", {"grammar": "root ::= \"a\""}, "grammar"),
+        ("chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"schema": DEEP_SCHEMA}}},
+         "response_format.json_schema.schema"),
+        ("chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
+            "schema": {"type": "string", "x-guidance": "a"}}}}, "response_format.json_schema.schema"),
+        ("chat/completions", {"tools": [{"type": "function", "function": {"name": "f", "parameters": DEEP_SCHEMA}}]},
+         "tools.0.function.parameters"),
+        ("chat/completions", {"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
+        ("chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
     ]
     for route, extra, field in cases:
         body = {"model": MODEL, **({"messages": [{"role": "user", "content": "x"}]} if route.startswith("chat")
@@ -83,6 +109,40 @@ def test_every_field_is_checked_at_the_api_with_its_name(daemon):
     r = httpx.post(f"{url}/chat/completions", timeout=30,
                    json={"model": MODEL, "messages": [{"role": "user", "content": "word " * 5000}]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+
+
+def test_bodies_that_are_not_requests_are_named_and_the_server_goes_on(daemon):
+    url = f"{daemon.url}/v1/completions"
+    r = httpx.post(url, content=b'{"model": "x", "prompt": ', headers={"Content-Type": "application/json"})
+    assert r.status_code == 400
+    assert r.json()["error"]["message"] == "the request body is not valid JSON: Expecting value at character 25"
+    r = httpx.post(url, data={"prompt": "x"})  # a form, as curl -d sends
+    assert r.status_code == 400 and "must be a JSON object" in r.json()["error"]["message"]
+    r = httpx.post(url, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and "no body" in r.json()["error"]["message"]
+    assert daemon.health().status_code == 200
+
+
+def test_openai_and_vllm_conveniences(daemon, client):
+    url = f"{daemon.url}/v1/completions"
+    # no model: the daemon serves one; no max_tokens on /v1/completions: 16, as OpenAI and vLLM
+    r = httpx.post(url, json={"prompt": "hello", "ignore_eos": True, "temperature": 0}, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 16, r.text
+    # vLLM's stop_token_ids end the request at the first of them it generates
+    greedy = client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=8, temperature=0, logprobs=0,
+                                       extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+    assert greedy.usage.completion_tokens == 8
+    tok = Tokenizer(DEFAULT_MODEL_DIR)
+    texts = {i: tok.decode([i], skip_special_tokens=False) for i in range(tok.hf.vocab_size)}
+    # the first generated token after the first whose text few ids share: those ids are its stop_token_ids
+    for at, text in enumerate(greedy.choices[0].logprobs.tokens[1:], 1):
+        if len(stop_ids := [i for i, t in texts.items() if t == text]) <= 16:
+            break
+    stopped = client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=8, temperature=0,
+                                        extra_body={"ignore_eos": True, "stop_token_ids": stop_ids})
+    assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens <= at + 1
+    # an unknown field is ignored, and the api log names it
+    assert any("return_tokens_as_token_ids" in p.read_text() for p in (daemon.home / "logs").glob("*.log"))
 
 
 def test_models_by_id(daemon, client):
@@ -108,6 +168,7 @@ def test_body_limit_and_tokenizing_off_the_event_loop(daemon):
     t0 = time.monotonic()
     assert daemon.health().status_code == 200
     health_s = time.monotonic() - t0
+    assert t.is_alive(), "the big message was tokenized before /health was asked: nothing was measured"
     t.join(60)
     assert big["r"].status_code == 400 and "context length" in big["r"].json()["error"]["message"]
     assert health_s < 1.0

@@ -125,6 +125,25 @@ def test_chat_template_is_applied(llm):
     assert llm.chat([{"role": "user", "content": "hello"}], SamplingParams(max_tokens=4))[0].token_ids
 
 
+def test_chat_template_kwargs_reach_the_template_and_cannot_set_its_arguments(llm):
+    from hybrid.tokenizer import TokenizerError
+
+    tok = llm.tokenizer
+    saved = tok.hf.chat_template
+    opening = "{{- '<|im_start|>assistant\\n' }}"
+    assert opening in saved
+    tok.hf.chat_template = saved.replace(opening, opening + "{%- if enable_thinking is false %}{{- 'NT' }}{%- endif %}")
+    try:
+        messages = [{"role": "user", "content": "hello"}]
+        plain = tok.decode(tok.apply_chat_template(messages), skip_special_tokens=False)
+        off = tok.decode(tok.apply_chat_template(messages, None, {"enable_thinking": False}), skip_special_tokens=False)
+        assert off == plain + "NT"
+        with pytest.raises(TokenizerError, match="tokenize"):
+            tok.apply_chat_template(messages, None, {"tokenize": True})
+    finally:
+        tok.hf.chat_template = saved
+
+
 def test_request_ids_are_the_callers_or_fresh_and_never_shared(llm):
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)

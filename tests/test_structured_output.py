@@ -380,3 +380,32 @@ def test_api_tool_choice_none_hides_tools(client):
     assert with_tools.choices[0].message.tool_calls is None
     auto = chat(client, tools=API_TOOLS, max_tokens=4, temperature=0)
     assert auto.usage.prompt_tokens > without.usage.prompt_tokens  # the template's tool section
+
+
+def test_the_api_compiles_each_grammar_once_and_keeps_a_bounded_cache_of_verdicts(monkeypatch):
+    from hybrid.structured_output import grammar_checker
+    from hybrid.structured_output.backend import GrammarError
+    from hybrid.structured_output.grammar_checker import GrammarChecker
+
+    compiled = []
+
+    class Backend:
+        def check(self, grammar: str) -> None:
+            compiled.append(grammar)
+            if "bad" in grammar:
+                raise GrammarError(f"cannot compile {grammar}")
+
+    monkeypatch.setattr(grammar_checker, "CACHED_VERDICTS", 2)
+    checker = GrammarChecker(Backend)
+    for grammar in ("a", "bad", "a", "bad"):
+        if "bad" in grammar:
+            with pytest.raises(GrammarError, match="cannot compile bad"):
+                checker.check(grammar)
+        else:
+            checker.check(grammar)
+    assert compiled == ["a", "bad"]
+    checker.check("c")  # evicts the least recently used verdict ("a")
+    with pytest.raises(GrammarError):
+        checker.check("bad")
+    checker.check("a")
+    assert compiled == ["a", "bad", "c", "a"]

@@ -28,7 +28,7 @@ from hybrid.experts.base import Experts
 from hybrid.experts.process.client import ExpertServerError
 from hybrid.mem_cache.block_hash_cache import BlockHashCache
 from hybrid.mem_cache.block_manager import BlockManager
-from hybrid.request_checks import InvalidRequest, RequestLimits, check_prompt
+from hybrid.request_checks import InvalidRequest, RequestLimits, check_prompt, check_stop_token_ids
 from hybrid.sampling_params import SamplingParams
 from hybrid.structured_output.backend import GrammarError, GrammarMatcher
 from hybrid.tokenizer import MissingTokenizer, Tokenizer, TokenizerError
@@ -87,6 +87,7 @@ class LLMEngine:
         params = params or SamplingParams()
         ids = self.encode(prompt)
         check_prompt(ids, self.limits)
+        check_stop_token_ids(params.stop_token_ids, self.limits)
         if params.grammar is not None and self.tokenizer is None:
             raise InvalidRequest("a grammar needs the model's tokenizer, and this model has none")
         if request_id is None:

@@ -1,10 +1,12 @@
 """The api's grammar check: each distinct grammar is compiled once against the model's tokenizer, on a worker
-thread (never the event loop), and its verdict cached, so a bad schema is a 400 before the engine sees it."""
+thread (never the event loop), and its verdict cached by the grammar's digest, so a bad schema is a 400 before the
+engine sees it and the cache holds no request's text."""
 
 from __future__ import annotations
 
-import functools
+import hashlib
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 
 from hybrid.structured_output.backend import GrammarBackend, GrammarError
@@ -17,7 +19,7 @@ class GrammarChecker:
         self._make_backend = make_backend
         self._backend: GrammarBackend | None = None
         self._lock = threading.Lock()
-        self._verdict = functools.lru_cache(CACHED_VERDICTS)(self._compile)
+        self._verdicts: OrderedDict[bytes, str | None] = OrderedDict()
 
     def _compile(self, grammar: str) -> str | None:
         """What is wrong with the grammar, or None."""
@@ -32,5 +34,17 @@ class GrammarChecker:
 
     def check(self, grammar: str) -> None:
         """Raises GrammarError when the grammar does not compile. Blocking: call it from a worker thread."""
-        if (verdict := self._verdict(grammar)) is not None:
+        key = hashlib.sha256(grammar.encode()).digest()
+        with self._lock:
+            cached = key in self._verdicts
+            if cached:
+                self._verdicts.move_to_end(key)
+                verdict = self._verdicts[key]
+        if not cached:
+            verdict = self._compile(grammar)
+            with self._lock:
+                self._verdicts[key] = verdict
+                if len(self._verdicts) > CACHED_VERDICTS:
+                    self._verdicts.popitem(last=False)
+        if verdict is not None:
             raise GrammarError(verdict)

@@ -12,12 +12,38 @@ from hybrid.structured_output.backend import GrammarError
 # One canonical layout (", " and ": ", no free whitespace): a model cannot wander into endless whitespace, and
 # outputs compare as text.
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# Bounds on a schema from a request, checked before jsonschema walks it (recursively, on the api's event loop):
+# deeper nesting would overflow Python's stack, and checking takes time in proportion to the size.
+MAX_SCHEMA_DEPTH = 64
+MAX_SCHEMA_BYTES = 256 * 1024
+
+
+def _check_bounds(schema: dict, where: str) -> None:
+    """Refuses a schema nested deeper than MAX_SCHEMA_DEPTH containers or larger than MAX_SCHEMA_BYTES as JSON;
+    iterative, so any depth is measured without recursion."""
+    stack, size = [(schema, 1)], 0
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_SCHEMA_DEPTH:
+            raise GrammarError(f"{where} nests deeper than {MAX_SCHEMA_DEPTH} levels")
+        children = value.values() if isinstance(value, dict) else value
+        size += sum(len(k) for k in value) if isinstance(value, dict) else 0
+        for child in children:
+            if isinstance(child, (dict, list)):
+                stack.append((child, depth + 1))
+            elif isinstance(child, str):
+                size += len(child)
+        if size > MAX_SCHEMA_BYTES:
+            raise GrammarError(f"{where} is larger than {MAX_SCHEMA_BYTES // 1024} KiB")
 
 
 def check_schema(schema: object, where: str) -> dict:
     """Returns the schema when it is a valid JSON schema object; raises GrammarError naming the problem."""
     if not isinstance(schema, dict):
         raise GrammarError(f"{where} must be a JSON schema object, got {type(schema).__name__}")
+    _check_bounds(schema, where)
+    if not isinstance(schema.get("x-guidance", {}), dict):
+        raise GrammarError(f"{where}['x-guidance'] must be an object of grammar options")
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as e:
