@@ -179,6 +179,7 @@ def unpack_experts(p: PackedExperts) -> tuple[torch.Tensor, torch.Tensor]:
 
 _pools: dict[int | None, _C.MoeRunner] = {}
 _spin_us = POOL_SPIN_US
+_default_threads: int | None = None
 
 
 # The KernelProgram being recorded (cpu_kernels/program.py), if any: kernel calls then go into it.
@@ -186,9 +187,12 @@ _recording: list = []
 
 
 def runner(num_threads: int | None = None) -> _C.MoeRunner:
-    """One persistent, pinned thread pool per thread count (None: every allowed core, the same pool as that
-    count), one sub-pool per NUMA node it spans. While a program records, its recorder for that pool."""
+    """One persistent, pinned thread pool per thread count (None: set_default_threads's, else every allowed core,
+    the same pool as that count), one sub-pool per NUMA node it spans. While a program records, its recorder for
+    that pool."""
     start_torch_threads()
+    if num_threads is None:
+        num_threads = _default_threads
     pool = _pools.get(num_threads)
     if pool is None:
         cpus, nodes = pool_layout(num_threads)
@@ -206,6 +210,15 @@ def recordable(target):
 def pool_started() -> bool:
     """Whether this process has started a kernel thread pool (its cores are then fixed)."""
     return bool(_pools)
+
+
+def set_default_threads(num_threads: int | None) -> None:
+    """The thread count of this process's kernel calls that name none (None: every allowed core), so that an
+    engine's --threads caps its norms, routers and dense layers too, on the same pool as its attention."""
+    global _default_threads
+    if num_threads is not None and num_threads < 1:
+        raise ValueError(f"the kernel thread pool needs at least one thread, got {num_threads}")
+    _default_threads = num_threads
 
 
 def set_pool_spin(spin_us: int) -> None:

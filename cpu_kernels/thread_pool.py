@@ -20,6 +20,18 @@ def _cpulist(text: str) -> list[int]:
     return cpus
 
 
+def env_microseconds(name: str, default: int) -> int:
+    """A spin time in microseconds from the environment variable `name`, refused naming it when it is not one."""
+    text = os.environ.get(name, str(default))
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value < 2**31:
+        raise ValueError(f"{name}={text!r}: wants microseconds, an integer in [0, 2**31)")
+    return value
+
+
 # Read once: the kernel pool pins the thread that calls it, and a mask read after that would be one core.
 ALLOWED_CPUS = sorted(os.sched_getaffinity(0))
 
@@ -27,7 +39,7 @@ ALLOWED_CPUS = sorted(os.sched_getaffinity(0))
 # worker took ~200 us on a KVM guest (2-core Zen 3: a 1 MB fp8 linear followed by an 80 us RMSNorm, in a loop,
 # took 383 us per pair with 50 us of spin and 180 us with 1000), and a decode step leaves 100-500 us of torch
 # work between kernel calls, so workers keep polling through a step. HYBRIDD_POOL_SPIN_US overrides it.
-POOL_SPIN_US = int(os.environ.get("HYBRIDD_POOL_SPIN_US", "2000"))
+POOL_SPIN_US = env_microseconds("HYBRIDD_POOL_SPIN_US", 2000)
 # The spin of pools whose cores another hybridd process computes on between their calls (the engine and its
 # expert process): a polling worker would take turns on a core the other process's worker needs.
 SHARED_CORE_SPIN_US = 50
@@ -73,7 +85,11 @@ def numa_nodes() -> list[list[int]]:
     allowed = ALLOWED_CPUS
     override = os.environ.get("HYBRIDD_NUMA_NODES", "").strip()
     if override:
-        lists = [_cpulist(part) for part in override.split(";")]
+        try:
+            lists = [_cpulist(part) for part in override.split(";")]
+        except ValueError:
+            raise ValueError(f"HYBRIDD_NUMA_NODES={override!r}: wants cpulists separated by ';', e.g. "
+                             "\"0-15;16-31\"") from None
     else:
         lists = [_cpulist((node / "cpulist").read_text())
                  for node in sorted(Path("/sys/devices/system/node").glob("node[0-9]*"), key=lambda p: int(p.name[4:]))]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -48,3 +49,26 @@ def test_errors_are_one_clear_line(tmp_path):
     assert r.returncode == 2 and "comma-separated integers" in r.stderr
     r = hybridd("generate", "--prompt-ids", "1,99999999")
     assert r.returncode == 2 and "outside the vocabulary" in r.stderr
+    for flags, needle in ((["--kv-cache-gb", "inf"], "--kv-cache-gb: wants a positive number of GiB"),
+                          (["--kv-cache-gb", "0"], "--kv-cache-gb: wants a positive number of GiB"),
+                          (["--max-model-len", "999999"], "max_model_len=999999 is beyond the 4096 positions"),
+                          (["--expert-pack", str(tmp_path / "typo")], "no complete expert pack")):
+        r = hybridd("generate", "--prompt", "x", *flags)
+        assert r.returncode == 2 and needle in r.stderr.strip().splitlines()[-1], (flags, r.stderr)
+    for flags, needle in ((["--max-tokens", "0"], "max_tokens must be >= 1"),
+                          (["--top-p", "0"], "top_p must be in (0, 1]"),
+                          (["--chat"], "--chat needs --prompt text")):
+        # the request's own flags are refused before the model loads: a wrong --model is not even read
+        r = hybridd("generate", "--model", str(tmp_path), "--prompt-ids", "5", *flags)
+        assert r.returncode == 2 and needle in r.stderr, (flags, r.stderr)
+
+
+def test_start_refuses_what_its_engines_would_refuse_before_starting_anything(tmp_path):
+    env = {**os.environ, "HYBRIDD_HOME": str(tmp_path / "home")}
+    for flags, needle in ((["--disagg", "--tp", "2"], "disaggregation is not combined"),
+                          (["--expert-pack", str(tmp_path / "typo")], "no complete expert pack"),
+                          (["--tp", "2", "--expert-pack", str(tmp_path)], "leave --expert-pack out")):
+        r = subprocess.run([sys.executable, "-m", "hybrid.cli.main", "start", "--port", "1", *flags], env=env,
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and needle in r.stderr, (flags, r.stderr)
+    assert not (tmp_path / "home" / "hybridd.pid").exists() and not (tmp_path / "typo").exists()

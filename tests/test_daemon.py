@@ -451,3 +451,16 @@ def test_an_api_that_cannot_start_fails_the_start_at_once(tmp_path):
     assert "opentelemetry" in r.stderr.split("where each process was:")[1], r.stderr
     assert time.monotonic() - start < 60
     assert not (d.home / "hybridd.pid").exists()
+
+
+def test_start_runs_the_torch_reference_with_its_experts_inline(tmp_path):
+    """--backend torch used to fail every start: the daemon's default expert process runs only the cpu kernels."""
+    d = Daemon(tmp_path / "home", free_port())
+    d.start("--backend", "torch")
+    try:
+        r = httpx.post(f"{d.url}/v1/completions", timeout=60,
+                       json={"prompt": [5, 6, 7], "max_tokens": 4, "ignore_eos": True, "temperature": 0})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
+        assert d.status()["info"]["expert_pid"] is None
+    finally:
+        d.stop()

@@ -111,3 +111,26 @@ def test_cli_pack_then_generate_from_it(model_dirs, tmp_path):
     assert r.returncode == 0 and len(json.loads(r.stdout)["token_ids"]) == 4, r.stderr
     r = run("generate", "--model", str(model), "--expert-pack", str(tmp_path), "--prompt-ids", "5", "--json")
     assert r.returncode == 2 and "no complete expert pack" in r.stderr
+
+
+def test_a_named_pack_is_mapped_in_its_own_format_and_never_written(model_dirs, tmp_path):
+    """--expert-pack names a pack to map: the expert process serves it as it is (under --expert-format auto, in
+    whatever format it holds), and a directory holding no current pack is refused, not packed into."""
+    model = model_dirs["tiny-qwen3-moe"]
+    out = tmp_path / "int4"
+    assert write_pack(model, out, "int4")
+    stamp = (out / EXPERTS_FILE).stat().st_mtime_ns
+    ids = prompt_ids(12, seed=5)
+    inline = LLM(model, expert_format="int4").generate(ids, GREEDY)[0].token_ids
+    served = LLM(model, experts="process", expert_pack=str(out))
+    try:
+        assert served.generate(ids, GREEDY)[0].token_ids == inline
+    finally:
+        served.close()
+    assert (out / EXPERTS_FILE).stat().st_mtime_ns == stamp
+    with pytest.raises(PackError, match="not int8"):
+        LLM(model, experts="process", expert_pack=str(out), expert_format="int8")
+    missing = tmp_path / "typo"
+    with pytest.raises(PackError, match="no complete expert pack"):
+        LLM(model, experts="process", expert_pack=str(missing))
+    assert not missing.exists()

@@ -265,3 +265,27 @@ def drain(engine) -> dict:
             if out.finished:
                 done[out.request_id] = out
     return done
+
+
+THREADS_CAP_EVERY_KERNEL = """
+import sys
+from cpu_kernels import moe
+from hybrid import LLM, SamplingParams
+llm = LLM(sys.argv[1], num_threads=1)
+llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4))
+print(sorted({pool.num_threads for pool in moe._pools.values()}))
+"""
+
+
+def test_threads_cap_every_kernel_not_only_attention_and_experts(model_dirs):
+    """num_threads (--threads) is the one pool the engine's kernels run on: norms, routers and dense layers
+    called without a count used to start a second pool over every core."""
+    import subprocess
+    import sys
+
+    from cpu_kernels.thread_pool import unpin_child
+
+    r = subprocess.run([sys.executable, "-c", THREADS_CAP_EVERY_KERNEL, str(model_dirs["tiny-qwen3-moe"])],
+                       capture_output=True, text=True, timeout=300, preexec_fn=unpin_child)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[1]"

@@ -25,7 +25,8 @@ def register(sub) -> None:
     dev = st.add_mutually_exclusive_group()
     dev.add_argument("--gpus", type=parse_gpus, help="CUDA devices: the first runs attention, KV cache and "
                      "dense layers; routed experts stay on the CPU (e.g. 0 or 0,1)")
-    dev.add_argument("--cpu-only", action="store_true", help="run everything on the CPU (the default without CUDA)")
+    dev.add_argument("--cpu-only", action="store_true", help="run everything on the CPU (the default: nothing runs on "
+                     "a GPU without --gpus)")
     st.add_argument("--disagg", action=argparse.BooleanOptionalAction, default=False,
                     help="run prefill and decode in two engine processes on separate cores, so that long prompts "
                     "never stall running chats (default: off)")
@@ -154,6 +155,7 @@ def _wait_ready(config, proc, timeout_s: float, logs_before: dict[Path, int]) ->
 def cmd_start(a: argparse.Namespace) -> int:
     from hybrid.config import ModelConfig
     from hybrid.config.home import PRIVATE_UMASK
+    from hybrid.experts.pack import engine_pack
     from hybrid.llm import DEFAULT_MODEL_DIR
     from hybrid.managers.daemon_config import DaemonConfig
     from hybrid.managers.supervisor import Supervisor, check_port_free, launch, running_daemon
@@ -161,8 +163,8 @@ def cmd_start(a: argparse.Namespace) -> int:
 
     model = str(Path(a.model).resolve()) if a.model else str(DEFAULT_MODEL_DIR)
     # The daemon's experts run in the expert process, except that tensor-parallel / pipeline ranks each compute
-    # their own share in their process.
-    a.experts = a.experts or ("inline" if a.tp * a.pp > 1 else "process")
+    # their own share in their process, and the torch reference computes them itself.
+    a.experts = a.experts or ("inline" if a.tp * a.pp > 1 or a.backend == "torch" else "process")
     if follow_if_not_rank0(a, model):
         return 0
     from hybrid.distributed.launcher import under_torchrun
@@ -177,6 +179,8 @@ def cmd_start(a: argparse.Namespace) -> int:
                           served_model_name=a.served_model_name, max_queue=a.max_queue, max_body_mb=a.max_body_mb,
                           engine={k: v for k, v in engine_kwargs(a).items() if v is not None},
                           disagg=a.disagg, prefill_cores=a.prefill_cores)
+    if a.expert_pack:  # a pack the engines would refuse is refused here, before anything starts
+        engine_pack(ModelConfig.from_dir(model), a.expert_format, a.expert_pack)
     explain_gpus(a.gpus, a.slp_threshold)
     running = running_daemon(config.paths)
     if running is not None:
@@ -211,7 +215,7 @@ def _daemon_url(a: argparse.Namespace) -> str:
     from hybrid.managers.supervisor import running_daemon
 
     if a.url:
-        return a.url
+        return a.url.rstrip("/")
     record = running_daemon(DaemonPaths(hybridd_home()))
     return record["url"] if record else DEFAULT_URL
 

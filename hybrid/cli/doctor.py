@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import psutil
@@ -220,7 +220,8 @@ def register(sub) -> None:
     dr.add_argument("--slp-max-tokens", type=int, help="most tokens of a streamed pass (default: what the device "
                     "holds)")
     dr.add_argument("--no-plan", action="store_true", help="skip the probes and predictions")
-    dr.add_argument("--json", action="store_true", help="print the prediction as JSON instead of tables")
+    dr.add_argument("--json", action="store_true", help="print the prediction and the checks' findings as JSON "
+                    "instead of tables")
     dr.set_defaults(func=cmd_doctor)
 
 
@@ -243,11 +244,13 @@ def cmd_doctor(a: argparse.Namespace) -> int:
                                    a.slp_max_tokens))
         except (ConfigError, ValueError, RuntimeError) as e:
             diagnosis.add("prediction", f"could not probe: {e}", False)
+    healthy = all(f.ok for f in diagnosis.findings)
     if a.json:
-        print(json.dumps(plan))
-        return 0
+        print(json.dumps({**(plan or {}), "findings": [asdict(f) for f in diagnosis.findings],
+                          "advice": diagnosis.advice}))
+        return 0 if healthy else 1
     console = Console()
     console.print(render(diagnosis))
     if plan is not None:
         console.print(render_plan(plan))
-    return 0
+    return 0 if healthy else 1

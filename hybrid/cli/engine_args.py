@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
@@ -13,8 +14,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, help="context length (default: the model's, within the KV pool)")
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="prefill chunk / step token budget")
-    p.add_argument("--num-kv-blocks", type=int, help="KV pool size in blocks (default: sized from --kv-cache-gb)")
-    p.add_argument("--kv-cache-gb", type=float, default=1.0)
+    p.add_argument("--num-kv-blocks", type=int, help="KV pool size in blocks (default: from --kv-cache-gb)")
+    p.add_argument("--kv-cache-gb", type=gib, default=1.0, help="the most memory the KV pool may take, in GiB "
+                   "(default 1): it holds what four sequences of --max-model-len need (at most --max-num-seqs), "
+                   "within this")
     p.add_argument("--threads", type=int, help="compute threads (default: every allowed core)")
     p.add_argument("--backend", default="cpu", choices=["cpu", "torch"],
                    help="cpu: C++ AVX-512 kernels for experts and dense layers; torch: the pure-torch reference")
@@ -56,6 +59,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    "(default), or on the engine thread between steps")
     p.add_argument("--no-prefix-cache", action="store_true", help="prefill every prompt whole instead of reusing "
                    "the KV blocks of a prefix computed before (a chat's history)")
+
+
+def gib(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < 2**40:
+        raise argparse.ArgumentTypeError(f"wants a positive number of GiB, got {text!r}")
+    return value
 
 
 def parse_gpus(text: str) -> list[int]:

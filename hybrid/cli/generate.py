@@ -39,20 +39,19 @@ def _parse_ids(text: str) -> list[int]:
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
-    import torch
-
     from hybrid.llm import DEFAULT_MODEL_DIR, LLM
 
-    if a.threads and a.backend == "torch":
-        torch.set_num_threads(a.threads)
     if follow_if_not_rank0(a, a.model or DEFAULT_MODEL_DIR):
         return 0
+    # The request's own flags are checked before the model loads, which takes minutes for a large one.
+    if a.prompt_ids is not None and a.chat:
+        raise ValueError("--chat needs --prompt text, not --prompt-ids")
+    params = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, max_tokens=a.max_tokens,
+                            seed=a.seed, stop=a.stop or [], ignore_eos=a.ignore_eos)
     llm = LLM(a.model, **engine_kwargs(a))
     explain_gpus(a.gpus, a.slp_threshold)
     engine = llm.engine
     if a.prompt_ids is not None:
-        if a.chat:
-            raise ValueError("--chat needs --prompt text, not --prompt-ids")
         prompt = a.prompt_ids
     elif a.chat:
         if engine.tokenizer is None:
@@ -60,8 +59,6 @@ def cmd_generate(a: argparse.Namespace) -> int:
         prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": a.prompt}])
     else:
         prompt = a.prompt
-    params = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, max_tokens=a.max_tokens,
-                            seed=a.seed, stop=a.stop or [], ignore_eos=a.ignore_eos)
     rid = engine.add_request(prompt, params)
     final = None
     try:

@@ -39,11 +39,26 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as e:
         print(f"hybridd: error: {e}", file=sys.stderr)
         return 2
+    except httpx.HTTPStatusError as e:
+        print(f"hybridd: error: the daemon at {e.request.url} answered {e.response.status_code}: "
+              f"{_error_message(e.response)}" + (" (pass its key with --api-key or HYBRIDD_API_KEY)"
+                                                 if e.response.status_code == 401 else ""), file=sys.stderr)
+        return 2
     except httpx.HTTPError as e:
         where = f" {e.request.url}" if isinstance(e, httpx.RequestError) else ""
         print(f"hybridd: error: cannot reach the daemon{where}: {e} (is it running? `hybridd status`)",
               file=sys.stderr)
         return 2
+
+
+def _error_message(response: httpx.Response) -> str:
+    """The message of an OpenAI-shaped error body, else the body's start."""
+    try:
+        return response.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return response.text[:200] or response.reason_phrase
+    except httpx.ResponseNotRead:  # a streamed response refused before its body was read
+        return response.reason_phrase
 
 
 if __name__ == "__main__":

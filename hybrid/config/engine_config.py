@@ -80,6 +80,8 @@ class EngineConfig:
             raise ConfigError("num_kv_blocks must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError("max_model_len must be >= 2")
+        if self.kv_cache_bytes < 1:
+            raise ConfigError(f"kv_cache_bytes (--kv-cache-gb) must be positive, got {self.kv_cache_bytes}")
         if self.backend not in ("cpu", "torch"):
             raise ConfigError(f"backend must be cpu (C++ kernels) or torch (reference), got {self.backend!r}")
         if self.expert_format not in ("auto", "bf16", "fp8", "int8", "int4"):
@@ -144,6 +146,9 @@ class EngineConfig:
                               "rank (SmallEP is the multi-GPU path)")
         if self.experts != "inline":
             raise ConfigError("--tp / --pp ranks compute their experts in their own process: use experts=inline")
+        if self.expert_pack is not None:
+            raise ConfigError("--tp / --pp ranks pack their own share of the experts in their NUMA node's memory; "
+                              "an expert pack holds whole experts: leave --expert-pack out")
         if self.role != "both":
             raise ConfigError("--tp / --pp run one engine per rank group; prefill/decode disaggregation is not "
                               "combined with them")
@@ -184,8 +189,12 @@ class EngineConfig:
         return model.checkpoint_dtype if self.dtype == "auto" else DTYPES[self.dtype]
 
     def resolve(self, model: ModelConfig, kv_bytes_per_token: int) -> tuple[int, int]:
-        """Returns (max_model_len, num_kv_blocks), checking that one full-length sequence fits the pool."""
-        max_len = min(self.max_model_len or model.max_position_embeddings, model.max_position_embeddings)
+        """Returns (max_model_len, num_kv_blocks), checking that one full-length sequence fits the pool. The pool
+        is num_kv_blocks, else what four full-length sequences need (at most max_num_seqs) within kv_cache_bytes."""
+        if self.max_model_len is not None and self.max_model_len > model.max_position_embeddings:
+            raise ConfigError(f"max_model_len={self.max_model_len} is beyond the {model.max_position_embeddings} "
+                              "positions this model was made for (max_position_embeddings in its config.json)")
+        max_len = self.max_model_len or model.max_position_embeddings
         blocks = self.num_kv_blocks
         if blocks is None:
             wanted = math.ceil(max_len / self.block_size) * min(self.max_num_seqs, 4)
@@ -195,7 +204,7 @@ class EngineConfig:
             if self.max_model_len is not None:
                 raise ConfigError(
                     f"the KV pool holds {blocks * self.block_size} tokens, less than max_model_len={max_len}; "
-                    "raise num_kv_blocks / kv_cache_bytes or lower max_model_len"
+                    "raise num_kv_blocks / kv_cache_bytes (--num-kv-blocks / --kv-cache-gb) or lower max_model_len"
                 )
             max_len = blocks * self.block_size
         return max_len, blocks

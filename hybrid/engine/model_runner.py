@@ -97,10 +97,16 @@ class ModelRunner:
                              self.config.hidden_size, self.dtype, self.device, self.graphs)
 
     def init_threads(self) -> None:
+        threads = self.engine_config.num_threads
         if self.engine_config.backend != "cpu":
+            if threads is not None:
+                torch.set_num_threads(threads)
             return
+        from cpu_kernels.moe import set_default_threads
+
         # The kernels' pinned pool owns the cores; torch's own intra-op threads would spin against it.
         torch.set_num_threads(1)
+        set_default_threads(threads)
         if self.engine_config.experts == "process":
             from cpu_kernels.moe import set_pool_spin
             from cpu_kernels.thread_pool import SHARED_CORE_SPIN_US

@@ -28,7 +28,6 @@ def load_experts(backend: str, reader: CheckpointReader, config: ModelConfig, dt
         if shard.tp.size > 1:
             start, count = shard.tp.split(config.moe_intermediate_size, "expert intermediate features")
             features = range(start, start + count)
-        pack_dir = None
     if backend == "torch":
         return TorchExperts.load(reader, config, dtype, layers, features)
     if pack_dir is not None:

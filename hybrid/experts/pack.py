@@ -54,10 +54,17 @@ def default_pack_dir(model_dir: str | Path, fmt: str) -> Path:
 
 def engine_pack(config: ModelConfig, expert_format: str | None = None,
                 pack_dir: str | Path | None = None) -> tuple[str, Path]:
-    """(format, directory) of the pack an engine's experts come from: the asked format (None or "auto": the
-    checkpoint's), in the given directory or the default one for that format."""
+    """(format, directory) of the pack an engine's experts come from. A directory the user names must hold a
+    current pack of this model, in the asked format (None or "auto": whatever it holds): it is mapped, never
+    written, so a typo or a pack of another format is an error rather than a repack over it. Without one, the
+    default directory for the asked format (None or "auto": the checkpoint's), which the engine packs if needed."""
+    if pack_dir:
+        pack_dir = Path(pack_dir)
+        index = read_index(pack_dir)
+        check_index(index, pack_dir, config, None if expert_format in (None, "auto") else expert_format)
+        return index["format"], pack_dir
     fmt = default_expert_format(config) if expert_format in (None, "auto") else expert_format
-    return fmt, Path(pack_dir) if pack_dir else default_pack_dir(config.model_dir, fmt)
+    return fmt, default_pack_dir(config.model_dir, fmt)
 
 
 def read_index(pack_dir: str | Path) -> dict:

@@ -102,7 +102,8 @@ class DaemonConfig:
             raise ConfigError(f"max_body_mb must be in (0, 1024], got {self.max_body_mb}")
         if self.prefill_cores is not None and (not self.disagg or self.prefill_cores < 1):
             raise ConfigError("prefill_cores (>= 1) is the prefill engine's share of the cores: use it with --disagg")
-        self.engine_config()
+        for role in self.engine_roles:  # each engine's own checks, here rather than in a restarting engine
+            self.engine_config(role)
 
     @property
     def engine_roles(self) -> list[str]:

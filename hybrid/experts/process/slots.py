@@ -9,11 +9,12 @@ the sequence words.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
 
 import torch
+
+from cpu_kernels.thread_pool import env_microseconds
 
 ALIGN = 64
 CTRL_WORDS = 10  # int64 control words, as cpu_kernels/csrc/slot_channel.h's CtrlWord
@@ -22,8 +23,8 @@ DTYPE_CODES = {torch.bfloat16: 0, torch.float32: 1}
 ECHO_LAYER = -1  # the server copies x to out without computing: measures the dispatch round trip alone
 # Microseconds a waiter spins on a sequence word before sleeping on it: the server's slot loop waiting
 # for the next call (HYBRIDD_DOORBELL_SPIN_US) and the engine waiting for a result (HYBRIDD_CLIENT_SPIN_US).
-SPIN_US = int(os.environ.get("HYBRIDD_DOORBELL_SPIN_US", "20"))
-CLIENT_SPIN_US = int(os.environ.get("HYBRIDD_CLIENT_SPIN_US", str(SPIN_US)))
+SPIN_US = env_microseconds("HYBRIDD_DOORBELL_SPIN_US", 20)
+CLIENT_SPIN_US = env_microseconds("HYBRIDD_CLIENT_SPIN_US", SPIN_US)
 
 
 def _align(n: int) -> int:
