@@ -99,8 +99,10 @@ def test_isa_paths_agree_and_threads_are_deterministic():
     one = fused_moe(p, x, ids, weights, num_threads=1)
     assert torch.equal(one, fused_moe(p, x, ids, weights, num_threads=2))
     assert torch.equal(one, fused_moe(p, x, ids, weights, num_threads=1))
-    if len(ISAS) > 1:
-        assert rel_err(fused_moe(p, x, ids, weights, isa=ISA_GENERIC), one) < 5e-3
+    best = ISAS[-1]  # ISAS is in order of preference
+    if best == ISA_GENERIC:
+        pytest.skip("only the generic path runs here: there is no second path to agree with")
+    assert rel_err(fused_moe(p, x, ids, weights, isa=ISA_GENERIC), fused_moe(p, x, ids, weights, isa=best)) < 5e-3
 
 
 def test_every_fp8_code_converts_exactly():
@@ -403,7 +405,7 @@ def test_python_and_cpp_choose_the_same_path():
 def test_module_entry_point_reports_features():
     r = subprocess.run([sys.executable, "-m", "cpu_kernels"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
-    assert "kernel path:" in r.stdout and "avx512" in r.stdout.lower()
+    assert f"kernel path: {_C.isa_name(_C.best_isa())}" in r.stdout
     r = subprocess.run([sys.executable, "-m", "cpu_kernels"], capture_output=True, text=True, timeout=60,
                        env={"HYBRIDD_KERNEL_ISA": "generic", "PATH": ""})
     assert r.returncode == 0 and "kernel path: generic" in r.stdout

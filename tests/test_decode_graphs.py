@@ -72,14 +72,20 @@ def _paged_decode_inputs(seqs: int, page: int = 4, width: int = 8, hkv: int = 2,
     return q, k, v, tables
 
 
-def test_decode_attention_captures_only_with_fixed_splits():
-    q, k, v, tables = _paged_decode_inputs(3)
-    ctx = torch.tensor([5, 17, 9], dtype=torch.int32)
-    with pytest.raises(CaptureError):
-        DeviceGraph(torch.device("cpu")).capture(lambda: decode_attention(q, k, v, tables, ctx, 0.25))
-    graph = DeviceGraph(torch.device("cpu"))
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_decode_attention_captures_only_with_fixed_splits(device):
+    """Splits chosen from the lengths read them on the host, which the CPU's capture guard refuses (a CUDA
+    capture would fail or bake them in). With fixed splits: on CUDA a replayed graph attends with the lengths and
+    queries written into its tensors after capture; on the CPU (no graph: replay calls again) the kernel handles
+    lengths other than the captured ones."""
+    q, k, v, tables = (t.to(device) for t in _paged_decode_inputs(3))
+    ctx = torch.tensor([5, 17, 9], dtype=torch.int32, device=device)
+    if device == "cpu":
+        with pytest.raises(CaptureError):
+            DeviceGraph(torch.device(device)).capture(lambda: decode_attention(q, k, v, tables, ctx, 0.25))
+    graph = DeviceGraph(torch.device(device))
     graph.capture(lambda: decode_attention(q, k, v, tables, ctx, 0.25, num_splits=3, block_n=16))
-    # New lengths and queries written into the same tensors: the replay attends with them, not the capture's.
+    assert (graph.graph is not None) == (device == "cuda")
     for new_lens in ([1, 30, 2], [32, 32, 7]):
         ctx.copy_(torch.tensor(new_lens, dtype=torch.int32))
         q.copy_(torch.randn(q.shape))

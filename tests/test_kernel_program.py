@@ -218,7 +218,10 @@ def test_sampled_decode_matches_too(model_dirs):
     prompts, _ = _staggered(4, seed=8)
     params = [SamplingParams(temperature=1.0, top_p=0.9, seed=11 + i, max_tokens=12) for i in range(4)]
     eager, _ = _generate(model_dirs["tiny-qwen3-moe"], "bfloat16", True, prompts, params)
-    assert _generate(model_dirs["tiny-qwen3-moe"], "bfloat16", False, prompts, params)[0] == eager
+    replayed, llm = _generate(model_dirs["tiny-qwen3-moe"], "bfloat16", False, prompts, params)
+    assert replayed == eager
+    programs = llm.engine.runner.graphs
+    assert programs.refused is None and programs.num_captured > 0  # the sampled steps really replayed
 
 
 def test_a_step_that_computes_in_torch_runs_eagerly_and_says_why(model_dirs, caplog, monkeypatch):

@@ -74,6 +74,7 @@ def test_auto_engine_gives_the_tokens_of_one_that_never_splits(model_dirs):
         if mode == "auto":
             rows = llm.engine.runner.overlap_policy.table()
             assert sum(r["steps"] for r in rows) >= 20  # every decode step of 2+ sequences was measured
+            assert any(r["split_ms"] is not None for r in rows)  # and split steps ran among them
         llm.close()
     assert tokens["auto"] == tokens["off"]
 

@@ -16,6 +16,9 @@ from gpu.kv_store import store_kv, store_kv_reference  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+# bf16 results also agree as a whole: rounding alone leaves ~5e-3, while one token of context too many or too few
+# moves the result by a few per cent.
+BF16_REL_L2 = 1e-2
 
 
 def paged(context_lens: list[int], page: int, seed: int) -> tuple[torch.Tensor, int]:
@@ -46,7 +49,10 @@ def mla_cache(blocks: int, page: int, lora: int, rope: int, dtype: torch.dtype, 
 
 
 def close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
-    torch.testing.assert_close(a.float(), b.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    a, b = a.float(), b.float()
+    torch.testing.assert_close(a, b, atol=TOL[dtype], rtol=TOL[dtype])
+    if dtype == torch.bfloat16:
+        assert ((a - b).norm() / b.norm()).item() < BF16_REL_L2
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -160,4 +166,4 @@ def test_causal_over_expanded_keys(dtype, q_len, ctx):
     k, v = kv.split([dk, dv], dim=-1)  # v a strided view, as the model passes it
     got = TritonAttention().causal(q, k.contiguous(), v, dk ** -0.5)
     want = AttentionBackend.causal(TritonAttention(), q, k.contiguous(), v, dk ** -0.5)
-    torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    close(got, want, dtype)

@@ -15,6 +15,7 @@ from gpu.moe_reference import fused_moe_reference  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+BF16_REL_L2 = 1e-2  # bf16 results also agree as a whole (rounding leaves 4-7e-3 here); a wrong row moves it more
 FORMATS = ["bf16", "fp8", "int8", "int4"]
 
 
@@ -45,12 +46,15 @@ def check(p: PackedExperts, tokens: int, topk: int, dtype: torch.dtype, seed: in
     got = fused_moe(on_device(p, slot), x.to(DEVICE), ids.to(DEVICE), weights.to(DEVICE), block_m, block_n).cpu()
     assert got.dtype == dtype and got.shape == want.shape
     torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    if dtype == torch.bfloat16:
+        assert ((got.float() - want.float()).norm() / want.float().norm()).item() < BF16_REL_L2
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("experts,hidden,inter,tokens,topk", [(4, 64, 32, 9, 2), (5, 72, 40, 13, 3),
-                                                             (3, 200, 24, 1, 1), (6, 48, 80, 33, 4)])
+                                                             (3, 200, 24, 1, 1), (6, 48, 80, 33, 4),
+                                                             (3, 33, 17, 5, 2), (4, 130, 70, 7, 3)])
 def test_matches_reference(fmt, dtype, experts, hidden, inter, tokens, topk):
     kw = {"group": 16} if fmt == "int4" and hidden % 32 else {}
     if fmt == "fp8":
