@@ -4,7 +4,8 @@ Starts the daemon colocated and with --disagg in turn (same HYBRIDD_HOME, so the
 both at once), and in each: `--chats` streaming chats start, and once they are decoding `--long` long prompts
 arrive together. Measured from the client side: first the chats' time per output
 token with nothing else running, then the gaps between a chat's streamed tokens while the long prompts are
-prefilled (p50 / p99 / max), the chats' tokens/s, and the long prompts' time to first token. Rounds alternate
+prefilled (p50 / p90 / p99 / max, and p90 over the TPOT alone), the chats' tokens/s, and the long prompts' time
+to first token. Rounds alternate
 colocated and disaggregated so that bandwidth drift hits both alike; the last column is disagg over colocated
 (issue 31: decode latency within 15 % of an idle engine's while throughput rises).
 
@@ -35,6 +36,9 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cpu_kernels.moe import kernel_isa_name  # noqa: E402
+
+TPOT_TARGET = 1.15  # issue 31, with a GPU: decode TPOT p90 under the mixed load over its decode-only value
+THROUGHPUT_TARGET = 1.5  # and total throughput over colocated
 
 
 def tokens(n: int, seed: int) -> list[int]:
@@ -93,20 +97,24 @@ async def round_trip(url: str, a: argparse.Namespace) -> dict:
                                        for i in range(a.long)))
         long_done = time.perf_counter()
         chat_times = await asyncio.gather(*chats)
-    gaps = [b - a_ for t in chat_times for a_, b in zip(t[1:], t[2:]) if t_long <= b <= long_done]
-    all_gaps = [b - a_ for t in chat_times for a_, b in zip(t[1:], t[2:])]
+    # every gap that overlaps the long prompts' prefill, the one that spans its end included
+    gaps = [b - a_ for t in chat_times for a_, b in zip(t[1:], t[2:]) if a_ < long_done and b > t_long]
+    if not gaps:
+        raise SystemExit("no chat token was streamed while the long prompts were prefilled: the chats ended first; "
+                         "raise --chat-tokens or lower --long-after")
     idle_tpot = statistics.median((t[-1] - t[1]) / (len(t) - 2) for t in idle)
     span = max(t[-1] - t[0] for t in chat_times)
-    return {"idle_tpot": idle_tpot, "gaps": gaps or all_gaps, "tok_s": sum(len(t) - 1 for t in chat_times) / span,
+    return {"idle_tpot": idle_tpot, "gaps": gaps, "tok_s": sum(len(t) - 1 for t in chat_times) / span,
             "long_ttft": statistics.median(t[1] - t[0] for t in longs)}
 
 
 def summarize(runs: list[dict]) -> dict[str, float]:
     gaps = sorted(g for r in runs for g in r["gaps"])
     pick = lambda q: gaps[min(len(gaps) - 1, int(q * len(gaps)))]  # noqa: E731
-    return {"chats alone: TPOT ms": statistics.median(r["idle_tpot"] for r in runs) * 1e3,
+    idle = statistics.median(r["idle_tpot"] for r in runs)
+    return {"chats alone: TPOT ms": idle * 1e3,
             "gap p50 ms": pick(0.5) * 1e3, "gap p90 ms": pick(0.9) * 1e3, "gap p99 ms": pick(0.99) * 1e3,
-            "gap max ms": gaps[-1] * 1e3,
+            "gap max ms": gaps[-1] * 1e3, f"gap p90 / TPOT alone (target <= {TPOT_TARGET})": pick(0.9) / idle,
             "chat tok/s": statistics.median(r["tok_s"] for r in runs),
             "long TTFT s": statistics.median(r["long_ttft"] for r in runs)}
 
@@ -116,10 +124,10 @@ def main() -> None:
     ap.add_argument("--model", help="checkpoint directory (default: the embedded default model)")
     ap.add_argument("--chats", type=int, default=2)
     ap.add_argument("--chat-prompt", type=int, default=64)
-    ap.add_argument("--chat-tokens", type=int, default=400)
+    ap.add_argument("--chat-tokens", type=int, default=2000)
     ap.add_argument("--long", type=int, default=2)
     ap.add_argument("--long-tokens", type=int, default=3000)
-    ap.add_argument("--long-after", type=float, default=0.3, help="seconds after the chats start")
+    ap.add_argument("--long-after", type=float, default=0.2, help="seconds after the chats start")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--port", type=int, default=18931)
     ap.add_argument("--home", help="HYBRIDD_HOME for the runs (default: a temporary directory)")
@@ -147,7 +155,9 @@ def main() -> None:
     for key in colocated:
         table.add_row(key, f"{colocated[key]:.3f}", f"{disagg[key]:.3f}", f"{disagg[key] / colocated[key]:.2f}x")
     console.print(table)
-    console.print("gaps: time between a chat's streamed tokens while the long prompts are prefilled")
+    console.print("gaps: time between a chat's streamed tokens while the long prompts are prefilled; issue 31's "
+                  f"targets with a GPU: gap p90 <= {TPOT_TARGET}x the chats' TPOT alone, chat tok/s >= "
+                  f"{THROUGHPUT_TARGET}x colocated")
 
 
 if __name__ == "__main__":
