@@ -67,7 +67,11 @@ def test_start_refuses_what_its_engines_would_refuse_before_starting_anything(tm
     env = {**os.environ, "HYBRIDD_HOME": str(tmp_path / "home")}
     for flags, needle in ((["--disagg", "--tp", "2"], "disaggregation is not combined"),
                           (["--expert-pack", str(tmp_path / "typo")], "no complete expert pack"),
-                          (["--tp", "2", "--expert-pack", str(tmp_path)], "leave --expert-pack out")):
+                          (["--tp", "2", "--expert-pack", str(tmp_path)], "leave --expert-pack out"),
+                          (["--disagg", "--prefill-cores", str(len(os.sched_getaffinity(0)))],
+                           "leaves the decode engine no core")):
+        if "--prefill-cores" in flags and len(os.sched_getaffinity(0)) < 2:
+            continue  # on one core both engines share it
         r = subprocess.run([sys.executable, "-m", "hybrid.cli.main", "start", "--port", "1", *flags], env=env,
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 2 and needle in r.stderr, (flags, r.stderr)

@@ -112,7 +112,11 @@ def test_inconsistent_engine_settings_are_refused(model_dirs):
                           ({"backend": "torch", "expert_format": "int4"}, "need the cpu backend"),
                           ({"backend": "torch", "experts": "process"}, "use backend=cpu"),
                           ({"expert_server": "ipc:///nowhere"}, "use experts=process"),
-                          ({"max_model_len": 10**6, "num_kv_blocks": 2}, "KV pool holds"),
+                          ({"max_model_len": 4096, "num_kv_blocks": 2}, "KV pool holds"),
+                          ({"max_model_len": 10**6}, "beyond the 4096 positions"),
+                          ({"kv_cache_bytes": 0}, "must be positive"),
+                          ({"gpus": [0], "attn_device": "cpu", "expert_profile": "p.json"}, "give N too"),
+                          ({"tp": 2, "expert_pack": "somewhere"}, "leave --expert-pack out"),
                           ({"dtype": "float16"}, "not float16")):
         with pytest.raises(ConfigError, match=match):
             LLM(model, **kwargs)

@@ -102,6 +102,9 @@ class SloReport:
         card = r.json()["data"][0]
         self.model = card["id"]
         self.max_model_len = card.get("max_model_len") or 4096
+        if self.config.max_tokens is not None and self.config.max_tokens > self.max_model_len // 2:
+            raise ValueError(f"--max-tokens {self.config.max_tokens} leaves no room for the workload's prompts: the "
+                             f"daemon's context is {self.max_model_len} tokens, so at most {self.max_model_len // 2}")
         try:
             status = await client.get(f"{self.config.url}/status", headers=self._headers())
             self.info = status.json()["info"]

@@ -108,6 +108,8 @@ class EngineConfig:
             raise ConfigError("num_threads must be >= 1")
         if (self.gpu_experts or self.expert_profile) and self.gpus is None:
             raise ConfigError("gpu_experts / expert_profile keep experts on a GPU: use them with --gpus")
+        if self.expert_profile and not self.gpu_experts:
+            raise ConfigError("expert_profile picks the experts --gpu-experts N keeps on the GPU: give N too")
         if self.gpu_experts < 0:
             raise ConfigError("gpu_experts must be >= 0")
         self._parallel()
@@ -160,8 +162,7 @@ class EngineConfig:
             raise ConfigError(f"gpus must list CUDA device indices, got {self.gpus}")
         if len(set(self.gpus)) != len(self.gpus):
             raise ConfigError(f"gpus lists a device twice: {self.gpus}")
-        if len(self.gpus) > 1 and self.attn_device is None and torch.cuda.is_available() \
-                and max(self.gpus) >= torch.cuda.device_count():
+        if self.attn_device != "cpu" and torch.cuda.is_available() and max(self.gpus) >= torch.cuda.device_count():
             raise ConfigError(f"gpus {self.gpus}: torch sees {torch.cuda.device_count()} GPU(s)")
         device = self.attn_device or f"cuda:{self.gpus[0]}"
         if device not in ("cpu",) and not device.startswith("cuda"):
@@ -169,6 +170,9 @@ class EngineConfig:
         if len(self.gpus) > 1 and device != "cpu" and (torch.device(device).index or 0) != self.gpus[0]:
             raise ConfigError(f"with several --gpus the first (cuda:{self.gpus[0]}) runs attention and holds the KV "
                               f"cache; --attn-device {device} would put two ranks on one GPU")
+        if device.startswith("cuda") and torch.cuda.is_available() \
+                and (torch.device(device).index or 0) >= torch.cuda.device_count():
+            raise ConfigError(f"attn_device {device}: torch sees {torch.cuda.device_count()} GPU(s)")
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError(f"--gpus {','.join(map(str, self.gpus))} needs CUDA, and torch sees no GPU here; "
                               "use --cpu-only, or --attn-device cpu to run the hybrid path with the CPU as device")

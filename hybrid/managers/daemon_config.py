@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import InitVar, asdict, dataclass, field
 from pathlib import Path
 
@@ -102,6 +103,10 @@ class DaemonConfig:
             raise ConfigError(f"max_body_mb must be in (0, 1024], got {self.max_body_mb}")
         if self.prefill_cores is not None and (not self.disagg or self.prefill_cores < 1):
             raise ConfigError("prefill_cores (>= 1) is the prefill engine's share of the cores: use it with --disagg")
+        cores = len(os.sched_getaffinity(0))
+        if self.prefill_cores is not None and cores > 1 and self.prefill_cores >= cores:
+            raise ConfigError(f"--prefill-cores {self.prefill_cores} leaves the decode engine no core: hybridd may use "
+                              f"{cores} here")
         for role in self.engine_roles:  # each engine's own checks, here rather than in a restarting engine
             self.engine_config(role)
 
