@@ -32,6 +32,7 @@ from hybrid.request_checks import (
 from hybrid.sampling_params import SamplingParams
 from hybrid.structured_output.backend import GrammarError
 from hybrid.structured_output.grammar_checker import GrammarChecker
+from hybrid.structured_output.grammars import check_schema
 from hybrid.structured_output.tool_formats import format_for
 from hybrid.tokenizer import Tokenizer, TokenizerError
 from server.guard import RequestGuard
@@ -217,6 +218,18 @@ def build_app(config: DaemonConfig, client: EngineClient, tokenizer: Tokenizer |
         if not client.ready:
             raise ApiError(503, client.state.describe(), headers={"Retry-After": str(RETRY_AFTER_S)})
 
+    async def check_schemas(req: SamplingFields) -> None:
+        """The request's JSON schemas against the meta-schema, on a worker thread: a large one takes a good part
+        of a second, which on the event loop would stall every stream."""
+        def check() -> None:
+            for param, where, schema in req.schemas():
+                try:
+                    check_schema(schema, where)
+                except GrammarError as e:
+                    raise ApiError(400, f"{param}: {e}", param=param) from None
+
+        await asyncio.to_thread(check)
+
     async def check_grammar(grammar: str | None, param: str) -> None:
         """A grammar the model's tokenizer cannot compile is the request's fault (its schema, say)."""
         if grammar is None:
@@ -322,6 +335,7 @@ def build_app(config: DaemonConfig, client: EngineClient, tokenizer: Tokenizer |
             raise ApiError(400, "tools: this model's chat template has no tool-call format hybridd reads "
                            "(Hermes/Qwen3 <tool_call> or DeepSeek-V3)", param="tools")
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.calls_tools else None
+        await check_schemas(req)
         grammar, param = req.grammar, "response_format"
         if (forced := req.forced_functions) is not None:
             grammar, param = tool_format.grammar(forced, req.parallel_tool_calls), "tools"
@@ -352,6 +366,7 @@ def build_app(config: DaemonConfig, client: EngineClient, tokenizer: Tokenizer |
                 raise ApiError(400, str(e), param="prompt") from None
         else:
             prompt_ids = list(req.prompt)
+        await check_schemas(req)
         await check_grammar(req.grammar, "response_format")
         params, stats = admit(req, prompt_ids, "prompt", req.grammar)
         echo = None

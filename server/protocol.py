@@ -11,7 +11,7 @@ from pydantic_core import PydanticCustomError
 
 from hybrid.sampling_params import MAX_LOGPROBS, MAX_TOP_K, SEED_RANGE, SamplingParams
 from hybrid.structured_output.backend import GrammarError
-from hybrid.structured_output.grammars import check_schema, json_object_grammar, json_schema_grammar
+from hybrid.structured_output.grammars import check_schema_shape, json_object_grammar, json_schema_grammar
 from hybrid.structured_output.tool_formats import Function
 
 MAX_STOP_SEQUENCES = 16
@@ -51,7 +51,7 @@ class JsonSchemaFormat(BaseModel):
     @classmethod
     def _valid(cls, v: dict) -> dict:
         try:
-            return check_schema(v, "schema")
+            return check_schema_shape(v, "schema")
         except GrammarError as e:
             raise ValueError(str(e)) from None
 
@@ -86,7 +86,7 @@ class FunctionDefinition(BaseModel):
     @classmethod
     def _valid(cls, v: dict | None) -> dict | None:
         try:
-            return None if v is None else check_schema(v, "parameters")
+            return None if v is None else check_schema_shape(v, "parameters")
         except GrammarError as e:
             raise ValueError(str(e)) from None
 
@@ -190,6 +190,13 @@ class SamplingFields(BaseModel):
         """The grammar `response_format` asks for (None: free text)."""
         return self.response_format.grammar() if self.response_format else None
 
+    def schemas(self) -> list[tuple[str, str, dict]]:
+        """(field, name, schema) of every JSON schema in the request, for the full check the api runs off its event
+        loop (parsing checks only their shape)."""
+        if self.response_format is not None and self.response_format.json_schema is not None:
+            return [("response_format.json_schema.schema", "schema", self.response_format.json_schema.json_schema)]
+        return []
+
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -267,6 +274,11 @@ class ChatCompletionRequest(SamplingFields):
                                       "unless tool_choice is none", {"param": "response_format",
                                                                      "kind": self.response_format.type})
         return self
+
+    def schemas(self) -> list[tuple[str, str, dict]]:
+        tools = [(f"tools.{i}.function.parameters", "parameters", t.function.parameters)
+                 for i, t in enumerate(self.tools or []) if t.function.parameters is not None]
+        return super().schemas() + tools
 
     @property
     def calls_tools(self) -> bool:

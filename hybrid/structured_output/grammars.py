@@ -37,13 +37,21 @@ def _check_bounds(schema: dict, where: str) -> None:
             raise GrammarError(f"{where} is larger than {MAX_SCHEMA_BYTES // 1024} KiB")
 
 
-def check_schema(schema: object, where: str) -> dict:
-    """Returns the schema when it is a valid JSON schema object; raises GrammarError naming the problem."""
+def check_schema_shape(schema: object, where: str) -> dict:
+    """Returns the schema when it is an object within the bounds, with grammar options (x-guidance) that are an
+    object; raises GrammarError naming the problem. Cheap: the api runs it while parsing a request."""
     if not isinstance(schema, dict):
         raise GrammarError(f"{where} must be a JSON schema object, got {type(schema).__name__}")
     _check_bounds(schema, where)
     if not isinstance(schema.get("x-guidance", {}), dict):
         raise GrammarError(f"{where}['x-guidance'] must be an object of grammar options")
+    return schema
+
+
+def check_schema(schema: object, where: str) -> dict:
+    """check_schema_shape, then that the schema is a valid JSON schema (jsonschema's meta-schema check: a large
+    schema takes a good part of a second, so the api runs it on a worker thread)."""
+    check_schema_shape(schema, where)
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as e:
