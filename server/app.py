@@ -353,7 +353,7 @@ def build_app(config: DaemonConfig, client: EngineClient, tokenizer: Tokenizer |
             raise ApiError(400, f"messages: the chat template rejected them: {e}", param="messages") from None
         params, stats = admit(req, prompt_ids, "messages", grammar)
         shape = ChatShape(uuid.uuid4().hex, name, now(), token_text, params.logprobs is not None,
-                          tool_format if req.calls_tools else None)
+                          tool_format if req.calls_tools else None, req.parallel_tool_calls)
         return await run(request, req.stream, prompt_ids, params, stats, shape, req.include_usage)
 
     @app.post("/v1/completions")

@@ -84,9 +84,9 @@ class ChatShape(ResponseShape):
     id_prefix = "chatcmpl"
 
     def __init__(self, rid: str, model: str, created: int, token_text: TokenText, logprobs: bool,
-                 tool_format: ToolCallFormat | None = None):
+                 tool_format: ToolCallFormat | None = None, parallel_tool_calls: bool = True):
         super().__init__(rid, model, created, token_text, logprobs)
-        self.tools = ToolCallStream(tool_format) if tool_format is not None else None
+        self.tools = ToolCallStream(tool_format, parallel_tool_calls) if tool_format is not None else None
 
     def reason(self, finish_reason: str | None) -> str | None:
         if finish_reason == "stop" and self.tools is not None and self.tools.calls:

@@ -373,6 +373,19 @@ def test_chat_shape_turns_auto_tool_calls_into_openai_chunks():
     assert body["choices"][0]["finish_reason"] == "stop"
 
 
+def test_parallel_tool_calls_false_releases_the_first_call_only():
+    from hybrid.managers.messages import TokenDelta
+    from server.responses import ChatShape, TokenText
+
+    text = ('<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "later", "arguments": {}}\n</tool_call>')
+    for parallel, names in ((True, ["now", "later"]), (False, ["now"])):
+        shape = ChatShape("r", MODEL, 0, TokenText(None), False, HermesFormat(set()), parallel)
+        shape.add(TokenDelta("r", [1], text, True, "stop", 3, 1))
+        message = shape.final({})["choices"][0]["message"]
+        assert [c["function"]["name"] for c in message["tool_calls"]] == names
+
+
 def test_api_tool_choice_none_hides_tools(client):
     with_tools = chat(client, tools=API_TOOLS, tool_choice="none", max_tokens=4, temperature=0)
     without = chat(client, max_tokens=4, temperature=0)

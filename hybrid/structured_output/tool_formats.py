@@ -174,10 +174,11 @@ def format_for(chat_template: str | None, added_tokens: set[str]) -> ToolCallFor
 class ToolCallStream:
     """Splits a reply arriving in pieces into content and tool calls: content streams until the format's start
     marker (a tail that may be the marker's beginning is held back), each call is released once complete, and
-    a reply whose tool section never parses is released as content when it finishes."""
+    a reply whose tool section never parses is released as content when it finishes. Not `parallel`
+    (parallel_tool_calls false): the first call only."""
 
-    def __init__(self, fmt: ToolCallFormat):
-        self.fmt = fmt
+    def __init__(self, fmt: ToolCallFormat, parallel: bool = True):
+        self.fmt, self.parallel = fmt, parallel
         self.text = ""
         self.sent = 0  # characters of text released as content
         self.start: int | None = None  # where the tool section begins
@@ -195,6 +196,8 @@ class ToolCallStream:
             self.start = at
         content, self.sent = self.text[self.sent:self.start], max(self.sent, self.start)
         calls = self.fmt.complete_calls(self.text[self.start:])
+        if not self.parallel:
+            calls = calls[:1]
         new, self.calls = calls[len(self.calls):], self.calls + calls[len(self.calls):]
         if finished and not self.calls:
             content, self.sent = content + self.text[self.sent:], len(self.text)
