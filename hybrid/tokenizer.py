@@ -23,10 +23,30 @@ class MissingTokenizer(TokenizerError):
     """A model directory without tokenizer.json: it can still serve token ids."""
 
 
-class Tokenizer:
-    """Encodes prompts (adding BOS where the model's tokenizer does) and renders chat messages."""
+def load_chat_template(value: str) -> str:
+    """A chat template given as a file path or as the Jinja text itself (as vLLM's --chat-template takes it),
+    checked to parse; raises TokenizerError naming the problem."""
+    path = Path(value).expanduser()
+    if path.is_file():
+        text = path.read_text()
+    elif "{{" in value or "{%" in value:
+        text = value
+    else:
+        raise TokenizerError(f"--chat-template {value!r}: no such file, and not a Jinja template")
+    import jinja2
 
-    def __init__(self, model_dir: str | Path):
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise TokenizerError(f"--chat-template: line {e.lineno}: {e.message}") from None
+    return text
+
+
+class Tokenizer:
+    """Encodes prompts (adding BOS where the model's tokenizer does) and renders chat messages with the model's
+    chat template, or with `chat_template` (Jinja text) where given."""
+
+    def __init__(self, model_dir: str | Path, chat_template: str | None = None):
         model_dir = Path(model_dir)
         path = model_dir / "tokenizer.json"
         if not path.is_file():
@@ -41,6 +61,12 @@ class Tokenizer:
             raise TokenizerError(f"{path}: not a tokenizer this version of `tokenizers` can load ({first})") from None
         self.backend: BackendTokenizer = self.hf.backend_tokenizer
         self.vocab_size = len(self.hf)
+        if chat_template is not None:
+            self.use_chat_template(chat_template)
+
+    def use_chat_template(self, chat_template: str) -> None:
+        """Renders chats with `chat_template` (Jinja text, see load_chat_template) instead of the model's."""
+        self.hf.chat_template = chat_template
 
     @property
     def eos_token_id(self) -> int | None:

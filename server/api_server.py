@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = DaemonConfig.load(a.config)
     try:
-        tokenizer = Tokenizer(config.model)
+        tokenizer = Tokenizer(config.model, config.chat_template)
     except MissingTokenizer as e:
         logging.getLogger("hybridd.api").warning("%s; only token-id completions are served", e)
         tokenizer = None

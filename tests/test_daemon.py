@@ -453,14 +453,25 @@ def test_an_api_that_cannot_start_fails_the_start_at_once(tmp_path):
     assert not (d.home / "hybridd.pid").exists()
 
 
-def test_start_runs_the_torch_reference_with_its_experts_inline(tmp_path):
-    """--backend torch used to fail every start: the daemon's default expert process runs only the cpu kernels."""
+def test_start_runs_the_torch_reference_and_a_chat_template_of_its_own(tmp_path):
+    """--backend torch used to fail every start (the daemon's default expert process runs only the cpu kernels);
+    --chat-template replaces the model's template in the api."""
+    from hybrid.llm import DEFAULT_MODEL_DIR
+    from hybrid.tokenizer import Tokenizer
+
+    template = tmp_path / "plain.jinja"
+    template.write_text("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}[assistant] ")
     d = Daemon(tmp_path / "home", free_port())
-    d.start("--backend", "torch")
+    d.start("--backend", "torch", "--chat-template", str(template))
     try:
         r = httpx.post(f"{d.url}/v1/completions", timeout=60,
                        json={"prompt": [5, 6, 7], "max_tokens": 4, "ignore_eos": True, "temperature": 0})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
         assert d.status()["info"]["expert_pid"] is None
+        messages = [{"role": "user", "content": "hello there"}]
+        r = httpx.post(f"{d.url}/v1/chat/completions", timeout=60, json={"messages": messages, "max_tokens": 1})
+        want = Tokenizer(DEFAULT_MODEL_DIR, template.read_text()).apply_chat_template(messages)
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(want), r.text
+        assert len(want) != len(Tokenizer(DEFAULT_MODEL_DIR).apply_chat_template(messages))
     finally:
         d.stop()

@@ -148,6 +148,21 @@ def test_chat_template_kwargs_reach_the_template_and_cannot_set_its_arguments(ll
         tok.hf.chat_template = saved
 
 
+def test_a_chat_template_of_ones_own_from_a_file_or_text(model_dirs, tmp_path):
+    from hybrid.tokenizer import Tokenizer, TokenizerError, load_chat_template
+
+    text = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
+    path = tmp_path / "t.jinja"
+    path.write_text(text)
+    assert load_chat_template(str(path)) == load_chat_template(text) == text
+    tok = Tokenizer(model_dirs["tiny-qwen3-moe"], load_chat_template(str(path)))
+    ids = tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert tok.decode(ids, skip_special_tokens=False) == "<user>hi<assistant>"
+    for bad, match in (("{% for %}", "line 1"), (str(tmp_path / "none.jinja"), "no such file")):
+        with pytest.raises(TokenizerError, match=match):
+            load_chat_template(bad)
+
+
 def test_request_ids_are_the_callers_or_fresh_and_never_shared(llm):
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)

@@ -36,6 +36,8 @@ def register(sub) -> None:
     st.add_argument("--api-key", default=os.environ.get("HYBRIDD_API_KEY"),
                     help="require `Authorization: Bearer KEY` on every route but /health (env HYBRIDD_API_KEY)")
     st.add_argument("--served-model-name", help="model id in the API (default: the model directory's name)")
+    st.add_argument("--chat-template", help="a Jinja chat template (a file, or the text itself) replacing the "
+                    "model's: for base models, or a template that renders tools or roles badly")
     st.add_argument("--max-body-mb", type=float, default=4.0,
                     help="largest request body accepted, in MiB (larger ones get 413)")
     st.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the running batch; "
@@ -159,7 +161,7 @@ def cmd_start(a: argparse.Namespace) -> int:
     from hybrid.llm import DEFAULT_MODEL_DIR
     from hybrid.managers.daemon_config import DaemonConfig
     from hybrid.managers.supervisor import Supervisor, check_port_free, launch, running_daemon
-    from hybrid.tokenizer import MissingTokenizer, Tokenizer
+    from hybrid.tokenizer import MissingTokenizer, Tokenizer, load_chat_template
 
     model = str(Path(a.model).resolve()) if a.model else str(DEFAULT_MODEL_DIR)
     # The daemon's experts run in the expert process, except that tensor-parallel / pipeline ranks each compute
@@ -171,12 +173,15 @@ def cmd_start(a: argparse.Namespace) -> int:
 
     a.foreground = a.foreground or under_torchrun()  # torchrun keeps the ranks' lifetimes together
     ModelConfig.from_dir(model)
+    chat_template = load_chat_template(a.chat_template) if a.chat_template else None
     try:
         Tokenizer(model)
     except MissingTokenizer:
-        pass
+        if chat_template is not None:
+            raise
     config = DaemonConfig(model=model, host=a.host, port=a.port, api_key=a.api_key,
-                          served_model_name=a.served_model_name, max_queue=a.max_queue, max_body_mb=a.max_body_mb,
+                          served_model_name=a.served_model_name, chat_template=chat_template,
+                          max_queue=a.max_queue, max_body_mb=a.max_body_mb,
                           engine={k: v for k, v in engine_kwargs(a).items() if v is not None},
                           disagg=a.disagg, prefill_cores=a.prefill_cores)
     if a.expert_pack:  # a pack the engines would refuse is refused here, before anything starts

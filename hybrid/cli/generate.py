@@ -8,7 +8,7 @@ import sys
 
 from hybrid.cli.engine_args import add_engine_args, engine_kwargs, explain_gpus, follow_if_not_rank0, parse_gpus
 from hybrid.sampling_params import SamplingParams
-from hybrid.tokenizer import TokenizerError
+from hybrid.tokenizer import TokenizerError, load_chat_template
 
 
 def register(sub) -> None:
@@ -20,6 +20,8 @@ def register(sub) -> None:
     g.add_argument("--gpus", type=parse_gpus, help="hybrid path: attention, KV and dense layers on this CUDA "
                    "device, routed experts in the expert process (with --attn-device cpu: the CPU plays the GPU)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    g.add_argument("--chat-template", help="with --chat: a Jinja chat template (a file, or the text itself) "
+                   "replacing the model's")
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-p", type=float, default=1.0)
@@ -46,6 +48,9 @@ def cmd_generate(a: argparse.Namespace) -> int:
     # The request's own flags are checked before the model loads, which takes minutes for a large one.
     if a.prompt_ids is not None and a.chat:
         raise ValueError("--chat needs --prompt text, not --prompt-ids")
+    if a.chat_template and not a.chat:
+        raise ValueError("--chat-template renders --chat prompts: give --chat too")
+    chat_template = load_chat_template(a.chat_template) if a.chat_template else None
     params = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, max_tokens=a.max_tokens,
                             seed=a.seed, stop=a.stop or [], ignore_eos=a.ignore_eos)
     llm = LLM(a.model, **engine_kwargs(a))
@@ -56,6 +61,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
     elif a.chat:
         if engine.tokenizer is None:
             raise TokenizerError("this model has no tokenizer, so --chat is unavailable")
+        if chat_template is not None:
+            engine.tokenizer.use_chat_template(chat_template)
         prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": a.prompt}])
     else:
         prompt = a.prompt

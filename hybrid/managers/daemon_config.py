@@ -80,6 +80,7 @@ class DaemonConfig:
     api_key: InitVar[str | None] = None
     api_key_sha256: str | None = None
     served_model_name: str | None = None
+    chat_template: str | None = None  # Jinja text replacing the model's (--chat-template)
     max_queue: int = 64
     max_body_mb: float = 4.0
     engine_timeout_s: float = 120.0
