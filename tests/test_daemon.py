@@ -390,8 +390,8 @@ def test_doctor_reports_machine_and_fit(tmp_path):
     assert r.returncode == 0, r.stderr
     for needle in ("kernel path", "memory", "fits in RAM", "GPU", "predicted TTFT", "predicted TPOT"):
         assert needle in r.stdout
-    r = d.cli("doctor", "--model", str(tmp_path / "nothing"))
-    assert r.returncode == 0 and "problem" in r.stdout and "point --model" in r.stdout
+    r = d.cli("doctor", "--model", str(tmp_path / "nothing"))  # a problem found: exit code 1
+    assert r.returncode == 1 and "problem" in r.stdout and "point --model" in r.stdout
 
 
 
