@@ -308,3 +308,55 @@ def test_threads_cap_every_kernel_not_only_attention_and_experts(model_dirs):
                        capture_output=True, text=True, timeout=300, preexec_fn=unpin_child)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[1]"
+
+
+def _word_tokenizer():
+    from tokenizers import Tokenizer as BackendTokenizer
+    from tokenizers.models import WordLevel
+
+    return BackendTokenizer(WordLevel({"Hello": 0, ".\n\n": 1, "x": 2}, unk_token="x"))
+
+
+def test_stop_strings_cut_at_the_earliest_one_whatever_their_order():
+    from hybrid.engine.detokenizer import IncrementalDetokenizer
+
+    detok = IncrementalDetokenizer(_word_tokenizer(), ["\n\n", "."])
+    assert detok.step(0) is None
+    assert detok.step(1) == "." and "." not in detok.text and "\n" not in detok.text
+
+
+def test_a_decode_stream_that_meets_an_invalid_prefix_starts_afresh():
+    from hybrid.engine.detokenizer import IncrementalDetokenizer
+
+    class Broken:
+        def step(self, *_):
+            raise Exception("Invalid prefix encountered while decoding stream. Token ID: 1")
+
+    detok = IncrementalDetokenizer(_word_tokenizer(), [])
+    detok.step(0)
+    detok.stream = Broken()
+    detok.step(1)
+    assert detok.text.startswith("Hello") and detok.text.endswith(".\n\n")
+    detok.stream = type("Other", (), {"step": lambda *_: (_ for _ in ()).throw(RuntimeError("else"))})()
+    with pytest.raises(RuntimeError, match="else"):
+        detok.step(1)
+
+
+def test_one_requests_failure_after_its_step_fails_it_alone(llm):
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    alone = llm.generate([[5, 6, 7]], params)[0].token_ids
+    bad, good = engine.add_request([9, 9, 9], params), engine.add_request([5, 6, 7], params)
+
+    def explode(_):
+        raise RuntimeError("a detokenizer bug")
+
+    engine.detok[bad].step = explode
+    outs = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                outs[out.request_id] = out
+    assert outs[bad].finish_reason == "error" and "a detokenizer bug" in outs[bad].error
+    assert outs[good].finish_reason == "length" and outs[good].token_ids == alone
+    assert engine.scheduler.blocks.num_free == engine.scheduler.blocks.num_blocks - engine.scheduler.blocks.num_cached

@@ -5,12 +5,14 @@ from __future__ import annotations
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers.decoders import DecodeStream
 
+INVALID_PREFIX = "Invalid prefix encountered"
+
 
 class IncrementalDetokenizer:
     """Feeds generated ids one at a time; `text` is the full completion, `take_delta` what is safe to stream."""
 
     def __init__(self, backend: BackendTokenizer, stop: list[str], skip_special_tokens: bool = True):
-        self.backend = backend
+        self.backend, self.skip_special_tokens = backend, skip_special_tokens
         self.stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         self.stop = stop
         self.holdback = max((len(s) for s in stop), default=1) - 1
@@ -19,17 +21,25 @@ class IncrementalDetokenizer:
 
     def step(self, token_id: int) -> str | None:
         """Adds one token; returns the stop string it completed, if any (the text is then cut before it)."""
-        chunk = self.stream.step(self.backend, token_id)
+        try:
+            chunk = self.stream.step(self.backend, token_id)
+        except Exception as e:
+            # tokenizers' DecodeStream can meet byte-fallback tokens whose text is not a prefix of the next
+            # decode and then raises on every step: start a fresh stream at this token (its text so far stays).
+            if INVALID_PREFIX not in str(e):
+                raise
+            self.stream = DecodeStream(skip_special_tokens=self.skip_special_tokens)
+            chunk = self.stream.step(self.backend, token_id)
         if not chunk:
             return None
         search_from = max(0, len(self.text) - self.holdback)
         self.text += chunk
-        for stop in self.stop:
-            at = self.text.find(stop, search_from)
-            if at != -1:
-                self.text = self.text[:at]
-                return stop
-        return None
+        found = [(at, stop) for stop in self.stop if (at := self.text.find(stop, search_from)) != -1]
+        if not found:
+            return None
+        at, stop = min(found)  # the earliest: the text never holds any stop string
+        self.text = self.text[:at]
+        return stop
 
     def take_delta(self, finished: bool) -> str:
         end = len(self.text) if finished else max(self.sent, len(self.text) - self.holdback)

@@ -166,11 +166,11 @@ class MaskPrefetcher:
     def _usable(self) -> bool:
         if self._spec is None or self._broken:
             return False
-        if self._process is None:
-            self._process = MaskProcess(self._spec)
         try:
+            if self._process is None:
+                self._process = MaskProcess(self._spec)
             return self._process.poll_ready()
-        except ChannelError as e:
+        except (ChannelError, OSError) as e:  # OSError: no room in /dev/shm for the channel, or no fork
             self._give_up(e)
             return False
 

@@ -131,6 +131,10 @@ class LLMEngine:
             except GrammarError as e:
                 failed.append(self._fail(seq, f"the grammar does not compile: {e}", status=400))
                 continue
+            except Exception as e:  # the grammar backend itself failed: this request's failure, not the engine's
+                log.exception("request %s: its grammar could not be prepared", seq.request_id)
+                failed.append(self._fail(seq, f"the grammar could not be prepared: {type(e).__name__}: {e}"))
+                continue
             self.scheduler.add(seq)
             compiled.append(seq)
         if compiled:
@@ -187,8 +191,7 @@ class LLMEngine:
                 item.seq.streamed_bytes += self.runner.step_streamed_bytes
         self.scheduler.advance(batch)
         self.sampler.accept(sampling, samples)
-        outputs = failed + [self._advance(seq, s) if s.token is not None else self._fail(seq, s.error)
-                            for seq, s in zip(sampling, samples)]
+        outputs = failed + [self._advance_one(seq, s) for seq, s in zip(sampling, samples)]
         if self.config.role == "prefill":
             for seq in sampling:
                 if seq.status == SequenceStatus.RUNNING:
@@ -246,6 +249,17 @@ class LLMEngine:
                 sample_rows.append(end - 1)
             start = end
         return rows[sample_rows]
+
+    def _advance_one(self, seq: Sequence, sample: Sample) -> RequestOutput:
+        """_advance, or the request's failure: what one request's token does to its detokenizer, grammar or stop
+        checks is that request's alone."""
+        if sample.token is None:
+            return self._fail(seq, sample.error)
+        try:
+            return self._advance(seq, sample)
+        except Exception as e:
+            log.exception("request %s failed after its step", seq.request_id)
+            return self._fail(seq, f"the engine failed on this request's new token: {type(e).__name__}: {e}")
 
     def _advance(self, seq: Sequence, sample: Sample) -> RequestOutput:
         token = sample.token

@@ -140,7 +140,8 @@ class EngineClient:
             while not finished:
                 msg = await stream.queue.get()
                 if isinstance(msg, EngineError):
-                    finished = True
+                    # Aborted below too: an engine that failed the request has dropped it already, but one that
+                    # was only silent past the hang timeout may wake up and would run it to its max_tokens.
                     raise msg
                 finished = msg.finished
                 yield msg

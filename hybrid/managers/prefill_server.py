@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 from hybrid.disaggregation.engine_handoff import export
 from hybrid.disaggregation.handoff import SequenceHandoff
 from hybrid.disaggregation.kv_transport import KVTransferError
@@ -40,7 +42,7 @@ class PrefillServer(PairedEngineServer):
                 continue
             try:
                 handoff = export(self.engine, rid, self.transport)
-            except (OSError, KVTransferError) as e:  # e.g. /dev/shm too small for this KV
+            except (OSError, KVTransferError, torch.OutOfMemoryError) as e:  # /dev/shm or the device too small
                 self.fail(rid, 503, f"the prefilled KV could not be handed to the decode engine: {e}")
                 continue
             self.offered[rid] = handoff
