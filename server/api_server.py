@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 import uvicorn
 
 from hybrid.managers.daemon_config import DaemonConfig
 from hybrid.managers.engine_client import EngineClient
+from hybrid.parent_watch import watch_parent
 from hybrid.tokenizer import MissingTokenizer, Tokenizer
 from server.app import build_app
 
@@ -22,6 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = DaemonConfig.load(a.config)
+    watch_parent(os.getppid())  # a supervisor that was killed leaves no api holding its port
     try:
         tokenizer = Tokenizer(config.model, config.chat_template)
     except MissingTokenizer as e:

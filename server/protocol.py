@@ -33,6 +33,16 @@ UNSUPPORTED = {
     "dry_multiplier": (None, 0, 0.0), "xtc_probability": (None, 0, 0.0), "n_probs": (None, 0),
 }
 log = logging.getLogger(__name__)
+# Unknown fields are logged once per name, names cut short and at most this many: a client cannot fill the log.
+WARNED_FIELDS = 256
+_warned: set[str] = set()
+
+
+def _warn_ignored(names) -> None:
+    new = sorted({str(n)[:64] for n in names} - _warned)[:max(0, WARNED_FIELDS - len(_warned))]
+    if new:
+        _warned.update(new)
+        log.warning("ignoring request fields hybridd does not know (each is named once): %s", ", ".join(new))
 
 
 class StreamOptions(BaseModel):
@@ -153,8 +163,7 @@ class SamplingFields(BaseModel):
                     raise PydanticCustomError("unsupported", "hybridd does not support this field yet",
                                               {"param": name})
             known = {f.alias or n for n, f in cls.model_fields.items()} | set(cls.model_fields) | set(UNSUPPORTED)
-            if ignored := sorted(str(k) for k in data if k not in known):
-                log.warning("ignored request fields hybridd does not know: %s", ", ".join(ignored[:20]))
+            _warn_ignored(k for k in data if k not in known)
         return data
 
     @field_validator("stop")

@@ -435,6 +435,55 @@ def test_exits_of_another_supervisor_or_long_ago_are_no_crash_loop(tmp_path, mon
     assert crash_loop(s.paths, os.getpid()) is None
 
 
+def test_a_process_that_keeps_dying_at_start_stops_the_daemon(tmp_path, monkeypatch):
+    from hybrid.llm import DEFAULT_MODEL_DIR
+    from hybrid.managers import supervisor
+    from hybrid.managers.daemon_config import DaemonConfig
+
+    s = supervisor.Supervisor(DaemonConfig(model=str(DEFAULT_MODEL_DIR), home=str(tmp_path)))
+    s.paths.make()
+    monkeypatch.setattr(s, "spawn", lambda child: None)
+    clock = [1000.0]
+    monkeypatch.setattr(supervisor.time, "monotonic", lambda: clock[0])
+
+    def run_then_exit(ran_s: float) -> None:
+        child = s.children["engine"]
+        child.started_at = clock[0]
+        clock[0] += ran_s
+        child.proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+        child.proc.wait()
+        s.check(child)
+
+    for _ in range(supervisor.MAX_QUICK_EXITS - 1):
+        run_then_exit(2.0)
+    assert not s.stopping and s.children["engine"].quick_exits == supervisor.MAX_QUICK_EXITS - 1
+    run_then_exit(supervisor.QUICK_EXIT_S + 1)  # it ran a while before this exit: the count starts afresh
+    assert not s.stopping and s.children["engine"].quick_exits == 1
+    for _ in range(supervisor.MAX_QUICK_EXITS - 1):
+        run_then_exit(2.0)
+    assert s.stopping and s.children["engine"].proc is None
+    assert f"engine exited {supervisor.MAX_QUICK_EXITS} times in a row" in s.gave_up and "engine.log" in s.gave_up
+
+
+def test_a_killed_supervisor_leaves_no_process_behind(tmp_path):
+    d = Daemon(tmp_path / "home", free_port())
+    d.start()
+    status = d.status()
+    pids = [status["api_pid"], status["engine_pid"], status["info"]["expert_pid"]]
+    os.kill(json.loads((d.home / "hybridd.pid").read_text())["pid"], signal.SIGKILL)
+
+    def running(pid: int) -> bool:
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(running(p) for p in pids):
+        time.sleep(0.2)
+    assert not any(running(p) for p in pids), [(p, running(p)) for p in pids]
+
+
 def test_an_api_that_cannot_start_fails_the_start_at_once(tmp_path):
     """As on a machine whose fastapi needs a package that is not installed: the supervisor restarts the api, /health
     never answers, and `hybridd start` used to wait its whole timeout. It gives up at the second exit, with the

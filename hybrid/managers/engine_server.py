@@ -50,6 +50,7 @@ from hybrid.managers.messages import (
     request_id_of,
     to_engine_decoder,
 )
+from hybrid.parent_watch import watch_parent
 
 log = logging.getLogger("hybridd.engine")
 
@@ -371,10 +372,13 @@ def main(argv: list[str] | None = None) -> int:
     server = server_class(DaemonConfig.load(a.config))
 
     def stop(*_) -> None:
+        if server.engine is None:  # still packing or loading: nothing to finish, so stop at once
+            raise SystemExit(0)
         server.stopping = True
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    watch_parent(os.getppid())  # a supervisor that was killed leaves no engine behind
     try:
         server.load()
         server.serve()

@@ -31,6 +31,12 @@ log = logging.getLogger("hybridd.supervisor")
 POLL_S = 0.2
 RESTART_WINDOW_S = 60.0
 MAX_BACKOFF_S = 30.0
+# A process that exits this many times in a row, each time within QUICK_EXIT_S of its start, is not restarted
+# again: the daemon stops, saying which process and where its log is (a bad model file, a full disk, a
+# missing library would otherwise be retried forever). A process that ran longer before exiting starts the
+# count afresh.
+MAX_QUICK_EXITS = 5
+QUICK_EXIT_S = 300.0
 API_STOP_S = 20.0
 ENGINE_STOP_S = 20.0  # the engine drains for engine_server.DRAIN_S, then fails what is left, then stops its experts
 ALREADY_RUNNING_EXIT = 3
@@ -56,6 +62,8 @@ class Child:
     role: str
     proc: subprocess.Popen | None = None
     start_after: float = 0.0
+    started_at: float = 0.0
+    quick_exits: int = 0  # exits in a row, each within QUICK_EXIT_S of its start
     exits: list[tuple[float, int]] = field(default_factory=list)  # (time, exit code) within RESTART_WINDOW_S
 
 
@@ -66,6 +74,7 @@ class Supervisor:
         self.children = {role: Child(role) for role in ["api"] + config.engine_roles}
         self.cores = core_split(sorted(os.sched_getaffinity(0)), config.prefill_cores) if config.disagg else {}
         self.stopping = False
+        self.gave_up: str | None = None  # why the daemon stopped by itself
 
     def spawn(self, child: Child) -> None:
         log_file = os.fdopen(open_private(self.paths.log_dir / f"{child.role}.log"), "ab")
@@ -76,19 +85,32 @@ class Supervisor:
         child.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
                                       preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None)
         log_file.close()
+        child.started_at = time.monotonic()
         log.info("started %s (pid %d%s)", child.role, child.proc.pid,
                  f", cores {','.join(map(str, cores))}" if cores else "")
 
     def check(self, child: Child) -> None:
-        """Restarts a child that exited, backing off when it keeps dying."""
+        """Restarts a child that exited, backing off while it keeps dying soon after it starts, and stops the
+        daemon once it has done so MAX_QUICK_EXITS times in a row."""
+        if self.stopping:
+            return
         now = time.monotonic()
         if child.proc is not None and child.proc.poll() is not None:
-            log.error("%s (pid %d) exited with code %s; restarting it (log: %s)", child.role, child.proc.pid,
-                      child.proc.returncode, self.paths.log_dir / f"{child.role}.log")
+            log_path = self.paths.log_dir / f"{child.role}.log"
+            child.quick_exits = child.quick_exits + 1 if now - child.started_at < QUICK_EXIT_S else 1
             child.exits = [e for e in child.exits if now - e[0] < RESTART_WINDOW_S] + [(now, child.proc.returncode)]
-            child.proc = None
-            child.start_after = now + min(2.0 ** (len(child.exits) - 1) - 1, MAX_BACKOFF_S)
             self.record_exits(now)
+            if child.quick_exits >= MAX_QUICK_EXITS:
+                self.gave_up = (f"{child.role} exited {child.quick_exits} times in a row, each within "
+                                f"{QUICK_EXIT_S:.0f}s of starting (last exit code {child.proc.returncode}); hybridd "
+                                f"stopped instead of restarting it again: see {log_path}")
+                log.error("%s", self.gave_up)
+                child.proc, self.stopping = None, True
+                return
+            log.error("%s (pid %d) exited with code %s; restarting it (log: %s)", child.role, child.proc.pid,
+                      child.proc.returncode, log_path)
+            child.proc = None
+            child.start_after = now + min(2.0 ** (child.quick_exits - 1) - 1, MAX_BACKOFF_S)
         if child.proc is None and now >= child.start_after:
             self.spawn(child)
 
@@ -128,7 +150,7 @@ class Supervisor:
             self.paths.pid_file.unlink(missing_ok=True)
             self.paths.exits_file.unlink(missing_ok=True)
         log.info("stopped")
-        return 0
+        return 1 if self.gave_up else 0
 
     def _stop(self, *_) -> None:
         self.stopping = True
