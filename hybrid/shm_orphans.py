@@ -5,6 +5,7 @@ in RAM, until the machine restarts."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import tempfile
@@ -18,6 +19,23 @@ SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gette
 def owned_name(prefix: str, n: int) -> str:
     """The name of this process's n-th file under `prefix`."""
     return f"{prefix}{os.getpid()}-{n}"
+
+
+_numbers = itertools.count()
+
+
+def create_owned(prefix: str, directory: Path = SHM_DIR) -> Path:
+    """A new empty file of this process's under `prefix` (private, created exclusively; a name someone else took
+    is skipped), after removing the files under `prefix` whose process is gone."""
+    remove_orphans(prefix, directory)
+    for _ in range(100):
+        path = directory / owned_name(prefix, next(_numbers))
+        try:
+            os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
+            return path
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free name under {directory / prefix}")
 
 
 def remove_orphans(prefix: str, directory: Path = SHM_DIR) -> int:

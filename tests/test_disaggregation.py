@@ -196,6 +196,26 @@ def test_files_of_a_dead_sender_are_removed(tmp_path):
     assert not orphan.exists() and mine.exists()
 
 
+def test_owned_files_are_private_skip_taken_names_and_sweep_the_dead(tmp_path):
+    import os
+    import stat
+    import subprocess
+    import sys
+
+    from hybrid.shm_orphans import create_owned
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    orphan = tmp_path / f"hybridd-x-{int(dead.stdout)}-0"
+    orphan.write_bytes(b"x")
+    first = create_owned("hybridd-x-", tmp_path)
+    taken = tmp_path / f"hybridd-x-{os.getpid()}-{int(first.name.rsplit('-', 1)[1]) + 1}"
+    taken.write_bytes(b"someone else's")
+    second = create_owned("hybridd-x-", tmp_path)
+    assert not orphan.exists() and taken.read_bytes() == b"someone else's"
+    assert first.name.startswith(f"hybridd-x-{os.getpid()}-") and second not in (first, taken)
+    assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in (first, second))
+
+
 def check_hybrid_pair(model, attn_device: str) -> None:
     """The hybrid path (attention and KV on the device, experts in an expert process per engine)."""
     kw = dict(dtype="float32", max_num_batched_tokens=16, block_size=8)

@@ -12,13 +12,12 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-import secrets
 import struct
 
 import torch
 
 from hybrid.distributed.shm_communicator import FLAG_LINE
-from hybrid.shm_orphans import SHM_DIR
+from hybrid.shm_orphans import create_owned
 
 DEFAULT_CAPACITY = 4 << 20
 SPIN_US = 2000
@@ -50,8 +49,7 @@ class ShmChannel:
     @classmethod
     def create(cls, name: str, capacity: int = DEFAULT_CAPACITY) -> ShmChannel:
         """Rank 0, on a new file; hand `path` (and `capacity`) to the other process."""
-        path = f"{SHM_DIR}/hybridd-{name}-{os.getuid()}-{os.getpid()}-{secrets.token_hex(4)}"
-        os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
+        path = str(create_owned(f"hybridd-{name}-{os.getuid()}-"))
         try:
             return cls(path, 0, capacity)
         except BaseException:

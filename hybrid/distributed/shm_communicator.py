@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-import secrets
 from collections.abc import Callable
 
 import torch
@@ -21,7 +20,7 @@ import torch.distributed as dist
 
 from cpu_kernels.moe import recordable
 from hybrid.distributed.communicator import CommunicationError, Communicator
-from hybrid.shm_orphans import SHM_DIR
+from hybrid.shm_orphans import create_owned
 
 FLAG_LINE = 64
 # Per rank and parity: one decode step's hidden states for hundreds of rows, or a step message of a long prefill.
@@ -44,22 +43,25 @@ class ShmCommunicator(Communicator):
         size = len(ranks) * FLAG_LINE + 2 * len(ranks) * capacity
         names: list[str | None] = [None]
         if self.rank == 0:
-            names = [f"{SHM_DIR}/hybridd-tp-{os.getuid()}-{os.getpid()}-{secrets.token_hex(4)}"]
-            fd = os.open(names[0], os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            os.posix_fallocate(fd, 0, size)
-        dist.broadcast_object_list(names, src=ranks[0], group=group)
-        if self.rank != 0:
-            fd = os.open(names[0], os.O_RDWR)
+            names = [str(create_owned(f"hybridd-tp-{os.getuid()}-"))]
         try:
-            self.map = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
-        self.buffer = torch.frombuffer(self.map, dtype=torch.uint8)
-        self.group = _C.ShmGroup(self.buffer.data_ptr(), self.world, self.rank, capacity, SPIN_US)
-        _C.shm_publish_pid(self.group)
-        dist.barrier(group=group)
-        if self.rank == 0:
-            os.unlink(names[0])
+            if self.rank == 0:
+                fd = os.open(names[0], os.O_RDWR)
+                os.posix_fallocate(fd, 0, size)
+            dist.broadcast_object_list(names, src=ranks[0], group=group)
+            if self.rank != 0:
+                fd = os.open(names[0], os.O_RDWR)
+            try:
+                self.map = mmap.mmap(fd, size)
+            finally:
+                os.close(fd)
+            self.buffer = torch.frombuffer(self.map, dtype=torch.uint8)
+            self.group = _C.ShmGroup(self.buffer.data_ptr(), self.world, self.rank, capacity, SPIN_US)
+            _C.shm_publish_pid(self.group)
+            dist.barrier(group=group)
+        finally:  # every rank has it mapped, or the group failed to form: either way the name goes
+            if self.rank == 0:
+                os.unlink(names[0])
         # A rank that dies then fails its peers' collectives at once (not at TIMEOUT_S), where every rank's pid
         # means the same process here: all ranks in this pid namespace.
         own = _C.shm_pid_namespace(self.group, self.rank)
