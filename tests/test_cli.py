@@ -76,3 +76,7 @@ def test_start_refuses_what_its_engines_would_refuse_before_starting_anything(tm
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 2 and needle in r.stderr, (flags, r.stderr)
     assert not (tmp_path / "home" / "hybridd.pid").exists() and not (tmp_path / "typo").exists()
+    long_home = tmp_path / ("h" * 100)
+    r = subprocess.run([sys.executable, "-m", "hybrid.cli.main", "start", "--port", "1"], capture_output=True,
+                       text=True, timeout=120, env={**env, "HYBRIDD_HOME": str(long_home)})
+    assert r.returncode == 2 and "is too long" in r.stderr and not long_home.exists(), r.stderr

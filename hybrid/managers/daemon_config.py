@@ -17,6 +17,9 @@ def key_digest(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
+MAX_SOCKET_PATH = 107  # sun_path holds 108 bytes with its terminating NUL
+
+
 @dataclass
 class DaemonPaths:
     """pid file, logs and the ZeroMQ sockets between the api and engine processes."""
@@ -108,6 +111,11 @@ class DaemonConfig:
         if self.prefill_cores is not None and cores > 1 and self.prefill_cores >= cores:
             raise ConfigError(f"--prefill-cores {self.prefill_cores} leaves the decode engine no core: hybridd may use "
                               f"{cores} here")
+        socket = self.paths.engine_out.removeprefix("ipc://")
+        if len(socket.encode()) > MAX_SOCKET_PATH:
+            raise ConfigError(f"HYBRIDD_HOME={self.home} is too long: the daemon's sockets under it ({socket}) "
+                              f"would pass the {MAX_SOCKET_PATH} bytes a unix socket path may have; choose a "
+                              "shorter directory")
         for role in self.engine_roles:  # each engine's own checks, here rather than in a restarting engine
             self.engine_config(role)
 
