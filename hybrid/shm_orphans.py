@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import os
 import re
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -24,14 +25,17 @@ def owned_name(prefix: str, n: int) -> str:
 _numbers = itertools.count()
 
 
-def create_owned(prefix: str, directory: Path = SHM_DIR) -> Path:
-    """A new empty file of this process's under `prefix` (private, created exclusively; a name someone else took
-    is skipped), after removing the files under `prefix` whose process is gone."""
+def create_owned(prefix: str, directory: Path = SHM_DIR, is_dir: bool = False) -> Path:
+    """A new empty file (or directory) of this process's under `prefix`: private, created exclusively, a name
+    someone else took skipped; after removing those under `prefix` whose process is gone."""
     remove_orphans(prefix, directory)
     for _ in range(100):
         path = directory / owned_name(prefix, next(_numbers))
         try:
-            os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
+            if is_dir:
+                path.mkdir(0o700)
+            else:
+                os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
             return path
         except FileExistsError:
             continue
@@ -44,6 +48,9 @@ def remove_orphans(prefix: str, directory: Path = SHM_DIR) -> int:
     for path in directory.glob(f"{prefix}*"):
         m = re.fullmatch(re.escape(prefix) + r"(\d+)-\d+", path.name)
         if m and not psutil.pid_exists(int(m.group(1))):
-            path.unlink(missing_ok=True)
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
             removed += 1
     return removed

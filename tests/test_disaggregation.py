@@ -214,6 +214,10 @@ def test_owned_files_are_private_skip_taken_names_and_sweep_the_dead(tmp_path):
     assert not orphan.exists() and taken.read_bytes() == b"someone else's"
     assert first.name.startswith(f"hybridd-x-{os.getpid()}-") and second not in (first, taken)
     assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in (first, second))
+    gone = tmp_path / f"hybridd-d-{int(dead.stdout)}-3"
+    (gone / "control").mkdir(parents=True)
+    made = create_owned("hybridd-d-", tmp_path, is_dir=True)
+    assert made.is_dir() and stat.S_IMODE(made.stat().st_mode) == 0o700 and not gone.exists()
 
 
 def check_hybrid_pair(model, attn_device: str) -> None:

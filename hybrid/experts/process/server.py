@@ -29,7 +29,7 @@ from hybrid.experts.kernel_experts import KernelExperts
 from hybrid.experts.pack import load_pack
 from hybrid.experts.process.slots import SPIN_US, ExpertSlots, SlotLayout
 from hybrid.parent_watch import watch_parent
-from hybrid.shm_orphans import owned_name, remove_orphans
+from hybrid.shm_orphans import create_owned, owned_name, remove_orphans
 
 RUN_DIR_PREFIX = "hybridd-experts-"  # the temporary directory holding an expert process's ipc socket
 SLOTS_PREFIX = f"hybridd-slots-{os.getuid()}-"  # a client's shared-memory slots: this prefix, the pid, the client
@@ -135,16 +135,17 @@ def main(argv: list[str] | None = None) -> int:
     from cpu_kernels.moe import set_pool_spin
     from cpu_kernels.thread_pool import SHARED_CORE_SPIN_US
 
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    if a.parent_pid:  # from the start: an engine that dies while this loads leaves nothing loading
+        watch_parent(a.parent_pid)
     torch.set_num_threads(1)
     set_pool_spin(SHARED_CORE_SPIN_US)  # the engines it serves compute on these cores between its calls
     config = ModelConfig.from_dir(a.model)
     experts = KernelExperts(load_pack(a.pack, config), a.threads)
-    run_dir = Path(tempfile.mkdtemp(prefix=RUN_DIR_PREFIX))
+    # Named after this process, so that the directory of one that was killed is swept by the next
+    run_dir = create_owned(f"{RUN_DIR_PREFIX}{os.getuid()}-", Path(tempfile.gettempdir()), is_dir=True)
     control = a.control or f"ipc://{run_dir}/control"
     server = ExpertServer(experts, config.hidden_size)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    if a.parent_pid:
-        watch_parent(a.parent_pid)
     print(json.dumps({"ready": True, "control": control, "pid": os.getpid()}), flush=True)
     try:
         serve(server, control, {"model": str(config.model_dir), "layers": sorted(experts.layers)})
