@@ -465,6 +465,23 @@ def test_a_process_that_keeps_dying_at_start_stops_the_daemon(tmp_path, monkeypa
     assert f"engine exited {supervisor.MAX_QUICK_EXITS} times in a row" in s.gave_up and "engine.log" in s.gave_up
 
 
+def test_logs_past_their_bound_are_rotated_and_still_appended_to(tmp_path):
+    import stat
+
+    from hybrid.config.home import open_private
+    from hybrid.managers.supervisor import rotate_logs
+
+    writer = os.fdopen(open_private(tmp_path / "engine.log"), "ab", buffering=0)  # as a child process holds it
+    writer.write(b"old line\n" * 20)
+    (tmp_path / "api.log").write_bytes(b"short\n")
+    assert rotate_logs(tmp_path, limit=100) == ["engine.log"]
+    writer.write(b"new line\n")
+    assert (tmp_path / "engine.log").read_bytes() == b"new line\n"
+    assert (tmp_path / "engine.log.1").read_bytes() == b"old line\n" * 20
+    assert stat.S_IMODE((tmp_path / "engine.log.1").stat().st_mode) == 0o600
+    assert (tmp_path / "api.log").read_bytes() == b"short\n"
+
+
 def test_a_killed_supervisor_leaves_no_process_behind(tmp_path):
     d = Daemon(tmp_path / "home", free_port())
     d.start()

@@ -13,6 +13,7 @@ import fcntl
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -37,6 +38,10 @@ MAX_BACKOFF_S = 30.0
 # count afresh.
 MAX_QUICK_EXITS = 5
 QUICK_EXIT_S = 300.0
+# A log past LOG_ROTATE_BYTES is copied to NAME.log.1 (replacing the one before) and emptied in place, checked
+# every LOG_CHECK_S: the processes keep appending to it, so a daemon that runs for months holds two logs' worth.
+LOG_ROTATE_BYTES = 64 << 20
+LOG_CHECK_S = 10.0
 API_STOP_S = 20.0
 ENGINE_STOP_S = 20.0  # the engine drains for engine_server.DRAIN_S, then fails what is left, then stops its experts
 ALREADY_RUNNING_EXIT = 3
@@ -137,10 +142,15 @@ class Supervisor:
         signal.signal(signal.SIGTERM, self._stop)
         signal.signal(signal.SIGINT, self._stop)
         log.info("supervising %s at %s", self.config.model_name, self.config.url)
+        logs_checked = time.monotonic()
         try:
             while not self.stopping:
                 for child in self.children.values():
                     self.check(child)
+                if time.monotonic() - logs_checked > LOG_CHECK_S:
+                    logs_checked = time.monotonic()
+                    for name in rotate_logs(self.paths.log_dir):
+                        log.info("%s passed %d MiB: its older lines are in %s.1", name, LOG_ROTATE_BYTES >> 20, name)
                 time.sleep(POLL_S)
             self.shutdown()
         finally:
@@ -172,6 +182,25 @@ class Supervisor:
                     log.warning("%s did not stop within %.0fs; killing it", role, limit)
                     proc.kill()
                     proc.wait()
+
+
+def rotate_logs(log_dir: Path, limit: int = LOG_ROTATE_BYTES) -> list[str]:
+    """Copies each log over `limit` bytes to NAME.1 and empties it (its writers append, so they go on at its new
+    end; lines written during the copy may be lost); returns the names rotated."""
+    rotated = []
+    for path in sorted(log_dir.glob("*.log")):
+        try:
+            if path.stat().st_size <= limit:
+                continue
+            with open(path, "rb") as src, os.fdopen(open_private(path.with_name(path.name + ".1"),
+                                                                 os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "wb") as dst:
+                shutil.copyfileobj(src, dst)
+            os.truncate(path, 0)
+        except OSError as e:
+            log.warning("could not rotate %s: %s", path, e)
+            continue
+        rotated.append(path.name)
+    return rotated
 
 
 def take_lock(paths: DaemonPaths) -> int:
