@@ -360,3 +360,18 @@ def test_one_requests_failure_after_its_step_fails_it_alone(llm):
     assert outs[bad].finish_reason == "error" and "a detokenizer bug" in outs[bad].error
     assert outs[good].finish_reason == "length" and outs[good].token_ids == alone
     assert engine.scheduler.blocks.num_free == engine.scheduler.blocks.num_blocks - engine.scheduler.blocks.num_cached
+
+
+def test_prompt_logprobs_beside_other_requests_are_those_of_the_request_alone(llm):
+    """A step with prompt logprobs computes logits for that request's rows and the others' sampling rows only."""
+    wants = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=2)
+    plain = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    prompts = [prompt_ids(40, seed=1), prompt_ids(23, seed=2), prompt_ids(31, seed=3)]
+    alone = [llm.generate([p], s)[0] for p, s in zip(prompts, (plain, wants, plain))]
+    together = llm.generate(prompts, [plain, wants, plain])
+    assert [o.token_ids for o in together] == [o.token_ids for o in alone]
+    got, want = together[1].prompt_logprobs, alone[1].prompt_logprobs
+    assert len(got) == len(want) == len(prompts[1])
+    for g, w in zip(got[1:], want[1:]):
+        assert g.token_id == w.token_id and [t for t, _ in g.top] == [t for t, _ in w.top]
+        assert abs(g.logprob - w.logprob) < 1e-3

@@ -30,7 +30,7 @@ def prefill_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
     seq = Sequence(10**6, ids, SamplingParams())
     engine.scheduler.blocks.grow(seq, len(ids))
     try:
-        return engine.runner.execute([ScheduledSeq(seq, len(ids))], all_logits=True)
+        return engine.runner.execute([ScheduledSeq(seq, len(ids))], list(range(len(ids))))
     finally:
         engine.scheduler.blocks.release(seq)
 

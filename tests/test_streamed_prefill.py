@@ -44,8 +44,8 @@ def count_mixed_steps(runner) -> dict[str, int]:
     mixed = {"streamed steps with decode rows": 0}
     execute = runner._execute
 
-    def watched(batch, all_logits, split):
-        logits = execute(batch, all_logits, split)
+    def watched(batch, rows, split):
+        logits = execute(batch, rows, split)
         if runner.step_streamed_bytes and any(item.seq.num_completion_tokens for item in batch):
             mixed["streamed steps with decode rows"] += 1
         return logits

@@ -176,7 +176,7 @@ class LLMEngine:
         sampling = [item.seq for item in batch if item.samples]
         try:
             if any(self._wants_prompt_logprobs(item.seq) for item in batch):
-                logits = self._record_prompt_logprobs(batch, self.runner.execute(batch, all_logits=True))
+                logits = self._record_prompt_logprobs(batch, self.runner.execute(batch, self._logit_rows(batch)))
             else:
                 logits = self.runner.execute(batch)
             samples = self.sampler(logits, sampling)
@@ -233,22 +233,37 @@ class LLMEngine:
     def _wants_prompt_logprobs(seq: Sequence) -> bool:
         return seq.params.prompt_logprobs is not None and len(seq.prompt_logprobs) < seq.num_prompt_tokens
 
-    def _record_prompt_logprobs(self, batch: list[ScheduledSeq], rows: torch.Tensor) -> torch.Tensor:
-        """Appends prompt logprobs from a step run with every row's logits; returns the sampling rows. Row i of a
-        sequence's chunk predicts the token after position num_computed_tokens + i."""
+    def _logit_rows(self, batch: list[ScheduledSeq]) -> list[int]:
+        """The query rows whose logits a step with prompt logprobs needs: every row of the sequences that want
+        them, the last row of the others that sample (a long prefill beside them costs no [rows, vocab] logits)."""
+        rows, start = [], 0
+        for item in batch:
+            end = start + item.num_tokens
+            if self._wants_prompt_logprobs(item.seq):
+                rows.extend(range(start, end))
+            elif item.samples:
+                rows.append(end - 1)
+            start = end
+        return rows
+
+    def _record_prompt_logprobs(self, batch: list[ScheduledSeq], logits: torch.Tensor) -> torch.Tensor:
+        """Appends prompt logprobs from the logits of _logit_rows(batch); returns the sampling rows' logits. Row i
+        of a sequence's chunk predicts the token after position num_computed_tokens + i."""
         start, sample_rows = 0, []
         for item in batch:
-            seq, end = item.seq, start + item.num_tokens
+            seq = item.seq
             if self._wants_prompt_logprobs(seq):
                 first = seq.num_computed_tokens + 1  # the position row `start` predicts
                 lo = max(first, len(seq.prompt_logprobs))  # positions already recorded (before a preemption)
                 hi = min(first + item.num_tokens, seq.num_prompt_tokens)
-                seq.prompt_logprobs += token_logprobs(rows[start + lo - first:start + hi - first],
+                seq.prompt_logprobs += token_logprobs(logits[start + lo - first:start + hi - first],
                                                       seq.token_ids[lo:hi], seq.params.prompt_logprobs)
+                start += item.num_tokens
+            elif item.samples:
+                start += 1
             if item.samples:
-                sample_rows.append(end - 1)
-            start = end
-        return rows[sample_rows]
+                sample_rows.append(start - 1)
+        return logits[sample_rows]
 
     def _advance_one(self, seq: Sequence, sample: Sample) -> RequestOutput:
         """_advance, or the request's failure: what one request's token does to its detokenizer, grammar or stop

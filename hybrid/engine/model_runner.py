@@ -197,39 +197,39 @@ class ModelRunner:
         return self.overlap and len(batch) >= 2 and all(item.num_tokens == 1 for item in batch)
 
     @torch.inference_mode()
-    def execute(self, batch: list[ScheduledSeq], all_logits: bool = False) -> torch.Tensor:
+    def execute(self, batch: list[ScheduledSeq], rows: list[int] | None = None) -> torch.Tensor:
         """Logits [num sampling seqs, vocab] in the model's dtype (the sampler widens them where it needs fp32), or
-        for every query row when all_logits is set. A replayed program's logits are its own buffer, valid until the
-        next step.
+        of `rows` (query rows of the batch, ascending) when given. A replayed program's logits are its own buffer,
+        valid until the next step.
         Decode steps replay captured graphs unless the engine runs eagerly or the batch is too large; the
         overlap policy says which decode steps run split, and learns from their times in auto."""
-        if all_logits or not self.can_overlap(batch):
-            return self._execute(batch, all_logits, split=False)
+        if rows is not None or not self.can_overlap(batch):
+            return self._execute(batch, rows, split=False)
         context = sum(item.seq.num_computed_tokens + 1 for item in batch)
         split = self.overlap_policy.choose(len(batch), context)
         if not self.overlap_policy.learns:
-            return self._execute(batch, all_logits, split)
+            return self._execute(batch, rows, split)
         start = time.perf_counter()
-        logits = self._execute(batch, all_logits, split)
+        logits = self._execute(batch, rows, split)
         if logits.is_cuda:
             torch.cuda.synchronize(logits.device)
         self.overlap_policy.record(len(batch), context, split, time.perf_counter() - start)
         return logits
 
-    def _execute(self, batch: list[ScheduledSeq], all_logits: bool, split: bool) -> torch.Tensor:
+    def _execute(self, batch: list[ScheduledSeq], rows: list[int] | None, split: bool) -> torch.Tensor:
         """The step, with the experts told what kind of pass it is; `step_streamed_bytes` is what it streamed."""
         before = self.experts.streamed_bytes
         longest = max((item.num_tokens for item in batch if prefilling(item.seq)), default=0)
         self.experts.begin_pass(sum(item.num_tokens for item in batch), longest)
         try:
-            return self._run(batch, all_logits, split)
+            return self._run(batch, rows, split)
         finally:
             self.experts.end_pass()
             self.step_streamed_bytes = self.experts.streamed_bytes - before
 
-    def _run(self, batch: list[ScheduledSeq], all_logits: bool, split: bool) -> torch.Tensor:
+    def _run(self, batch: list[ScheduledSeq], rows: list[int] | None, split: bool) -> torch.Tensor:
         if self.executor is not None:
-            return self._execute_parallel(batch, all_logits)
+            return self._execute_parallel(batch, rows)
         if split:
             half = len(batch) // 2
             a, b = self.host_batch(batch[:half]), self.host_batch(batch[half:])
@@ -242,29 +242,29 @@ class ModelRunner:
             return self.model.compute_logits(torch.cat([hidden_a[a.sample_rows], hidden_b[b.sample_rows]]))
         host = self.host_batch(batch)
         out = None  # hidden states, or a replay's logits where the program ends with the lm_head
-        if not all_logits and self.graphs is not None and self.graphs.fits(host):
+        if rows is None and self.graphs is not None and self.graphs.fits(host):
             out = self.graphs.run(host)
         logits = out is not None and self.graphs.gives_logits
         if out is None:
             input_ids, fb = host.to_device(self.device, self.kv_pool.caches, self.attention)
             out = self.model(input_ids, fb)
-        if not all_logits and len(host.sample_rows) < len(host.ids):  # rows are ascending: all of them, or a choice
-            out = out[host.sample_rows]
+        rows = host.sample_rows if rows is None else rows
+        if len(rows) < len(host.ids):  # rows are ascending: all of them, or a choice
+            out = out[rows]
         return out if logits else self.model.compute_logits(out)
 
-    def _execute_parallel(self, batch: list[ScheduledSeq], all_logits: bool) -> torch.Tensor:
+    def _execute_parallel(self, batch: list[ScheduledSeq], rows: list[int] | None) -> torch.Tensor:
         """The step on every rank: with pipeline stages, as one micro-batch per stage (of whole sequences)."""
         parts = min(self.engine_config.pp, len(batch))
         size = -(-len(batch) // parts)
         hosts = [self.host_batch(batch[i:i + size]) for i in range(0, len(batch), size)]
         hidden = self.executor.run(hosts)
-        if not all_logits:
+        if rows is None:
             rows, offset = [], 0
             for host in hosts:
                 rows.extend(offset + r for r in host.sample_rows)
                 offset += len(host.ids)
-            hidden = hidden[rows]
-        return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden[rows])
 
     def follow(self) -> None:
         """A rank other than the driver: runs the driver's steps until it closes."""
