@@ -53,18 +53,35 @@ def test_errors_are_one_clear_line(tmp_path):
                           (["--kv-cache-gb", "0"], "--kv-cache-gb: wants a positive number of GiB"),
                           (["--max-model-len", "999999"], "max_model_len=999999 is beyond the 4096 positions"),
                           (["--expert-pack", str(tmp_path / "typo")], "no complete expert pack")):
-        r = hybridd("generate", "--prompt", "x", *flags)
-        assert r.returncode == 2 and needle in r.stderr.strip().splitlines()[-1], (flags, r.stderr)
+        code, err = in_process("generate", "--prompt", "x", *flags)
+        assert code == 2 and needle in err.strip().splitlines()[-1], (flags, err)
     for flags, needle in ((["--max-tokens", "0"], "max_tokens must be >= 1"),
                           (["--top-p", "0"], "top_p must be in (0, 1]"),
                           (["--chat"], "--chat needs --prompt text")):
         # the request's own flags are refused before the model loads: a wrong --model is not even read
-        r = hybridd("generate", "--model", str(tmp_path), "--prompt-ids", "5", *flags)
-        assert r.returncode == 2 and needle in r.stderr, (flags, r.stderr)
+        code, err = in_process("generate", "--model", str(tmp_path), "--prompt-ids", "5", *flags)
+        assert code == 2 and needle in err, (flags, err)
 
 
-def test_start_refuses_what_its_engines_would_refuse_before_starting_anything(tmp_path):
-    env = {**os.environ, "HYBRIDD_HOME": str(tmp_path / "home")}
+def in_process(*argv: str) -> tuple[int, str]:
+    """hybridd's exit code and stderr for a command line that fails before it serves anything, run in this
+    process (a fresh interpreter per refusal took two seconds each)."""
+    import contextlib
+    import io
+
+    from hybrid.cli.main import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            code = main(list(argv))
+        except SystemExit as e:  # argparse's own refusals
+            code = e.code
+    return code, err.getvalue()
+
+
+def test_start_refuses_what_its_engines_would_refuse_before_starting_anything(tmp_path, monkeypatch):
+    monkeypatch.setenv("HYBRIDD_HOME", str(tmp_path / "home"))
     for flags, needle in ((["--disagg", "--tp", "2"], "disaggregation is not combined"),
                           (["--expert-pack", str(tmp_path / "typo")], "no complete expert pack"),
                           (["--tp", "2", "--expert-pack", str(tmp_path)], "leave --expert-pack out"),
@@ -72,11 +89,10 @@ def test_start_refuses_what_its_engines_would_refuse_before_starting_anything(tm
                            "leaves the decode engine no core")):
         if "--prefill-cores" in flags and len(os.sched_getaffinity(0)) < 2:
             continue  # on one core both engines share it
-        r = subprocess.run([sys.executable, "-m", "hybrid.cli.main", "start", "--port", "1", *flags], env=env,
-                           capture_output=True, text=True, timeout=120)
-        assert r.returncode == 2 and needle in r.stderr, (flags, r.stderr)
+        code, err = in_process("start", "--port", "1", *flags)
+        assert code == 2 and needle in err, (flags, err)
     assert not (tmp_path / "home" / "hybridd.pid").exists() and not (tmp_path / "typo").exists()
     long_home = tmp_path / ("h" * 100)
-    r = subprocess.run([sys.executable, "-m", "hybrid.cli.main", "start", "--port", "1"], capture_output=True,
-                       text=True, timeout=120, env={**env, "HYBRIDD_HOME": str(long_home)})
-    assert r.returncode == 2 and "is too long" in r.stderr and not long_home.exists(), r.stderr
+    monkeypatch.setenv("HYBRIDD_HOME", str(long_home))
+    code, err = in_process("start", "--port", "1")
+    assert code == 2 and "is too long" in err and not long_home.exists(), err
