@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import json
 import re
 from pathlib import Path
 
@@ -26,13 +27,14 @@ class MissingTokenizer(TokenizerError):
 def load_chat_template(value: str) -> str:
     """A chat template given as a file path or as the Jinja text itself (as vLLM's --chat-template takes it),
     checked to parse; raises TokenizerError naming the problem."""
-    path = Path(value).expanduser()
-    if path.is_file():
-        text = path.read_text()
-    elif "{{" in value or "{%" in value:
+    if "{{" in value or "{%" in value:
         text = value
     else:
-        raise TokenizerError(f"--chat-template {value!r}: no such file, and not a Jinja template")
+        try:
+            text = Path(value).expanduser().read_text()
+        except OSError as e:
+            raise TokenizerError(f"--chat-template {value!r}: not a Jinja template, and not a file that can be "
+                                 f"read ({e.strerror})") from None
     import jinja2
 
     try:
@@ -105,10 +107,16 @@ class Tokenizer:
         return ids
 
     def check_template_kwargs(self, template_kwargs: dict) -> None:
-        """Refuses template variables that would set the rendering's own arguments (tokenize, tools, ...)."""
+        """Refuses template variables that would set the rendering's own arguments (tokenize, tools, ...) or the
+        special tokens it renders (bos_token, ...), and values holding a special token: text the template renders
+        becomes tokens with the markers parsed, so such a value could forge a turn boundary."""
         reserved = set(inspect.signature(self.hf.apply_chat_template).parameters) - {"kwargs"}
+        reserved |= set(self.hf.special_tokens_map)
         if taken := sorted(reserved & set(template_kwargs)):
-            raise TokenizerError(f"the template's own arguments cannot be set: {', '.join(taken)}")
+            raise TokenizerError(f"these names are the template's own and cannot be set: {', '.join(taken)}")
+        text = json.dumps(template_kwargs, ensure_ascii=False)
+        if forged := sorted(t for t in self.added_tokens if t in text):
+            raise TokenizerError(f"values may not hold the tokenizer's special tokens ({', '.join(forged[:3])})")
 
     @property
     def added_tokens(self) -> set[str]:

@@ -39,7 +39,7 @@ _warned: set[str] = set()
 
 
 def _warn_ignored(names) -> None:
-    new = sorted({str(n)[:64] for n in names} - _warned)[:max(0, WARNED_FIELDS - len(_warned))]
+    new = sorted({ascii(str(n)[:64]) for n in names} - _warned)[:max(0, WARNED_FIELDS - len(_warned))]
     if new:
         _warned.update(new)
         log.warning("ignoring request fields hybridd does not know (each is named once): %s", ", ".join(new))

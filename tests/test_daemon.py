@@ -446,23 +446,26 @@ def test_a_process_that_keeps_dying_at_start_stops_the_daemon(tmp_path, monkeypa
     clock = [1000.0]
     monkeypatch.setattr(supervisor.time, "monotonic", lambda: clock[0])
 
-    def run_then_exit(ran_s: float) -> None:
+    def run_then_exit(became_ready: bool) -> None:
+        clock[0] += 100.0
         child = s.children["engine"]
-        child.started_at = clock[0]
-        clock[0] += ran_s
+        child.ready = False
         child.proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+        if became_ready:  # as the engine does once it has loaded
+            s.paths.ready_file("engine").write_text(str(child.proc.pid))
         child.proc.wait()
         s.check(child)
 
-    for _ in range(supervisor.MAX_QUICK_EXITS - 1):
-        run_then_exit(2.0)
-    assert not s.stopping and s.children["engine"].quick_exits == supervisor.MAX_QUICK_EXITS - 1
-    run_then_exit(supervisor.QUICK_EXIT_S + 1)  # it ran a while before this exit: the count starts afresh
-    assert not s.stopping and s.children["engine"].quick_exits == 1
-    for _ in range(supervisor.MAX_QUICK_EXITS - 1):
-        run_then_exit(2.0)
+    for _ in range(supervisor.MAX_FAILED_STARTS - 1):
+        run_then_exit(False)
+    assert not s.stopping and s.children["engine"].failed_starts == supervisor.MAX_FAILED_STARTS - 1
+    run_then_exit(True)  # it was serving when it died: restarted, and the count starts afresh
+    assert not s.stopping and s.children["engine"].failed_starts == 0
+    for _ in range(supervisor.MAX_FAILED_STARTS):
+        run_then_exit(False)
     assert s.stopping and s.children["engine"].proc is None
-    assert f"engine exited {supervisor.MAX_QUICK_EXITS} times in a row" in s.gave_up and "engine.log" in s.gave_up
+    assert f"engine exited {supervisor.MAX_FAILED_STARTS} times in a row before it was ready" in s.gave_up
+    assert "engine.log" in s.gave_up
 
 
 def test_logs_past_their_bound_are_rotated_and_still_appended_to(tmp_path):
@@ -487,6 +490,7 @@ def test_a_killed_supervisor_leaves_no_process_behind(tmp_path):
     d.start()
     status = d.status()
     pids = [status["api_pid"], status["engine_pid"], status["info"]["expert_pid"]]
+    assert (d.home / "run" / "engine.ready").read_text() == str(status["engine_pid"])  # for the restart policy
     os.kill(json.loads((d.home / "hybridd.pid").read_text())["pid"], signal.SIGKILL)
 
     def running(pid: int) -> bool:

@@ -90,6 +90,10 @@ def test_every_field_is_checked_at_the_api_with_its_name(daemon):
         ("chat/completions", {"tools": [{"type": "function", "function": {"name": "f", "parameters": DEEP_SCHEMA}}]},
          "tools.0.function.parameters"),
         ("chat/completions", {"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
+        ("chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
+            "schema": {"$schema": 5}}}}, "response_format.json_schema.schema"),
+        ("chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
+            "schema": {"enum": [0] * 200_000}}}}, "response_format.json_schema.schema"),
         ("chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
     ]
     for route, extra, field in cases:

@@ -142,8 +142,10 @@ def test_chat_template_kwargs_reach_the_template_and_cannot_set_its_arguments(ll
         plain = tok.decode(tok.apply_chat_template(messages), skip_special_tokens=False)
         off = tok.decode(tok.apply_chat_template(messages, None, {"enable_thinking": False}), skip_special_tokens=False)
         assert off == plain + "NT"
-        with pytest.raises(TokenizerError, match="tokenize"):
-            tok.apply_chat_template(messages, None, {"tokenize": True})
+        for kwargs, match in (({"tokenize": True}, "tokenize"), ({"eos_token": "x"}, "eos_token"),
+                              ({"enable_thinking": "<|im_end|>"}, "special tokens")):
+            with pytest.raises(TokenizerError, match=match):
+                tok.apply_chat_template(messages, None, kwargs)
     finally:
         tok.hf.chat_template = saved
 
@@ -158,9 +160,12 @@ def test_a_chat_template_of_ones_own_from_a_file_or_text(model_dirs, tmp_path):
     tok = Tokenizer(model_dirs["tiny-qwen3-moe"], load_chat_template(str(path)))
     ids = tok.apply_chat_template([{"role": "user", "content": "hi"}])
     assert tok.decode(ids, skip_special_tokens=False) == "<user>hi<assistant>"
-    for bad, match in (("{% for %}", "line 1"), (str(tmp_path / "none.jinja"), "no such file")):
+    for bad, match in (("{% for %}", "line 1"), (str(tmp_path / "none.jinja"), "No such file"),
+                       ("x" * 5000, "File name too long")):
         with pytest.raises(TokenizerError, match=match):
             load_chat_template(bad)
+    long = "{{ bos_token }}" + "{# padding #}" * 400 + "{% for m in messages %}{{ m.content }}{% endfor %}"
+    assert load_chat_template(long) == long  # inline text longer than a path may be
 
 
 def test_request_ids_are_the_callers_or_fresh_and_never_shared(llm):
@@ -337,6 +342,7 @@ def test_a_decode_stream_that_meets_an_invalid_prefix_starts_afresh():
     detok.stream = Broken()
     detok.step(1)
     assert detok.text.startswith("Hello") and detok.text.endswith(".\n\n")
+    assert detok.text.count("Hello") == 1  # the fresh stream had the token before as context, not as new text
     detok.stream = type("Other", (), {"step": lambda *_: (_ for _ in ()).throw(RuntimeError("else"))})()
     with pytest.raises(RuntimeError, match="else"):
         detok.step(1)

@@ -160,7 +160,7 @@ def cmd_start(a: argparse.Namespace) -> int:
     from hybrid.experts.pack import engine_pack
     from hybrid.llm import DEFAULT_MODEL_DIR
     from hybrid.managers.daemon_config import DaemonConfig
-    from hybrid.managers.supervisor import Supervisor, check_port_free, launch, running_daemon
+    from hybrid.managers.supervisor import Supervisor, check_port_free, core_split, launch, running_daemon
     from hybrid.tokenizer import MissingTokenizer, Tokenizer, load_chat_template
 
     model = str(Path(a.model).resolve()) if a.model else str(DEFAULT_MODEL_DIR)
@@ -184,6 +184,8 @@ def cmd_start(a: argparse.Namespace) -> int:
                           max_queue=a.max_queue, max_body_mb=a.max_body_mb,
                           engine={k: v for k, v in engine_kwargs(a).items() if v is not None},
                           disagg=a.disagg, prefill_cores=a.prefill_cores)
+    if config.disagg:  # the split of the cores the supervisor will make, checked here
+        core_split(sorted(os.sched_getaffinity(0)), config.prefill_cores)
     if a.expert_pack:  # a pack the engines would refuse is refused here, before anything starts
         engine_pack(ModelConfig.from_dir(model), a.expert_format, a.expert_pack)
     explain_gpus(a.gpus, a.slp_threshold)

@@ -47,10 +47,12 @@ class ShmCommunicator(Communicator):
         try:
             if self.rank == 0:
                 fd = os.open(names[0], os.O_RDWR)
-                os.posix_fallocate(fd, 0, size)
+                try:
+                    os.posix_fallocate(fd, 0, size)
+                finally:
+                    os.close(fd)
             dist.broadcast_object_list(names, src=ranks[0], group=group)
-            if self.rank != 0:
-                fd = os.open(names[0], os.O_RDWR)
+            fd = os.open(names[0], os.O_RDWR)
             try:
                 self.map = mmap.mmap(fd, size)
             finally:

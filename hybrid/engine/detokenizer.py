@@ -14,6 +14,7 @@ class IncrementalDetokenizer:
     def __init__(self, backend: BackendTokenizer, stop: list[str], skip_special_tokens: bool = True):
         self.backend, self.skip_special_tokens = backend, skip_special_tokens
         self.stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self.last: int | None = None  # the token before, context for a fresh stream
         self.stop = stop
         self.holdback = max((len(s) for s in stop), default=1) - 1
         self.text = ""
@@ -25,11 +26,14 @@ class IncrementalDetokenizer:
             chunk = self.stream.step(self.backend, token_id)
         except Exception as e:
             # tokenizers' DecodeStream can meet byte-fallback tokens whose text is not a prefix of the next
-            # decode and then raises on every step: start a fresh stream at this token (its text so far stays).
+            # decode and then raises on every step: start a fresh stream from the token before (the context a
+            # SentencePiece decoder needs to keep this token's leading space); the text so far stays.
             if INVALID_PREFIX not in str(e):
                 raise
-            self.stream = DecodeStream(skip_special_tokens=self.skip_special_tokens)
+            context = [] if self.last is None else [self.last]
+            self.stream = DecodeStream(ids=context, skip_special_tokens=self.skip_special_tokens)
             chunk = self.stream.step(self.backend, token_id)
+        self.last = token_id
         if not chunk:
             return None
         search_from = max(0, len(self.text) - self.holdback)

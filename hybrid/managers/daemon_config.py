@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import InitVar, asdict, dataclass, field
 from pathlib import Path
 
@@ -50,6 +49,10 @@ class DaemonPaths:
     def exits_file(self) -> Path:
         """The supervisor's pid and, by role, the exit codes of its child processes within the restart window."""
         return self.run_dir / "exits.json"
+
+    def ready_file(self, role: str) -> Path:
+        """Where an engine of `role` writes its pid once it has loaded (for the supervisor's restart policy)."""
+        return self.run_dir / f"{role}.ready"
 
     @property
     def engine_in(self) -> str:
@@ -107,10 +110,6 @@ class DaemonConfig:
             raise ConfigError(f"max_body_mb must be in (0, 1024], got {self.max_body_mb}")
         if self.prefill_cores is not None and (not self.disagg or self.prefill_cores < 1):
             raise ConfigError("prefill_cores (>= 1) is the prefill engine's share of the cores: use it with --disagg")
-        cores = len(os.sched_getaffinity(0))
-        if self.prefill_cores is not None and cores > 1 and self.prefill_cores >= cores:
-            raise ConfigError(f"--prefill-cores {self.prefill_cores} leaves the decode engine no core: hybridd may use "
-                              f"{cores} here")
         socket = self.paths.engine_out.removeprefix("ipc://")
         if len(socket.encode()) > MAX_SOCKET_PATH:
             raise ConfigError(f"HYBRIDD_HOME={self.home} is too long: the daemon's sockets under it ({socket}) "

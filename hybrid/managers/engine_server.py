@@ -24,7 +24,7 @@ from pathlib import Path
 
 import zmq
 
-from hybrid.config.home import open_private
+from hybrid.config.home import open_private, write_private
 from hybrid.distributed.communicator import CommunicationError
 from hybrid.engine.llm_engine import LLMEngine
 from hybrid.engine.outputs import RequestOutput
@@ -90,6 +90,7 @@ class EngineServer:
         self.send(Progress("loading model", role=self.role))
         self.engine = LLMEngine(engine_config)
         self.send(Ready(os.getpid(), self.info(), self.role))
+        write_private(self.config.paths.ready_file(self.role), str(os.getpid()))
 
     def _pack(self, engine_config) -> Path:
         """Writes the expert pack unless a current one exists (one engine at a time: a pair shares it)."""

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import psutil
 
+from hybrid.config import ConfigError
 from hybrid.config.home import PRIVATE_UMASK, open_private, write_private
 from hybrid.managers.daemon_config import DaemonConfig, DaemonPaths
 
@@ -32,12 +33,11 @@ log = logging.getLogger("hybridd.supervisor")
 POLL_S = 0.2
 RESTART_WINDOW_S = 60.0
 MAX_BACKOFF_S = 30.0
-# A process that exits this many times in a row, each time within QUICK_EXIT_S of its start, is not restarted
-# again: the daemon stops, saying which process and where its log is (a bad model file, a full disk, a
-# missing library would otherwise be retried forever). A process that ran longer before exiting starts the
-# count afresh.
-MAX_QUICK_EXITS = 5
-QUICK_EXIT_S = 300.0
+# A process that exits this many times in a row before it became ready (an engine that never loaded, an api that
+# never listened) is not restarted again: the daemon stops, saying which process and where its log is (a bad
+# model file, a full disk, a missing library would otherwise be retried forever). One that was serving when it
+# died is always restarted.
+MAX_FAILED_STARTS = 5
 # A log past LOG_ROTATE_BYTES is copied to NAME.log.1 (replacing the one before) and emptied in place, checked
 # every LOG_CHECK_S: the processes keep appending to it, so a daemon that runs for months holds two logs' worth.
 LOG_ROTATE_BYTES = 64 << 20
@@ -51,10 +51,13 @@ ROLE_MODULES = {"api": "server.api_server", "engine": "hybrid.managers.engine_se
 
 def core_split(cores: list[int], prefill_cores: int | None) -> dict[str, list[int]]:
     """The cores of the decode and prefill engines: prefill gets prefill_cores (default half, rounded down) of the
-    last ones, decode the rest; on one core both share it."""
+    last ones, decode the rest; on one core both share it. Raises ConfigError when prefill_cores leaves decode none."""
     if len(cores) < 2:
         return {"decode": cores, "prefill": cores}
-    k = min(prefill_cores or len(cores) // 2, len(cores) - 1)
+    if prefill_cores is not None and prefill_cores >= len(cores):
+        raise ConfigError(f"--prefill-cores {prefill_cores} leaves the decode engine no core: hybridd may use "
+                          f"{len(cores)} here")
+    k = prefill_cores or len(cores) // 2
     return {"decode": cores[:len(cores) - k], "prefill": cores[len(cores) - k:]}
 
 
@@ -67,8 +70,8 @@ class Child:
     role: str
     proc: subprocess.Popen | None = None
     start_after: float = 0.0
-    started_at: float = 0.0
-    quick_exits: int = 0  # exits in a row, each within QUICK_EXIT_S of its start
+    ready: bool = False  # this run of it became ready
+    failed_starts: int = 0  # exits in a row before becoming ready
     exits: list[tuple[float, int]] = field(default_factory=list)  # (time, exit code) within RESTART_WINDOW_S
 
 
@@ -90,34 +93,52 @@ class Supervisor:
         child.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
                                       preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None)
         log_file.close()
-        child.started_at = time.monotonic()
+        child.ready = False
+        self.paths.ready_file(child.role).unlink(missing_ok=True)
         log.info("started %s (pid %d%s)", child.role, child.proc.pid,
                  f", cores {','.join(map(str, cores))}" if cores else "")
 
     def check(self, child: Child) -> None:
-        """Restarts a child that exited, backing off while it keeps dying soon after it starts, and stops the
-        daemon once it has done so MAX_QUICK_EXITS times in a row."""
+        """Restarts a child that exited, backing off when it keeps dying, and stops the daemon once it has died
+        MAX_FAILED_STARTS times in a row before becoming ready."""
         if self.stopping:
             return
         now = time.monotonic()
+        if child.proc is not None and child.proc.poll() is None and not child.ready:
+            child.ready = self.is_ready(child)
         if child.proc is not None and child.proc.poll() is not None:
             log_path = self.paths.log_dir / f"{child.role}.log"
-            child.quick_exits = child.quick_exits + 1 if now - child.started_at < QUICK_EXIT_S else 1
+            child.failed_starts = 0 if child.ready or self.is_ready(child) else child.failed_starts + 1
             child.exits = [e for e in child.exits if now - e[0] < RESTART_WINDOW_S] + [(now, child.proc.returncode)]
             self.record_exits(now)
-            if child.quick_exits >= MAX_QUICK_EXITS:
-                self.gave_up = (f"{child.role} exited {child.quick_exits} times in a row, each within "
-                                f"{QUICK_EXIT_S:.0f}s of starting (last exit code {child.proc.returncode}); hybridd "
-                                f"stopped instead of restarting it again: see {log_path}")
+            if child.failed_starts >= MAX_FAILED_STARTS:
+                self.gave_up = (f"{child.role} exited {child.failed_starts} times in a row before it was ready (last "
+                                f"exit code {child.proc.returncode}); hybridd stopped instead of restarting it "
+                                f"again: see {log_path}")
                 log.error("%s", self.gave_up)
                 child.proc, self.stopping = None, True
                 return
             log.error("%s (pid %d) exited with code %s; restarting it (log: %s)", child.role, child.proc.pid,
                       child.proc.returncode, log_path)
             child.proc = None
-            child.start_after = now + min(2.0 ** (child.quick_exits - 1) - 1, MAX_BACKOFF_S)
+            child.start_after = now + min(2.0 ** (len(child.exits) - 1) - 1, MAX_BACKOFF_S)
         if child.proc is None and now >= child.start_after:
             self.spawn(child)
+
+    def is_ready(self, child: Child) -> bool:
+        """An engine is ready once it has written its pid to its ready file (after loading); the api once its
+        port takes connections."""
+        if child.role != "api":
+            try:
+                return self.paths.ready_file(child.role).read_text() == str(child.proc.pid)
+            except OSError:
+                return False
+        host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(self.config.host, self.config.host)
+        try:
+            socket.create_connection((host, self.config.port), timeout=0.05).close()
+        except OSError:
+            return False
+        return True
 
     def record_exits(self, now: float) -> None:
         """Each role's exit codes within the restart window, for a starting `hybridd start` to read."""

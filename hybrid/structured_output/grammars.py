@@ -12,8 +12,8 @@ from hybrid.structured_output.backend import GrammarError
 # One canonical layout (", " and ": ", no free whitespace): a model cannot wander into endless whitespace, and
 # outputs compare as text.
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-# Bounds on a schema from a request, checked before jsonschema walks it (recursively, on the api's event loop):
-# deeper nesting would overflow Python's stack, and checking takes time in proportion to the size.
+# Bounds on a schema from a request, checked while the request is parsed, before jsonschema walks it
+# (recursively): deeper nesting would overflow Python's stack, and checking takes time in proportion to the size.
 MAX_SCHEMA_DEPTH = 64
 MAX_SCHEMA_BYTES = 256 * 1024
 
@@ -27,12 +27,12 @@ def _check_bounds(schema: dict, where: str) -> None:
         if depth > MAX_SCHEMA_DEPTH:
             raise GrammarError(f"{where} nests deeper than {MAX_SCHEMA_DEPTH} levels")
         children = value.values() if isinstance(value, dict) else value
-        size += sum(len(k) for k in value) if isinstance(value, dict) else 0
+        size += 2 + (sum(len(str(k)) + 4 for k in value) if isinstance(value, dict) else 0)
         for child in children:
             if isinstance(child, (dict, list)):
                 stack.append((child, depth + 1))
-            elif isinstance(child, str):
-                size += len(child)
+            else:  # about its length as JSON, with its separator
+                size += len(child) + 4 if isinstance(child, str) else len(str(child)) + 2
         if size > MAX_SCHEMA_BYTES:
             raise GrammarError(f"{where} is larger than {MAX_SCHEMA_BYTES // 1024} KiB")
 
@@ -45,6 +45,8 @@ def check_schema_shape(schema: object, where: str) -> dict:
     _check_bounds(schema, where)
     if not isinstance(schema.get("x-guidance", {}), dict):
         raise GrammarError(f"{where}['x-guidance'] must be an object of grammar options")
+    if not isinstance(schema.get("$schema", ""), str):
+        raise GrammarError(f"{where}['$schema'] must be the URI of a JSON Schema draft")
     return schema
 
 
@@ -57,6 +59,8 @@ def check_schema(schema: object, where: str) -> dict:
     except jsonschema.SchemaError as e:
         path = "".join(f"[{p!r}]" for p in e.absolute_path)
         raise GrammarError(f"{where}{path} is not a valid JSON schema: {e.message}") from None
+    except Exception as e:  # jsonschema's own failure on an odd schema is still the schema's fault
+        raise GrammarError(f"{where} cannot be checked as a JSON schema: {type(e).__name__}: {e}") from None
     return schema
 
 
