@@ -545,3 +545,21 @@ def test_start_runs_the_torch_reference_and_a_chat_template_of_its_own(tmp_path)
         assert len(want) != len(Tokenizer(DEFAULT_MODEL_DIR).apply_chat_template(messages))
     finally:
         d.stop()
+
+
+def test_prefill_cores_are_checked_where_the_cores_are_split_not_in_each_engine(tmp_path):
+    """Each engine loads the daemon's config pinned to its own share of the cores: a check of prefill_cores
+    against the cores it sees refused every prefill engine with two or more cores."""
+    from hybrid.config import ConfigError
+    from hybrid.llm import DEFAULT_MODEL_DIR
+    from hybrid.managers.daemon_config import DaemonConfig
+    from hybrid.managers.supervisor import core_split
+
+    config = DaemonConfig(model=str(DEFAULT_MODEL_DIR), home=str(tmp_path), disagg=True, prefill_cores=64)
+    config.save(tmp_path / "daemon.json")
+    assert DaemonConfig.load(tmp_path / "daemon.json").prefill_cores == 64  # loads on any core
+    assert core_split([0, 1, 2, 3], 2) == {"decode": [0, 1], "prefill": [2, 3]}
+    assert core_split([0, 1, 2, 3], None) == {"decode": [0, 1], "prefill": [2, 3]}
+    assert core_split([5], 3) == {"decode": [5], "prefill": [5]}
+    with pytest.raises(ConfigError, match="leaves the decode engine no core"):
+        core_split([0, 1, 2, 3], 4)
