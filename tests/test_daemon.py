@@ -563,3 +563,29 @@ def test_prefill_cores_are_checked_where_the_cores_are_split_not_in_each_engine(
     assert core_split([5], 3) == {"decode": [5], "prefill": [5]}
     with pytest.raises(ConfigError, match="leaves the decode engine no core"):
         core_split([0, 1, 2, 3], 4)
+
+
+def test_a_second_request_with_a_running_ones_id_leaves_that_one_running(tmp_path):
+    """Failing the duplicate by its id would have aborted the request running under it (the api never sends
+    one, but any client on the engine's socket could)."""
+    import zmq
+
+    from hybrid.engine.llm_engine import LLMEngine
+    from hybrid.llm import DEFAULT_MODEL_DIR
+    from hybrid.managers.daemon_config import DaemonConfig
+    from hybrid.managers.engine_server import EngineServer
+    from hybrid.managers.messages import AddRequest
+    from hybrid.sampling_params import SamplingParams
+
+    config = DaemonConfig(model=str(DEFAULT_MODEL_DIR), home=str(tmp_path))
+    config.paths.make()
+    server = EngineServer(config)
+    server.outbox.setsockopt(zmq.SNDTIMEO, 100)  # nobody reads: a message sent would fail the test, not hang it
+    try:
+        server.engine = LLMEngine(config.engine_config())
+        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        server.handle(AddRequest("r1", [5, 6, 7], params))
+        server.handle(AddRequest("r1", [8, 9], params))
+        assert server.in_flight == {"r1"} and server.engine.seqs["r1"].token_ids[:3] == [5, 6, 7]
+    finally:
+        server.close()

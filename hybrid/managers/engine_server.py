@@ -223,6 +223,9 @@ class EngineServer:
             if self.stopping:
                 self.send(RequestFailed(msg.request_id, 503, "hybridd is stopping; the request was not started"))
                 return
+            if msg.request_id in self.in_flight:  # failing it by its id would end the request running under it
+                log.error("ignored a second request with the id %r of one that is running", msg.request_id)
+                return
             try:
                 self.engine.add_request(msg.prompt_ids, msg.params, msg.request_id)
             except ValueError as e:
