@@ -52,7 +52,9 @@ def test_errors_are_one_clear_line(tmp_path):
     for flags, needle in ((["--kv-cache-gb", "inf"], "--kv-cache-gb: wants a positive number of GiB"),
                           (["--kv-cache-gb", "0"], "--kv-cache-gb: wants a positive number of GiB"),
                           (["--max-model-len", "999999"], "max_model_len=999999 is beyond the 4096 positions"),
-                          (["--expert-pack", str(tmp_path / "typo")], "no complete expert pack")):
+                          (["--expert-pack", str(tmp_path / "typo")], "no complete expert pack"),
+                          (["--gpus", "0", "--attn-device", "cpu", "--experts", "inline"], "leave --experts inline"),
+                          (["--gpus", "0", "--attn-device", "cpu", "--backend", "cpu"], "leave --backend cpu")):
         code, err = in_process("generate", "--prompt", "x", *flags)
         assert code == 2 and needle in err.strip().splitlines()[-1], (flags, err)
     for flags, needle in ((["--max-tokens", "0"], "max_tokens must be >= 1"),

@@ -21,7 +21,6 @@ DEFAULT_URL = "http://127.0.0.1:8000"
 def register(sub) -> None:
     st = sub.add_parser("start", help="start the daemon (OpenAI API, web chat page, /metrics) in the background")
     add_engine_args(st)
-    st.set_defaults(experts=None)
     dev = st.add_mutually_exclusive_group()
     dev.add_argument("--gpus", type=parse_gpus, help="CUDA devices: the first runs attention, KV cache and "
                      "dense layers; routed experts stay on the CPU (e.g. 0 or 0,1)")
@@ -166,7 +165,7 @@ def cmd_start(a: argparse.Namespace) -> int:
     model = str(Path(a.model).resolve()) if a.model else str(DEFAULT_MODEL_DIR)
     # The daemon's experts run in the expert process, except that tensor-parallel / pipeline ranks each compute
     # their own share in their process, and the torch reference computes them itself.
-    a.experts = a.experts or ("inline" if a.tp * a.pp > 1 or a.backend == "torch" else "process")
+    a.experts = a.experts or ("inline" if a.tp * a.pp > 1 or (a.backend == "torch" and not a.gpus) else "process")
     if follow_if_not_rank0(a, model):
         return 0
     from hybrid.distributed.launcher import under_torchrun

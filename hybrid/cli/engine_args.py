@@ -7,6 +7,8 @@ import math
 import os
 import sys
 
+from hybrid.config import ConfigError
+
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="Hugging Face model directory (default: the embedded tiny model)")
@@ -19,15 +21,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    "(default 1): it holds what four sequences of --max-model-len need (at most --max-num-seqs), "
                    "within this")
     p.add_argument("--threads", type=int, help="compute threads (default: every allowed core)")
-    p.add_argument("--backend", default="cpu", choices=["cpu", "torch"],
-                   help="cpu: C++ AVX-512 kernels for experts and dense layers; torch: the pure-torch reference")
+    p.add_argument("--backend", choices=["cpu", "torch"],
+                   help="cpu (default): C++ AVX-512 kernels for experts and dense layers; torch: the pure-torch "
+                   "reference; with --gpus the device runs torch and Triton")
     p.add_argument("--expert-format", default="auto", choices=["auto", "bf16", "fp8", "int8", "int4"],
                    help="routed-expert weights in RAM (auto: the checkpoint's, fp8 stays fp8)")
     p.add_argument("--dense-format", default="auto", choices=["auto", "bf16", "fp8", "int8"],
                    help="dense linear weights with the cpu backend (auto: the checkpoint's)")
     p.add_argument("--expert-pack", help="map the experts from this `hybridd pack` directory instead of packing")
-    p.add_argument("--experts", default="inline", choices=["inline", "process"],
-                   help="run the routed experts in this process or in the expert process")
+    p.add_argument("--experts", choices=["inline", "process"],
+                   help="run the routed experts in this process (generate's default) or in the expert process "
+                   "(start's default, and always with --gpus)")
     p.add_argument("--expert-server", help="control address of a running expert process (with --experts process)")
     p.add_argument("--attn-device", help="with --gpus: the device that plays GPU 0's role (cpu: the hybrid path "
                    "on the CPU, Triton attention under TRITON_INTERPRET=1)")
@@ -82,11 +86,19 @@ def parse_gpus(text: str) -> list[int]:
 
 
 def engine_kwargs(a: argparse.Namespace) -> dict:
+    """EngineConfig's fields from the flags; refuses --backend cpu / --experts inline with --gpus, whose path
+    runs the device part in torch and the experts in the expert process (they were overridden silently)."""
+    gpus = getattr(a, "gpus", None)
+    if gpus and a.backend == "cpu":
+        raise ConfigError("--gpus runs the device's part in torch and Triton: leave --backend cpu out")
+    if gpus and a.experts == "inline":
+        raise ConfigError("--gpus runs the routed experts in the expert process: leave --experts inline out")
     return dict(dtype=a.dtype, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
                 max_num_batched_tokens=a.max_num_batched_tokens, num_kv_blocks=a.num_kv_blocks,
-                kv_cache_bytes=int(a.kv_cache_gb * 2**30), backend=a.backend, expert_format=a.expert_format,
-                dense_format=a.dense_format, num_threads=a.threads, expert_pack=a.expert_pack, experts=a.experts,
-                expert_server=a.expert_server, gpus=getattr(a, "gpus", None), attn_device=a.attn_device,
+                kv_cache_bytes=int(a.kv_cache_gb * 2**30), backend=a.backend or "cpu",
+                expert_format=a.expert_format, dense_format=a.dense_format, num_threads=a.threads,
+                expert_pack=a.expert_pack, experts=a.experts or "inline", expert_server=a.expert_server,
+                gpus=gpus, attn_device=a.attn_device,
                 overlap=a.overlap, enforce_eager=a.enforce_eager, gpu_experts=a.gpu_experts,
                 expert_profile=a.expert_profile, enable_prefix_caching=not a.no_prefix_cache, tp=a.tp, pp=a.pp,
                 all_reduce=a.all_reduce, slp_threshold=a.slp_threshold, slp_max_tokens=a.slp_max_tokens,
