@@ -35,13 +35,23 @@ def load_chat_template(value: str) -> str:
         except OSError as e:
             raise TokenizerError(f"--chat-template {value!r}: not a Jinja template, and not a file that can be "
                                  f"read ({e.strerror})") from None
+    try:
+        check_template_syntax(text)
+    except TokenizerError as e:
+        raise TokenizerError(f"--chat-template: {e}") from None
+    return text
+
+
+def check_template_syntax(template: object) -> None:
+    """Raises TokenizerError unless `template` is Jinja text that parses, naming the line that does not."""
     import jinja2
 
+    if not isinstance(template, str):
+        raise TokenizerError(f"is not text but {type(template).__name__}")
     try:
-        jinja2.Environment().parse(text)
+        jinja2.Environment().parse(template)
     except jinja2.TemplateSyntaxError as e:
-        raise TokenizerError(f"--chat-template: line {e.lineno}: {e.message}") from None
-    return text
+        raise TokenizerError(f"line {e.lineno}: {e.message}") from None
 
 
 class Tokenizer:
@@ -65,10 +75,13 @@ class Tokenizer:
         self.vocab_size = len(self.hf)
         if chat_template is not None:
             self.use_chat_template(chat_template)
+        self.template_source = f"{model_dir / 'tokenizer_config.json'}: its chat_template"
+        self._checked_template: object = None
 
     def use_chat_template(self, chat_template: str) -> None:
         """Renders chats with `chat_template` (Jinja text, see load_chat_template) instead of the model's."""
         self.hf.chat_template = chat_template
+        self.template_source = "--chat-template"
 
     @property
     def eos_token_id(self) -> int | None:
@@ -85,6 +98,14 @@ class Tokenizer:
         `enable_thinking`, say); they may not name the rendering's own arguments."""
         if not getattr(self.hf, "chat_template", None):
             raise TokenizerError("this model's tokenizer has no chat_template")
+        if self.hf.chat_template is not self._checked_template:  # parsed once, not per conversation
+            templates = t.values() if isinstance(t := self.hf.chat_template, dict) else [t]  # named, or one
+            try:
+                for template in templates:
+                    check_template_syntax(template)
+            except TokenizerError as e:
+                raise TokenizerError(f"{self.template_source} {e} (--chat-template replaces it)") from None
+            self._checked_template = self.hf.chat_template
         template_kwargs = template_kwargs or {}
         self.check_template_kwargs(template_kwargs)
         typed: dict[str, str] = {}
@@ -96,8 +117,13 @@ class Tokenizer:
                 typed[slot] = content
                 m = {**m, "content": slot}
             slotted.append(m)
-        text = self.hf.apply_chat_template(slotted, tools=tools, tokenize=False, add_generation_prompt=True,
-                                           **template_kwargs)
+        import jinja2
+
+        try:
+            text = self.hf.apply_chat_template(slotted, tools=tools, tokenize=False, add_generation_prompt=True,
+                                               **template_kwargs)
+        except jinja2.TemplateError as e:  # raise_exception() in the template, or what it reads is not there
+            raise TokenizerError(f"the chat template failed on this conversation: {e}") from None
         ids: list[int] = []
         for piece in _SLOT_RE.split(text):
             if piece in typed:

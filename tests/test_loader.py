@@ -118,3 +118,85 @@ def test_fp8_dequant_matches_per_block_reference(rows, cols):
 def test_fp8_dequant_rejects_wrong_scale_grid():
     with pytest.raises(ValueError, match="expected"):
         dequantize_block_fp8(torch.zeros(256, 256, dtype=torch.float8_e4m3fn), torch.ones(1, 2), (128, 128))
+
+
+@pytest.fixture
+def broken_fp8(tmp_path, model_dirs):
+    dst = tmp_path / "fp8"
+    shutil.copytree(model_dirs["tiny-deepseek-v3-fp8"], dst)
+    return dst
+
+
+@pytest.mark.parametrize("which", ["o_proj", "expert"])
+def test_fp8_scales_of_the_wrong_grid_are_named_not_used(broken_fp8, which):
+    """The kernels keep fp8 weights with their block scales: a transposed or collapsed grid ran silently wrong or
+    failed inside the packer."""
+    name = ("model.layers.0.self_attn.o_proj.weight" if which == "o_proj"
+            else "model.layers.2.mlp.experts.3.down_proj.weight") + "_scale_inv"
+    path = shard_of(broken_fp8, name)
+    tensors = load_file(path)
+    tensors[name] = torch.ones(2, 3, dtype=tensors[name].dtype)  # the weights are one 128x128 block each
+    save_file(tensors, path)
+    with pytest.raises(CheckpointError, match=rf"{path.name}.*{name}.*expected"):
+        LLM(broken_fp8)
+
+
+@pytest.mark.parametrize("block", [[128], [-128, 128], "128", [0, 0]])
+def test_a_bad_fp8_block_size_is_named(broken_fp8, block):
+    cfg = json.loads((broken_fp8 / "config.json").read_text())
+    cfg["quantization_config"]["weight_block_size"] = block
+    (broken_fp8 / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="config.json.*weight_block_size must be two positive integers"):
+        ModelConfig.from_dir(broken_fp8)
+
+
+@pytest.mark.parametrize("weight_map", [[["a", "b"]], {"a": None}, ["x"]])
+def test_a_malformed_index_is_named(broken, weight_map):
+    index = broken / "model.safetensors.index.json"
+    body = {"weight_map": weight_map} if weight_map != ["x"] else weight_map
+    index.write_text(json.dumps(body))
+    with pytest.raises(CheckpointError, match="model.safetensors.index.json"):
+        CheckpointReader(broken)
+
+
+def test_a_tensor_the_index_misplaces_is_named_from_its_header_too(broken):
+    index = json.loads((broken / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    wrong = next(s for s in shards if s != index["weight_map"][TENSOR])
+    index["weight_map"][TENSOR] = wrong
+    (broken / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=rf"{wrong}.*{TENSOR}"):
+        CheckpointReader(broken).stored(TENSOR)
+
+
+def test_a_tokenizer_larger_than_the_vocabulary_is_named(tmp_path):
+    from hybrid.llm import DEFAULT_MODEL_DIR
+    from hybrid.tokenizer import TokenizerError
+
+    model = tmp_path / "m"
+    shutil.copytree(DEFAULT_MODEL_DIR, model)
+    tok = json.loads((model / "tokenizer.json").read_text())
+    tok["added_tokens"].append({"id": 2048, "content": "<|big|>", "single_word": False, "lstrip": False,
+                                "rstrip": False, "normalized": False, "special": True})
+    (model / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(TokenizerError, match="tokenizer.json.*more than the model's vocab_size 2048"):
+        LLM(model)
+
+
+def test_a_broken_chat_template_is_named_when_a_chat_is_rendered(tmp_path):
+    from hybrid.llm import DEFAULT_MODEL_DIR
+    from hybrid.tokenizer import Tokenizer, TokenizerError
+
+    model = tmp_path / "m"
+    shutil.copytree(DEFAULT_MODEL_DIR, model)
+    messages = [{"role": "user", "content": "x"}]
+    for template, match in (("{% for m in messages %}{{ m.content }", "tokenizer_config.json.*line 1"),
+                            (5, "tokenizer_config.json.*not text"),
+                            ("{{ raise_exception('no system turn') }}", "no system turn")):
+        cfg = json.loads((model / "tokenizer_config.json").read_text())
+        cfg["chat_template"] = template
+        (model / "tokenizer_config.json").write_text(json.dumps(cfg))
+        tok = Tokenizer(model)  # text prompts still work with a broken template
+        assert tok.encode("hello")
+        with pytest.raises(TokenizerError, match=match):
+            tok.apply_chat_template(messages)

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from hybrid.checkpoint.fp8 import dequantize_block_fp8
+from hybrid.checkpoint.fp8 import check_block_scales, dequantize_block_fp8
 from hybrid.checkpoint.shard import Shard
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -33,8 +33,11 @@ class CheckpointReader:
         if index.is_file():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError) as e:
+            except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
                 raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from e
+            if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                           for k, v in weight_map.items()):
+                raise CheckpointError(f"{index}: weight_map must map tensor names to file names")
             for fname in sorted(set(weight_map.values())):
                 if not (self.model_dir / fname).is_file():
                     raise CheckpointError(f"{self.model_dir / fname}: listed in {INDEX_FILE} but missing")
@@ -88,8 +91,13 @@ class CheckpointReader:
         fname = self.weight_map.get(name)
         if fname is None:
             raise CheckpointError(f"{self.model_dir}: tensor {name!r} is missing from the checkpoint")
-        view = self._open(fname).get_slice(name)
-        return tuple(view.get_shape()), view.get_dtype()
+        try:
+            view = self._open(fname).get_slice(name)
+            return tuple(view.get_shape()), view.get_dtype()
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise CheckpointError(f"{self.model_dir / fname}: cannot read tensor {name!r} ({e})") from e
 
     def is_fp8(self, weight_name: str) -> bool:
         return self.get(weight_name).dtype == torch.float8_e4m3fn
@@ -124,9 +132,14 @@ class CheckpointReader:
                   shard: Shard | None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """fp8 weight `name` (local `shape`, its `shard` of the full tensor if given) with the block scales it is
         computed with, kept fp8; None where the shard cuts scale blocks so that no block grid of its own fits."""
+        weight, scales = self.checked(name, shard.full_shape(shape) if shard else shape), self.get(f"{name}_scale_inv")
+        try:
+            check_block_scales(weight, scales, self.fp8_block)
+        except ValueError as e:
+            raise CheckpointError(f"{self.file_of(name + '_scale_inv')}: tensor {name + '_scale_inv'!r}: {e}") from e
         if shard is None:
-            return self.checked(name, shape), self.get(f"{name}_scale_inv")
-        scales = shard.block_scales(self.get(f"{name}_scale_inv"), self.fp8_block[shard.dim])
+            return weight, scales
+        scales = shard.block_scales(scales, self.fp8_block[shard.dim])
         if scales is None:
             return None
-        return shard.of(self.checked(name, shard.full_shape(shape))).contiguous(), scales.contiguous()
+        return shard.of(weight).contiguous(), scales.contiguous()

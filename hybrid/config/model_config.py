@@ -229,11 +229,17 @@ def _parse(model_dir: Path, model_type: str, hf) -> ModelConfig:
     )
     quant = getattr(hf, "quantization_config", None)
     if quant:
+        if not isinstance(quant, dict) and not hasattr(quant, "to_dict"):
+            raise ConfigError(f"quantization_config must be an object, got {quant!r}")
         quant = quant if isinstance(quant, dict) else quant.to_dict()
         if quant.get("quant_method") != "fp8" or quant.get("fmt", "e4m3") != "e4m3":
             raise ConfigError(f"quantization {quant.get('quant_method')!r} is not supported "
                               "(DeepSeek-style fp8 e4m3 block quantization is)")
-        common["fp8_block"] = tuple(quant.get("weight_block_size") or (128, 128))
+        block = quant.get("weight_block_size") or (128, 128)
+        if not (isinstance(block, (list, tuple)) and len(block) == 2
+                and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+            raise ConfigError(f"quantization_config.weight_block_size must be two positive integers, got {block!r}")
+        common["fp8_block"] = tuple(block)
     layers = hf.num_hidden_layers
     if model_type == "qwen3_moe":
         head_dim = getattr(hf, "head_dim", None) or _div(hf.hidden_size, hf.num_attention_heads)

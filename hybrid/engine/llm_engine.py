@@ -47,6 +47,10 @@ class LLMEngine:
         except MissingTokenizer as e:
             log.warning("%s", e)
             self.tokenizer = None
+        if self.tokenizer is not None and self.tokenizer.vocab_size > self.model_config.vocab_size:
+            raise TokenizerError(f"{self.model_config.model_dir / 'tokenizer.json'}: its {self.tokenizer.vocab_size} "
+                                 f"tokens are more than the model's vocab_size {self.model_config.vocab_size} "
+                                 "(config.json): a tokenizer of another model?")
         self.runner = ModelRunner(self.model_config, config, expert_impl)
         self.max_model_len = self.runner.max_model_len
         prefix_cache = None
