@@ -134,3 +134,27 @@ def test_a_named_pack_is_mapped_in_its_own_format_and_never_written(model_dirs, 
     with pytest.raises(PackError, match="no complete expert pack"):
         LLM(model, experts="process", expert_pack=str(missing))
     assert not missing.exists()
+
+
+def test_weights_rewritten_in_place_make_the_pack_stale(model_dirs, tmp_path):
+    """Same names, same sizes, other weights (a fine-tune's next checkpoint written over the last): the pack of
+    the old weights must not be mapped for the new ones."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "model"
+    shutil.copytree(model_dirs["tiny-qwen3-moe"], model)
+    out = tmp_path / "pack"
+    assert write_pack(model, out)
+    shard = sorted(model.glob("*.safetensors"))[-1]
+    tensors = load_file(shard)
+    name = next(n for n in tensors if ".experts." in n)
+    tensors[name] = -tensors[name]
+    size = shard.stat().st_size
+    with safe_open(str(shard), "pt") as f:
+        metadata = f.metadata()
+    save_file(tensors, shard, metadata=metadata)
+    assert shard.stat().st_size == size
+    with pytest.raises(PackError, match="checkpoint changed"):
+        load_pack(out, ModelConfig.from_dir(model))
+    assert write_pack(model, out)  # repacked

@@ -39,11 +39,13 @@ class PackError(ValueError):
 
 
 def model_fingerprint(model_dir: str | Path) -> str:
-    """Identifies a checkpoint by its config and the names and sizes of its weight files."""
+    """Identifies a checkpoint by its config and the names, sizes and modification times of its weight files (a
+    file rewritten in place keeps its size: a fine-tune's next checkpoint under the same name, say)."""
     model_dir = Path(model_dir)
     h = hashlib.sha256((model_dir / "config.json").read_bytes())
     for f in sorted(model_dir.glob("*.safetensors")):
-        h.update(f"{f.name}:{f.stat().st_size};".encode())
+        st = f.stat()
+        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns};".encode())
     return h.hexdigest()[:32]
 
 
