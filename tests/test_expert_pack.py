@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -16,7 +17,15 @@ from hybrid import LLM, SamplingParams
 from hybrid.checkpoint.reader import CheckpointReader
 from hybrid.config import ModelConfig
 from hybrid.experts.kernel_experts import pack_layer
-from hybrid.experts.pack import EXPERTS_FILE, INDEX_FILE, PackError, load_pack, verify_pack, write_pack
+from hybrid.experts.pack import (
+    EXPERTS_FILE,
+    INDEX_FILE,
+    PackError,
+    default_pack_dir,
+    load_pack,
+    verify_pack,
+    write_pack,
+)
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
@@ -158,3 +167,7 @@ def test_weights_rewritten_in_place_make_the_pack_stale(model_dirs, tmp_path):
     with pytest.raises(PackError, match="checkpoint changed"):
         load_pack(out, ModelConfig.from_dir(model))
     assert write_pack(model, out)  # repacked
+    old_dir = default_pack_dir(model, "bf16")
+    (shard.parent / "config.json").touch()
+    os.utime(shard, ns=(shard.stat().st_atime_ns, shard.stat().st_mtime_ns + 10**9))
+    assert default_pack_dir(model, "bf16") == old_dir  # the stale pack's place, which a repack overwrites

@@ -38,20 +38,22 @@ class PackError(ValueError):
     """A pack directory that is missing, incomplete, corrupt or made for something else."""
 
 
-def model_fingerprint(model_dir: str | Path) -> str:
-    """Identifies a checkpoint by its config and the names, sizes and modification times of its weight files (a
-    file rewritten in place keeps its size: a fine-tune's next checkpoint under the same name, say)."""
+def model_fingerprint(model_dir: str | Path, times: bool = True) -> str:
+    """Identifies a checkpoint by its config and the names, sizes and (with `times`) modification times of its
+    weight files: a file rewritten in place keeps its size (a fine-tune's next checkpoint under the same name)."""
     model_dir = Path(model_dir)
     h = hashlib.sha256((model_dir / "config.json").read_bytes())
     for f in sorted(model_dir.glob("*.safetensors")):
         st = f.stat()
-        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns};".encode())
+        h.update(f"{f.name}:{st.st_size}{f':{st.st_mtime_ns}' if times else ''};".encode())
     return h.hexdigest()[:32]
 
 
 def default_pack_dir(model_dir: str | Path, fmt: str) -> Path:
+    """Named without the files' times, so a checkpoint rewritten in place is repacked over its stale pack rather
+    than beside it (a pack is as large as the experts)."""
     model_dir = Path(model_dir).resolve()
-    return hybridd_home() / "packs" / f"{model_dir.name}-{model_fingerprint(model_dir)[:8]}-{fmt}"
+    return hybridd_home() / "packs" / f"{model_dir.name}-{model_fingerprint(model_dir, times=False)[:8]}-{fmt}"
 
 
 def engine_pack(config: ModelConfig, expert_format: str | None = None,
