@@ -73,10 +73,10 @@ class Tokenizer:
             raise TokenizerError(f"{path}: not a tokenizer this version of `tokenizers` can load ({first})") from None
         self.backend: BackendTokenizer = self.hf.backend_tokenizer
         self.vocab_size = len(self.hf)
-        if chat_template is not None:
-            self.use_chat_template(chat_template)
         self.template_source = f"{model_dir / 'tokenizer_config.json'}: its chat_template"
         self._checked_template: object = None
+        if chat_template is not None:
+            self.use_chat_template(chat_template)
 
     def use_chat_template(self, chat_template: str) -> None:
         """Renders chats with `chat_template` (Jinja text, see load_chat_template) instead of the model's."""
@@ -136,6 +136,8 @@ class Tokenizer:
         """Refuses template variables that would set the rendering's own arguments (tokenize, tools, ...) or the
         special tokens it renders (bos_token, ...), and values holding a special token: text the template renders
         becomes tokens with the markers parsed, so such a value could forge a turn boundary."""
+        if not template_kwargs:  # the usual request: nothing to check
+            return
         reserved = set(inspect.signature(self.hf.apply_chat_template).parameters) - {"kwargs"}
         reserved |= set(self.hf.special_tokens_map)
         if taken := sorted(reserved & set(template_kwargs)):

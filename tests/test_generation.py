@@ -160,6 +160,7 @@ def test_a_chat_template_of_ones_own_from_a_file_or_text(model_dirs, tmp_path):
     tok = Tokenizer(model_dirs["tiny-qwen3-moe"], load_chat_template(str(path)))
     ids = tok.apply_chat_template([{"role": "user", "content": "hi"}])
     assert tok.decode(ids, skip_special_tokens=False) == "<user>hi<assistant>"
+    assert tok.template_source == "--chat-template"  # its errors name the flag, not tokenizer_config.json
     for bad, match in (("{% for %}", "line 1"), (str(tmp_path / "none.jinja"), "No such file"),
                        ("x" * 5000, "File name too long")):
         with pytest.raises(TokenizerError, match=match):
