@@ -171,6 +171,38 @@ def test_kv_that_cannot_be_read_fails_cleanly(model_dirs, tmp_path):
         e.close()
 
 
+def test_a_handoff_that_finds_no_device_memory_fails_that_request_alone(model_dirs, monkeypatch, tmp_path):
+    """The prefill engine's export of a sequence's KV may find the device full (a CUDA copy of its blocks): that
+    request fails with a 503, the engine and the other request's hand-off go on."""
+    from hybrid.managers import prefill_server
+
+    server = object.__new__(prefill_server.PrefillServer)  # the engine-side logic, without its sockets
+    server.engine = LLM(model_dirs["tiny-qwen3-moe"], role="prefill").engine
+    server.transport = SharedMemoryKVTransport(tmp_path)
+    server.in_flight, server.offered = {"a", "b"}, {}
+    sent, offered = [], []
+    server.send, server.send_peer = sent.append, offered.append
+    real_export = prefill_server.export
+
+    def export(engine, rid, transport):
+        if rid == "a":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real_export(engine, rid, transport)
+
+    monkeypatch.setattr(prefill_server, "export", export)
+    for seed, rid in enumerate("ab"):
+        server.engine.add_request(prompt_ids(20, seed=seed), GREEDY, rid)
+    while len(server.engine.prefilled) < 2:
+        server.engine.step()
+    server.after_step()
+    assert [(m.request_id, m.status) for m in sent] == [("a", 503)] and "out of memory" in sent[0].message
+    assert [h.request_id for h in offered] == ["b"] and list(server.engine.prefilled) == ["b"]
+    assert server.in_flight == {"b"}
+    server.transport.drop(offered[0].kv)
+    server.transport.close()
+    server.engine.close()
+
+
 def test_the_transport_follows_the_pool_device():
     from hybrid.disaggregation.cuda_ipc_transport import CudaIpcKVTransport
     from hybrid.disaggregation.kv_transport import transport_for
