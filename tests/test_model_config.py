@@ -152,6 +152,21 @@ def test_impossible_numbers_are_refused_naming_file_and_field(tmp_path, model_di
     assert msg.startswith(f"{d / 'config.json'}: ") and field in msg and "\n" not in msg
 
 
+BAD_LAYOUTS = [("tiny-deepseek-v3", "first_k_dense_replace", -1), ("tiny-deepseek-v3", "moe_layer_freq", -1),
+               ("tiny-deepseek-v3", "n_shared_experts", -1), ("tiny-qwen3-moe", "decoder_sparse_step", -1),
+               ("tiny-qwen3-moe", "decoder_sparse_step", 0)]
+
+
+@pytest.mark.parametrize(("preset", "field", "value"), BAD_LAYOUTS, ids=[f"{f}={v!r}" for _, f, v in BAD_LAYOUTS])
+def test_impossible_layer_layouts_are_refused(tmp_path, model_dirs, preset, field, value):
+    """Fields transformers takes as any integer that would place MoE layers at negative indexes, or make every
+    layer one (x % -1 == 0)."""
+    raw = json.loads((model_dirs[preset] / "config.json").read_text())
+    raw[field] = value
+    with pytest.raises(ConfigError, match=f"config\\.json: {field} must be .*>= ., got {value}"):
+        ModelConfig.from_dir(write_config(tmp_path, raw))
+
+
 def test_impossible_numbers_in_the_new_rope_parameters(tmp_path, model_dirs):
     d = saved_by_transformers(model_dirs["tiny-deepseek-v3"], tmp_path / "m")
     raw = json.loads((d / "config.json").read_text())

@@ -119,6 +119,8 @@ class ModelConfig:
                        floats=("rms_norm_eps", "routed_scaling_factor"))
         if not isinstance(self.num_experts, int) or self.num_experts < 0:
             raise ConfigError(f"the number of routed experts must be >= 0, got {self.num_experts!r}")
+        if not isinstance(self.n_shared_experts, int) or self.n_shared_experts < 0:
+            raise ConfigError(f"n_shared_experts must be >= 0, got {self.n_shared_experts!r}")
         if self.moe_layers and self.num_experts == 0:
             raise ConfigError("MoE layers with 0 routed experts")
         if self.is_mla:
@@ -243,7 +245,7 @@ def _parse(model_dir: Path, model_type: str, hf) -> ModelConfig:
     layers = hf.num_hidden_layers
     if model_type == "qwen3_moe":
         head_dim = getattr(hf, "head_dim", None) or _div(hf.hidden_size, hf.num_attention_heads)
-        step = hf.decoder_sparse_step or 1
+        step = _at_least(hf, "decoder_sparse_step", 1)
         dense = set(hf.mlp_only_layers or [])
         moe_layers = [i for i in range(layers) if i not in dense and hf.num_experts > 0 and (i + 1) % step == 0]
         return ModelConfig(
@@ -252,8 +254,8 @@ def _parse(model_dir: Path, model_type: str, hf) -> ModelConfig:
         )
     if getattr(hf, "topk_method", "noaux_tc") != "noaux_tc" or getattr(hf, "scoring_func", "sigmoid") != "sigmoid":
         raise ConfigError("only noaux_tc sigmoid routing (DeepSeek-V3/R1) is supported")
-    first_dense = hf.first_k_dense_replace or 0
-    freq = getattr(hf, "moe_layer_freq", 1) or 1
+    first_dense = _at_least(hf, "first_k_dense_replace", 0)
+    freq = _at_least(hf, "moe_layer_freq", 1)
     return ModelConfig(
         **common, num_key_value_heads=hf.num_key_value_heads or hf.num_attention_heads,
         num_experts=hf.n_routed_experts, n_shared_experts=hf.n_shared_experts or 0,
@@ -265,6 +267,16 @@ def _parse(model_dir: Path, model_type: str, hf) -> ModelConfig:
         moe_layers=[i for i in range(first_dense, layers) if i % freq == 0],
         rope=_rope(hf, hf.qk_rope_head_dim, interleave=hf.rope_interleave),
     )
+
+
+def _at_least(hf, name: str, minimum: int) -> int:
+    """An optional integer field of the config that must be >= minimum (absent or null: minimum)."""
+    v = getattr(hf, name, None)
+    if v is None:
+        return minimum
+    if not isinstance(v, int) or isinstance(v, bool) or v < minimum:
+        raise ConfigError(f"{name} must be an integer >= {minimum}, got {v!r}")
+    return v
 
 
 def _div(a, b) -> int:
