@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -87,6 +88,7 @@ def test_an_interrupted_pack_never_looks_complete(model_dirs, tmp_path, monkeypa
     with pytest.raises(KeyboardInterrupt):
         write_pack(model, tmp_path, "int8")
     assert not (tmp_path / INDEX_FILE).exists()
+    assert not (tmp_path / EXPERTS_FILE).exists()  # the stale pack's data went before the repack began
     with pytest.raises(PackError, match="no complete expert pack"):
         load_pack(tmp_path, ModelConfig.from_dir(model))
 
@@ -171,3 +173,33 @@ def test_weights_rewritten_in_place_make_the_pack_stale(model_dirs, tmp_path):
     (shard.parent / "config.json").touch()
     os.utime(shard, ns=(shard.stat().st_atime_ns, shard.stat().st_mtime_ns + 10**9))
     assert default_pack_dir(model, "bf16") == old_dir  # the stale pack's place, which a repack overwrites
+
+
+def test_packs_lists_each_pack_state_and_prune_keeps_only_current_ones(model_dirs, tmp_path, monkeypatch, capsys):
+    """`hybridd packs` tells a pack an engine would map from one whose checkpoint changed or is gone and from an
+    interrupted one; --prune deletes all but the first."""
+    from hybrid.cli.main import main
+
+    monkeypatch.setenv("HYBRIDD_HOME", str(tmp_path / "home"))
+    models = {name: tmp_path / name for name in ("kept", "changed", "deleted")}
+    for name, path in models.items():
+        shutil.copytree(model_dirs["tiny-qwen3-moe"], path)
+        assert write_pack(path, default_pack_dir(path, "bf16"))
+    (models["changed"] / "config.json").write_text((models["changed"] / "config.json").read_text() + "\n")
+    shutil.rmtree(models["deleted"])
+    interrupted = tmp_path / "home" / "packs" / "interrupted-0-bf16"
+    interrupted.mkdir()
+    (interrupted / (EXPERTS_FILE + expert_pack.PARTIAL_SUFFIX)).write_bytes(b"\0" * 4096)
+
+    def packs(*flags: str) -> dict[str, dict]:
+        assert main(["packs", "--json", *flags]) == 0
+        return {Path(e["path"]).name.split("-")[0]: e for e in json.loads(capsys.readouterr().out)}
+
+    listed = packs()
+    assert {name: e["state"] for name, e in listed.items()} == {
+        "kept": "current", "changed": "stale", "deleted": "orphaned", "interrupted": "incomplete"}
+    assert listed["interrupted"]["bytes"] == 4096 and listed["kept"]["model_dir"] == str(models["kept"].resolve())
+    pruned = packs("--prune")
+    assert [name for name, e in pruned.items() if e["removed"]] == ["changed", "deleted", "interrupted"]
+    assert [p.name.split("-")[0] for p in (tmp_path / "home" / "packs").iterdir()] == ["kept"]
+    assert load_pack(default_pack_dir(models["kept"], "bf16"), ModelConfig.from_dir(models["kept"]))

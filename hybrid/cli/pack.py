@@ -1,8 +1,10 @@
-"""`hybridd pack`: a checkpoint's routed experts packed once into one mappable file, with a progress bar."""
+"""`hybridd pack`: a checkpoint's routed experts packed once into one mappable file, with a progress bar;
+`hybridd packs`: the packs there are, and the removal of those no model uses."""
 
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 
@@ -15,6 +17,12 @@ def register(sub) -> None:
     pk.add_argument("--verify", action="store_true", help="re-read the pack and check every checksum")
     pk.add_argument("--quiet", action="store_true", help="no progress bar")
     pk.set_defaults(func=cmd_pack)
+    ps = sub.add_parser("packs", help="list the packs under $HYBRIDD_HOME/packs, and remove those no model uses")
+    ps.add_argument("--prune", action="store_true",
+                    help="delete every pack that is not current (its checkpoint changed or is gone, or packing was "
+                         "interrupted)")
+    ps.add_argument("--json", action="store_true", help="print the list as JSON")
+    ps.set_defaults(func=cmd_packs)
 
 
 def cmd_pack(a: argparse.Namespace) -> int:
@@ -35,4 +43,35 @@ def cmd_pack(a: argparse.Namespace) -> int:
     if a.verify:
         verify_pack(out)
     print(f"{out}: {'packed' if wrote else 'already up to date'}{' and verified' if a.verify else ''}")
+    return 0
+
+
+def cmd_packs(a: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from hybrid.experts.pack_inventory import list_packs, packs_root, remove_pack
+
+    entries = list_packs()
+    removed = [e for e in entries if e.removable] if a.prune else []
+    for e in removed:
+        remove_pack(e)
+    if a.json:
+        print(json.dumps([{"path": str(e.path), "state": e.state, "bytes": e.nbytes, "model_dir": e.model_dir,
+                           "format": e.format, "removed": e in removed} for e in entries], indent=1))
+        return 0
+    console = Console()
+    if not entries:
+        console.print(f"no packs under {packs_root()}")
+        return 0
+    table = Table("pack", "state", "size", "format", "model", title=str(packs_root()))
+    for e in entries:
+        state = f"{e.state}, removed" if e in removed else e.state
+        table.add_row(e.path.name, state, f"{e.nbytes / 1e9:.2f} GB", e.format or "?", e.model_dir or "?")
+    console.print(table)
+    freeable = sum(e.nbytes for e in entries if e.removable)
+    if a.prune:
+        console.print(f"removed {len(removed)} pack(s), {freeable / 1e9:.2f} GB")
+    elif freeable:
+        console.print(f"{freeable / 1e9:.2f} GB in packs no model uses: `hybridd packs --prune` removes them")
     return 0

@@ -124,6 +124,9 @@ def write_pack(model_dir: str | Path, pack_dir: str | Path, fmt: str | None = No
         return False
     make_private_dir(pack_dir)
     (pack_dir / INDEX_FILE).unlink(missing_ok=True)
+    # A stale pack's data goes before the new one is written: a repack would otherwise need the disk for both.
+    # A process still mapping it keeps its pages until it unmaps them.
+    (pack_dir / EXPERTS_FILE).unlink(missing_ok=True)
     reader = CheckpointReader(config.model_dir, config.fp8_block)
     partial = pack_dir / (EXPERTS_FILE + PARTIAL_SUFFIX)
     layers: dict[str, dict] = {}
@@ -148,7 +151,7 @@ def write_pack(model_dir: str | Path, pack_dir: str | Path, fmt: str | None = No
         f.flush()
         os.fsync(f.fileno())
     os.replace(partial, pack_dir / EXPERTS_FILE)
-    index = {"version": PACK_VERSION, "model_dir": str(config.model_dir), "model_fingerprint":
+    index = {"version": PACK_VERSION, "model_dir": str(Path(config.model_dir).resolve()), "model_fingerprint":
              model_fingerprint(config.model_dir), "format": fmt, "num_experts": config.num_experts,
              "layers": layers}
     write_private(pack_dir / INDEX_FILE, json.dumps(index, indent=1))
