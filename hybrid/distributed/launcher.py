@@ -7,12 +7,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
 import subprocess
 import sys
 
+import torch.distributed as dist
+
 from hybrid.config import EngineConfig
-from hybrid.distributed.parallel_state import ParallelState
+from hybrid.distributed.parallel_state import JOIN_TIMEOUT, ParallelState
 from hybrid.distributed.placement import rank_cpus
 
 
@@ -22,12 +23,6 @@ def under_torchrun() -> bool:
 
 def engine_config_json(config: EngineConfig) -> str:
     return json.dumps({k: str(v) if isinstance(v, os.PathLike) else v for k, v in dataclasses.asdict(config).items()})
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _confine(local_rank: int, local_world: int) -> None:
@@ -50,11 +45,12 @@ class ParallelRun:
         if under_torchrun():
             _confine(int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", world)))
             return cls(ParallelState.join(config.tp, config.pp, config.all_reduce), [])
-        port = _free_port()
-        followers = [cls._spawn(config, rank, world, port) for rank in range(1, world)]
+        # Bound before the followers start, so no other process can take the port between its choice and its use.
+        store = dist.TCPStore("127.0.0.1", 0, world, True, timeout=JOIN_TIMEOUT, wait_for_workers=False)
+        followers = [cls._spawn(config, rank, world, store.port) for rank in range(1, world)]
         try:
             _confine(0, world)
-            state = ParallelState.join(config.tp, config.pp, config.all_reduce, f"tcp://127.0.0.1:{port}", rank=0)
+            state = ParallelState.join(config.tp, config.pp, config.all_reduce, store)
         except BaseException:
             for p in followers:
                 p.kill()

@@ -76,16 +76,21 @@ class ParallelState:
         self.info, self.world_group, self.tp_comm = info, world_group, tp_comm
 
     @classmethod
-    def join(cls, tp: int, pp: int, all_reduce: str = "auto", init_method: str = "env://",
-             rank: int | None = None) -> "ParallelState":
-        """Joins the run (from torchrun's environment unless `init_method` / `rank` say otherwise)."""
+    def join(cls, tp: int, pp: int, all_reduce: str = "auto", store: dist.Store | None = None) -> "ParallelState":
+        """Joins the run: from torchrun's environment, or as rank 0 through `store` (the driver of a local run
+        serves it, so no port is picked before it is bound)."""
         world = tp * pp
         if not dist.is_initialized():
-            env_world = int(os.environ.get("WORLD_SIZE", world)) if init_method == "env://" else world
-            if env_world != world:
-                raise ConfigError(f"--tp {tp} x --pp {pp} = {world} ranks, but torchrun started {env_world}")
-            kwargs = {} if rank is None else {"rank": rank, "world_size": world}
-            dist.init_process_group("gloo", init_method=init_method, timeout=JOIN_TIMEOUT, **kwargs)
+            if store is not None:
+                # The followers join by env://, whose store init_process_group prefixes with "default_pg/"; a
+                # store passed in is used bare, so it gets the same prefix or the ranks never meet.
+                dist.init_process_group("gloo", store=dist.PrefixStore("default_pg", store), rank=0,
+                                        world_size=world, timeout=JOIN_TIMEOUT)
+            else:
+                env_world = int(os.environ.get("WORLD_SIZE", world))
+                if env_world != world:
+                    raise ConfigError(f"--tp {tp} x --pp {pp} = {world} ranks, but torchrun started {env_world}")
+                dist.init_process_group("gloo", init_method="env://", timeout=JOIN_TIMEOUT)
         info = RankInfo(dist.get_rank(), tp, pp)
         world_group = dist.new_group(list(range(world)), timeout=IDLE_TIMEOUT)
         comm = None
