@@ -28,6 +28,16 @@ TINY_PRESETS = ["tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-deepseek-v3-noqlora"
 torch.set_num_threads(2)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def private_home(tmp_path_factory):
+    """Packs, logs and sockets of the whole run under pytest's temporary directory (which keeps the last three
+    runs), never in the user's ~/.hybridd: each run's tiny models are new checkpoints, so their packs would pile
+    up there. Processes the tests start inherit it."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HYBRIDD_HOME", str(tmp_path_factory.mktemp("hybridd-home")))
+        yield
+
+
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")
