@@ -4,6 +4,7 @@ and off. Greedy tokens must equal transformers' and CPU-only mode's."""
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from hybrid import LLM, SamplingParams
 pytest.importorskip("triton")
 
 NEW_TOKENS = 12
+PROMPTS = [prompt_ids(23, seed=2), prompt_ids(9, seed=3), prompt_ids(40, seed=4)]
 
 
 def greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
@@ -43,18 +45,26 @@ def test_hybrid_on_cuda_matches_cpu_only(any_model, overlap, eager):
     check_hybrid(any_model, "cuda:0", overlap, eager)
 
 
-def check_hybrid(model, attn_device: str, overlap: bool, eager: bool) -> None:
-    prompts = [prompt_ids(23, seed=2), prompt_ids(9, seed=3), prompt_ids(40, seed=4)]
+@functools.cache
+def cpu_only_tokens(model, with_transformers: bool) -> list[list[int]]:
+    """CPU-only mode's greedy tokens for PROMPTS (checked against transformers' where asked): the same for every
+    mode of a model, so made once."""
     cpu = LLM(model, dtype="float32")
     try:
-        want = greedy(cpu, prompts)
+        want = greedy(cpu, PROMPTS)
     finally:
         cpu.close()
-    if attn_device == "cpu":
+    if with_transformers:
         ref = reference(model)
         with torch.no_grad():
             assert want == [ref.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                                         do_sample=False)[0, len(p):].tolist() for p in prompts]
+                                         do_sample=False)[0, len(p):].tolist() for p in PROMPTS]
+    return want
+
+
+def check_hybrid(model, attn_device: str, overlap: bool, eager: bool) -> None:
+    prompts = PROMPTS
+    want = cpu_only_tokens(model, attn_device == "cpu")
     # A 16-token step budget makes prefill chunks share steps with decodes (the extend kernel's mixed case).
     # slp_threshold auto would choose streamed or CPU experts from rates probed at start, so from timing: this
     # test keeps the CPU experts, test_streamed_prefill.py checks streaming on every model.

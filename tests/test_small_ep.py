@@ -179,7 +179,7 @@ def test_a_daemon_on_two_devices(tmp_path):
         d.stop()
     psutil.wait_procs(peers, timeout=30)
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in peers)
-    llm = LLM(dtype="float32", gpus=[0], attn_device="cpu", slp_threshold="off")
+    llm = LLM(dtype="float32")  # CPU-only: the hybrid paths give its tokens (test_hybrid.py)
     want = llm.chat(messages, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].text
     llm.close()
     assert streamed == want
