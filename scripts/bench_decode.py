@@ -1,5 +1,7 @@
 """CPU-only prefill and decode speed of the engine on a real-shaped (truncated) MoE model.
 
+Prefill is reported against the planner's time for the prompt from probes of the same kernels alone (their dense,
+attention and expert rates, in the engine's chunks: what the engine would reach with no cost between kernels).
 Decode is reported as a fraction of the memory-bandwidth roofline: tokens/s <= read bandwidth /
 bytes touched per token, with the bandwidth measured by scripts/membw.c around every run (the median over
 runs of each run's fraction of the mean of the probes either side: the machine's bandwidth drifts).
@@ -46,6 +48,7 @@ from hybrid.experts.kernel_experts import KernelExperts  # noqa: E402
 from hybrid.experts.pack import EXPERTS_FILE, engine_pack  # noqa: E402
 from hybrid.experts.process.process_experts import ProcessExperts  # noqa: E402
 from hybrid.layers.linear import Linear, SharedInputLinears, shared_input_groups  # noqa: E402
+from hybrid.planner.plan import measure  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -173,6 +176,11 @@ def main() -> None:
 
     runs = interleaved(probe, run, a.runs)
     probe.close()
+    # Prefill's bound: the planner's time for the prompt from its probes of the same kernels alone (dense and
+    # attention FLOP/s, experts' prefill rate, per-step overhead), in the engine's chunks.
+    plan = measure(model_dir, expert_format=a.expert_format, chunk_tokens=max(512, a.prompt_len)) \
+        if a.backend == "cpu" else None
+    planned_tok_s = a.prompt_len / plan.ttft(a.prompt_len)["cpu"] if plan else None
     decode = [r * 1e9 / total for r in runs.rates]
     roofline = runs.bandwidth * 1e9 / total
     res = {
@@ -180,7 +188,8 @@ def main() -> None:
         "kernel_path": kernel_isa_name() if a.backend == "cpu" else "torch",
         "experts": type(llm.engine.runner.experts).__name__, "load_s": load_s,
         "attention": llm.engine.config.attention,
-        "prefill_tok_s": statistics.median(prefill), "decode_tok_s": statistics.median(decode),
+        "prefill_tok_s": statistics.median(prefill), "prefill_planned_tok_s": planned_tok_s,
+        "decode_tok_s": statistics.median(decode),
         "bytes_per_token": total, "routed_bytes_per_token": touched["routed"],
         "read_gbps_probes": runs.probes, "roofline_tok_s": roofline,
         "decode_fraction_of_roofline": runs.fraction,
@@ -191,6 +200,9 @@ def main() -> None:
     t.add_column("metric")
     t.add_column("value", justify="right")
     t.add_row(f"prefill pp{a.prompt_len} tok/s (median of {a.runs})", f"{res['prefill_tok_s']:.1f}")
+    if planned_tok_s:
+        t.add_row("prefill tok/s at the kernels' probed rates (planner)", f"{planned_tok_s:.1f}")
+        t.add_row("[bold]prefill / probed rates", f"[bold]{res['prefill_tok_s'] / planned_tok_s:.3f}")
     t.add_row(f"decode tok/s (batch 1, {a.decode_tokens} tokens)", f"{res['decode_tok_s']:.2f}")
     t.add_row("bytes touched per decode token", f"{total / 1e6:.1f} MB (routed {touched['routed'] / 1e6:.1f} MB, "
                                                 f"KV {touched['kv'] / 1e6:.1f} MB)")

@@ -2,8 +2,9 @@
 
 Prints the round trip of a per-layer call through the shared-memory slots and doorbells with no
 compute (the server echoes the hidden states) for a tiny payload (the tiny model: H=64, k=4)
-and a real decode payload (H=7168, k=8, one token), then end-to-end decode tok/s of the real-shaped
-benchmark model with inline experts vs the expert process, in the same run.
+and a real decode payload (H=7168, k=8, one token), and that echo as a fraction of the same call with its
+MoE compute; then end-to-end decode tok/s of the real-shaped benchmark model with inline experts vs the expert
+process, in the same run.
 
     python scripts/bench_dispatch.py
 """
@@ -95,6 +96,11 @@ def main() -> None:
     for name, r in rows.items():
         table.add_row(name, f"{r['median_us']:.1f}", f"{r['p99_us']:.1f}")
     console.print(table)
+    echo, compute = (rows[f"decode payload (H=7168, k=8, T=1), {kind}"]["median_us"]
+                     for kind in ("echo", "with MoE compute"))
+    rows["echo_over_compute"] = echo / compute
+    console.print(f"[bold]dispatch / MoE call: {echo / compute:.3f}[/bold] (echo round trip over the same call with "
+                  "its compute, medians: the share of a decode layer's expert call the process boundary costs)")
     if not a.skip_e2e:
         bench = models / "qwen3-30b-a3b-L4"
         if not (bench / "config.json").exists():
