@@ -51,6 +51,18 @@ def test_shape_mismatch_names_file_and_tensor(broken):
         LLM(broken)
 
 
+@pytest.mark.parametrize("name", [TENSOR, EXPERT])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.float8_e5m2], ids=["int32", "fp8-e5m2"])
+def test_a_tensor_of_a_type_hybridd_cannot_read_is_named(broken, name, dtype):
+    """Integers or fp8 e5m2 where weights belong were cast to the compute dtype as they were: other numbers."""
+    path = shard_of(broken, name)
+    tensors = load_file(path)
+    tensors[name] = tensors[name].to(dtype)
+    save_file(tensors, path)
+    with pytest.raises(CheckpointError, match=rf"{path.name}: tensor '{name}' is stored as {str(dtype)[6:]}"):
+        LLM(broken)
+
+
 def test_truncated_shard_names_the_file(broken):
     path = shard_of(broken, TENSOR)
     data = path.read_bytes()

@@ -11,6 +11,7 @@ from safetensors import safe_open
 from hybrid.checkpoint.fp8 import check_block_scales, dequantize_block_fp8
 from hybrid.checkpoint.shard import Shard
 
+READABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e4m3fn)
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
@@ -80,11 +81,16 @@ class CheckpointReader:
         if fname is None:
             raise CheckpointError(f"{self.model_dir}: tensor {name!r} is missing from the checkpoint")
         try:
-            return self._open(fname).get_tensor(name)
+            t = self._open(fname).get_tensor(name)
         except CheckpointError:
             raise
         except Exception as e:
             raise CheckpointError(f"{self.model_dir / fname}: cannot read tensor {name!r} ({e})") from e
+        if t.dtype not in READABLE_DTYPES:  # cast as they are, integers or fp8 e5m2 would be other numbers
+            raise CheckpointError(f"{self.model_dir / fname}: tensor {name!r} is stored as "
+                                  f"{str(t.dtype).removeprefix('torch.')}; hybridd reads F32, BF16, F16 and F64 "
+                                  "tensors, and fp8 e4m3 weights with block scales")
+        return t
 
     def stored(self, name: str) -> tuple[tuple[int, ...], str]:
         """(shape, safetensors dtype name such as "BF16" or "F8_E4M3") of a tensor, from its file's header only."""
@@ -100,7 +106,7 @@ class CheckpointReader:
             raise CheckpointError(f"{self.model_dir / fname}: cannot read tensor {name!r} ({e})") from e
 
     def is_fp8(self, weight_name: str) -> bool:
-        return self.get(weight_name).dtype == torch.float8_e4m3fn
+        return self.stored(weight_name)[1] == "F8_E4M3"
 
     def checked(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """The raw stored tensor, after checking it has the shape the config implies."""
