@@ -44,6 +44,20 @@ def check_stop_token_ids(stop_token_ids: list[int], limits: RequestLimits) -> No
                              param="stop_token_ids")
 
 
+def check_logit_bias(logit_bias: dict[int, float], limits: RequestLimits) -> None:
+    """Refuses biases of token ids outside the vocabulary."""
+    bad = [t for t in logit_bias if not 0 <= t < limits.vocab_size]
+    if bad:
+        raise InvalidRequest(f"logit_bias: token ids {bad[:5]} are outside the vocabulary [0, {limits.vocab_size})",
+                             param="logit_bias")
+
+
+def check_min_tokens(min_tokens: int, max_tokens: int) -> None:
+    if min_tokens > max_tokens:
+        raise InvalidRequest(f"min_tokens: {min_tokens} is more than the {max_tokens} tokens the request may generate",
+                             param="min_tokens")
+
+
 def resolve_max_tokens(requested: int | None, prompt_len: int, limits: RequestLimits,
                        default: int | None = None) -> int:
     """The completion budget: `requested` if it fits the context after the prompt, else an error; when nothing was

@@ -9,6 +9,8 @@ GREEDY_BELOW = 1e-5
 MAX_LOGPROBS = 20
 MAX_TOP_K = 2**31 - 1  # top_k goes over the wire as an int; any k above the vocabulary keeps every token
 SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed accepts
+MAX_REPETITION_PENALTY = 10.0
+MAX_LOGIT_BIAS = 1024  # tokens one request may bias (OpenAI's own limit is lower)
 
 
 @dataclass
@@ -16,7 +18,11 @@ class SamplingParams:
     """temperature 0 (or below GREEDY_BELOW) means greedy; top_k 0 and top_p 1 disable those filters; seed makes
     sampling repeatable. logprobs=k reports each generated token's log-probability and the k most likely
     alternatives; prompt_logprobs=k does the same for the prompt's tokens (the first has none). grammar (Lark text, see
-    hybrid/structured_output) restricts the completion to what it derives; the request ends when it is complete."""
+    hybrid/structured_output) restricts the completion to what it derives; the request ends when it is complete.
+    presence / frequency penalties (OpenAI's), repetition_penalty (HF's and vLLM's, over prompt and completion),
+    logit_bias (token id: bias) and min_tokens (no end of sequence or stop before that many tokens) adjust the
+    logits before drawing (engine/logits_processors.py); min_p drops tokens less likely than min_p times the most
+    likely one when sampling."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -30,6 +36,12 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     grammar: str | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -48,6 +60,20 @@ class SamplingParams:
             raise ValueError(f"seed must be in [-2**63, 2**64), got {self.seed}")
         if self.grammar is not None and not self.grammar.strip():
             raise ValueError("grammar must not be empty")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise ValueError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], got "
+                             f"{self.repetition_penalty}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias may name at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}")
+        if any(not -100.0 <= b <= 100.0 for b in self.logit_bias.values()):
+            raise ValueError("logit_bias values must be in [-100, 100]")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(self, name)
             if k is not None and not 0 <= k <= MAX_LOGPROBS:

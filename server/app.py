@@ -25,6 +25,8 @@ from hybrid.managers.messages import TokenDelta, as_json
 from hybrid.request_checks import (
     InvalidRequest,
     RequestLimits,
+    check_logit_bias,
+    check_min_tokens,
     check_prompt,
     check_stop_token_ids,
     resolve_max_tokens,
@@ -252,7 +254,9 @@ def build_app(config: DaemonConfig, client: EngineClient, tokenizer: Tokenizer |
             check_prompt(prompt_ids, limits, prompt_field)
             check_stop_token_ids(req.stop_token_ids, limits)
             max_tokens = resolve_max_tokens(req.requested_max_tokens, len(prompt_ids), limits, req.default_max_tokens)
+            check_min_tokens(req.min_tokens, max_tokens)
             params = req.sampling_params(max_tokens, grammar)
+            check_logit_bias(params.logit_bias, limits)
         except InvalidRequest as e:
             raise ApiError(400, str(e), param=e.param, code=e.code) from None
         except ValueError as e:

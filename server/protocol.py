@@ -9,7 +9,14 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from hybrid.sampling_params import MAX_LOGPROBS, MAX_TOP_K, SEED_RANGE, SamplingParams
+from hybrid.sampling_params import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_REPETITION_PENALTY,
+    MAX_TOP_K,
+    SEED_RANGE,
+    SamplingParams,
+)
 from hybrid.structured_output.backend import GrammarError
 from hybrid.structured_output.grammars import check_schema_shape, json_object_grammar, json_schema_grammar
 from hybrid.structured_output.tool_formats import Function
@@ -20,11 +27,9 @@ COMPLETION_MAX_TOKENS = 16
 # Fields hybridd does not implement, with the values that ask for nothing (and so are accepted): OpenAI's, and the
 # extensions of vLLM and llama-server a client of theirs may send, refused rather than silently ignored.
 UNSUPPORTED = {
-    "functions": (None, []), "function_call": (None, "none"), "logit_bias": (None, {}),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0), "best_of": (None, 1),
+    "functions": (None, []), "function_call": (None, "none"), "best_of": (None, 1),
     "suffix": (None, ""), "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
-    "web_search_options": (None,), "min_p": (None, 0, 0.0), "min_tokens": (None, 0),
+    "web_search_options": (None,),
     "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
     "structured_outputs": (None,), "grammar": (None, ""), "json_schema": (None,), "use_beam_search": (None, False),
     "length_penalty": (None, 1, 1.0), "allowed_token_ids": (None,), "bad_words": (None, []),
@@ -153,6 +158,12 @@ class SamplingFields(BaseModel):
     response_format: ResponseFormat | None = None
     stop_token_ids: list[int] = Field(default_factory=list, max_length=MAX_STOP_SEQUENCES)
     skip_special_tokens: bool = True
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=MAX_REPETITION_PENALTY)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    min_tokens: int = Field(default=0, ge=0)
+    logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
 
     @model_validator(mode="before")
     @classmethod
@@ -178,12 +189,26 @@ class SamplingFields(BaseModel):
             raise ValueError(f"stop sequences must be at most {MAX_STOP_CHARS} characters")
         return stops
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (v or {}).items():
+            if not (key.isascii() and key.isdigit()):
+                raise ValueError(f"logit_bias keys are token ids, got {key[:32]!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {key}")
+        return v
+
     def sampling_params(self, max_tokens: int, grammar: str | None = None) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0),
                               max_tokens=max_tokens, seed=self.seed, stop=self.stop,
                               stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
                               skip_special_tokens=self.skip_special_tokens, logprobs=self.logprob_count,
-                              prompt_logprobs=self.prompt_logprob_count, grammar=grammar)
+                              prompt_logprobs=self.prompt_logprob_count, grammar=grammar,
+                              presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                              repetition_penalty=self.repetition_penalty, min_p=self.min_p,
+                              min_tokens=self.min_tokens,
+                              logit_bias={int(k): b for k, b in (self.logit_bias or {}).items()})
 
     @property
     def logprob_count(self) -> int | None:

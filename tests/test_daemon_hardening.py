@@ -71,9 +71,15 @@ def test_every_field_is_checked_at_the_api_with_its_name(daemon):
         ("chat/completions", {"response_format": {"type": "yaml"}}, "response_format.type"),
         ("chat/completions", {"tool_choice": "required"}, "tool_choice"),
         ("chat/completions", {"functions": [{"name": "f"}]}, "functions"),
-        ("completions", {"logit_bias": {"5": 10}}, "logit_bias"),
+        ("completions", {"logit_bias": {"five": 10}}, "logit_bias"),
+        ("completions", {"logit_bias": {"5": 101}}, "logit_bias"),
+        ("completions", {"logit_bias": {str(10**9): 1}}, "logit_bias"),
         ("completions", {"best_of": 3}, "best_of"),
-        ("chat/completions", {"frequency_penalty": 0.5}, "frequency_penalty"),
+        ("chat/completions", {"frequency_penalty": 2.5}, "frequency_penalty"),
+        ("chat/completions", {"presence_penalty": -3}, "presence_penalty"),
+        ("completions", {"repetition_penalty": 0}, "repetition_penalty"),
+        ("completions", {"min_p": 1.5}, "min_p"),
+        ("completions", {"min_tokens": 20, "max_tokens": 10}, "min_tokens"),
         ("chat/completions", {"n": 2}, "n"),
         ("chat/completions", {"top_logprobs": 3}, "top_logprobs"),
         ("chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
@@ -106,8 +112,12 @@ def test_every_field_is_checked_at_the_api_with_its_name(daemon):
     # neutral values of unsupported fields ask for nothing and are accepted
     ok = httpx.post(f"{url}/chat/completions", timeout=30, json={
         "model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "tools": [],
-        "response_format": {"type": "text"}, "presence_penalty": 0, "logit_bias": {}})
+        "response_format": {"type": "text"}, "best_of": 1, "functions": []})
     assert ok.status_code == 200, ok.text
+    tuned = httpx.post(f"{url}/completions", timeout=30, json={
+        "model": MODEL, "prompt": "x", "max_tokens": 4, "presence_penalty": 0.5, "frequency_penalty": 0.5,
+        "repetition_penalty": 1.2, "min_p": 0.1, "logit_bias": {"5": 3}, "min_tokens": 4, "seed": 1})
+    assert tuned.status_code == 200 and tuned.json()["usage"]["completion_tokens"] == 4, tuned.text
     r = httpx.post(f"{url}/completions", json={"model": MODEL, "prompt": "word " * 5000}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
     r = httpx.post(f"{url}/chat/completions", timeout=30,

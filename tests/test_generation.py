@@ -223,7 +223,7 @@ def test_a_grammar_that_leaves_only_minus_inf_logits_fails_that_row(monkeypatch)
     seqs = [Sequence(str(i), [1], SamplingParams(temperature=0)) for i in range(2)]
     seqs[0].matcher = object()  # only Sampler.apply_grammars (replaced below) reads it
     sampler = Sampler()
-    monkeypatch.setattr(sampler, "apply_grammars", lambda raw, seqs: (_mask_row0(raw), set()))
+    monkeypatch.setattr(sampler, "apply_grammars", lambda raw, seqs, copied=False: (_mask_row0(raw), set()))
     samples = sampler(logits, seqs)
     assert samples[0].token is None and samples[0].error == NOTHING_ALLOWED
     assert samples[1].token == 1

@@ -29,6 +29,13 @@ def register(sub) -> None:
     g.add_argument("--seed", type=int)
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens less likely than this times the top one")
+    g.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="divide positive logits (multiply negative ones) of tokens already in prompt or completion")
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="subtract from tokens already generated")
+    g.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="subtract this times how often a token was generated")
+    g.add_argument("--min-tokens", type=int, default=0, help="no end of sequence or stop before this many tokens")
     g.add_argument("--json", action="store_true", help="print one JSON object with ids, text and timings")
     g.set_defaults(func=cmd_generate)
 
@@ -52,7 +59,9 @@ def cmd_generate(a: argparse.Namespace) -> int:
         raise ValueError("--chat-template renders --chat prompts: give --chat too")
     chat_template = load_chat_template(a.chat_template) if a.chat_template else None
     params = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, max_tokens=a.max_tokens,
-                            seed=a.seed, stop=a.stop or [], ignore_eos=a.ignore_eos)
+                            seed=a.seed, stop=a.stop or [], ignore_eos=a.ignore_eos, min_p=a.min_p,
+                            repetition_penalty=a.repetition_penalty, presence_penalty=a.presence_penalty,
+                            frequency_penalty=a.frequency_penalty, min_tokens=a.min_tokens)
     llm = LLM(a.model, **engine_kwargs(a))
     explain_gpus(a.gpus, a.slp_threshold)
     engine = llm.engine

@@ -11,8 +11,11 @@ INVALID_PREFIX = "Invalid prefix encountered"
 class IncrementalDetokenizer:
     """Feeds generated ids one at a time; `text` is the full completion, `take_delta` what is safe to stream."""
 
-    def __init__(self, backend: BackendTokenizer, stop: list[str], skip_special_tokens: bool = True):
+    def __init__(self, backend: BackendTokenizer, stop: list[str], skip_special_tokens: bool = True,
+                 min_tokens: int = 0):
+        """Stop strings are looked for once `min_tokens` tokens have come (in the text they add from then)."""
         self.backend, self.skip_special_tokens = backend, skip_special_tokens
+        self.min_tokens, self.tokens = min_tokens, 0
         self.stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         self.last: int | None = None  # the token before, context for a fresh stream
         self.stop = stop
@@ -34,7 +37,11 @@ class IncrementalDetokenizer:
             self.stream = DecodeStream(ids=context, skip_special_tokens=self.skip_special_tokens)
             chunk = self.stream.step(self.backend, token_id)
         self.last = token_id
+        self.tokens += 1
         if not chunk:
+            return None
+        if self.tokens < self.min_tokens:
+            self.text += chunk
             return None
         search_from = max(0, len(self.text) - self.holdback)
         self.text += chunk

@@ -28,7 +28,13 @@ from hybrid.experts.base import Experts
 from hybrid.experts.process.client import ExpertServerError
 from hybrid.mem_cache.block_hash_cache import BlockHashCache
 from hybrid.mem_cache.block_manager import BlockManager
-from hybrid.request_checks import InvalidRequest, RequestLimits, check_prompt, check_stop_token_ids
+from hybrid.request_checks import (
+    InvalidRequest,
+    RequestLimits,
+    check_logit_bias,
+    check_prompt,
+    check_stop_token_ids,
+)
 from hybrid.sampling_params import SamplingParams
 from hybrid.structured_output.backend import GrammarError, GrammarMatcher
 from hybrid.tokenizer import MissingTokenizer, Tokenizer, TokenizerError
@@ -66,8 +72,8 @@ class LLMEngine:
         if config.grammar_masks == "process" and self.tokenizer is not None:
             mask_process = MaskProcessSpec(self.model_config.model_dir, self.model_config.vocab_size,
                                            sorted(self.model_config.eos_token_ids))
-        self.sampler = Sampler(mask_process)
         self.eos_ids = set(self.model_config.eos_token_ids)
+        self.sampler = Sampler(mask_process, self.eos_ids)
         self.seqs: dict[str, Sequence] = {}
         self.detok: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
@@ -92,6 +98,7 @@ class LLMEngine:
         ids = self.encode(prompt)
         check_prompt(ids, self.limits)
         check_stop_token_ids(params.stop_token_ids, self.limits)
+        check_logit_bias(params.logit_bias, self.limits)
         if params.grammar is not None and self.tokenizer is None:
             raise InvalidRequest("a grammar needs the model's tokenizer, and this model has none")
         if request_id is None:
@@ -109,7 +116,8 @@ class LLMEngine:
         return seq.request_id
 
     def _detokenizer(self, params: SamplingParams) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(self.tokenizer.backend, params.stop, params.skip_special_tokens)
+        return IncrementalDetokenizer(self.tokenizer.backend, params.stop, params.skip_special_tokens,
+                                      params.min_tokens)
 
     def _matcher(self, grammar: str) -> GrammarMatcher:
         """Runs on the compiler thread, the only one that creates the backend."""

@@ -3,12 +3,13 @@
 Sampling is total: any accepted SamplingParams gives a token for finite logits (a tiny temperature acts as
 greedy, a top-p that keeps nothing keeps the top token); a row of logits that are not numbers gives no token,
 and the engine fails that request alone. A sequence with a grammar matcher draws only among the tokens its
-grammar allows next (its mask is usually computed while the model ran: grammar_masks.py); logprobs stay the
-model's own, before the mask.
+grammar allows next (its mask is usually computed while the model ran: grammar_masks.py), after its penalties,
+logit_bias and min_tokens (logits_processors.py); logprobs stay the model's own, before any of these.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -16,12 +17,13 @@ import torch
 from cpu_kernels.logits_scan import logits_scan, logits_scan_reference
 from cpu_kernels.token_mask import mask_logits_
 from hybrid.engine.grammar_masks import MaskPrefetcher, MaskProcessSpec
+from hybrid.engine.logits_processors import adjust_logits_, adjusts
 from hybrid.engine.outputs import TokenLogprob
 from hybrid.engine.sequence import Sequence
 from hybrid.structured_output.backend import GrammarBackend
 
 NOT_NUMBERS = "the model produced logits that are not numbers (NaN or infinite) for this request"
-NOTHING_ALLOWED = "the request's grammar allows no next token"
+NOTHING_ALLOWED = "the request's grammar (or min_tokens) allows no next token"
 
 
 @dataclass
@@ -34,9 +36,12 @@ class Sample:
     error: str | None = None
 
 
-def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Masks (to -inf) tokens outside the top-k and outside the smallest set whose probability reaches top_p;
-    the most likely token always survives."""
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:
+    """Masks (to -inf) tokens outside the top-k, outside the smallest set whose probability reaches top_p, and
+    less likely than min_p times the most likely token; the most likely token always survives."""
+    if min_p > 0.0:
+        # p_i < min_p * p_max  <=>  logit_i < logit_max + log(min_p)
+        logits = logits.masked_fill(logits < logits.max() + math.log(min_p), float("-inf"))
     if 0 < top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -79,22 +84,28 @@ class Sampler:
     """`grammars` is set by the engine once a request has brought a grammar; with `mask_process` the masks are
     computed in a mask process of that model while the model runs."""
 
-    def __init__(self, mask_process: MaskProcessSpec | None = None) -> None:
+    def __init__(self, mask_process: MaskProcessSpec | None = None, eos_ids: set[int] | None = None) -> None:
         self.grammars: GrammarBackend | None = None
         self.masks = MaskPrefetcher(mask_process)
+        self.eos_ids = eos_ids or set()
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[Sample]:
         """logits [len(seqs), vocab] in fp32 or the model's dtype: widened to fp32 only for a batch with a row that
-        draws at random or under a grammar (greedy rows and logprobs read them as they are, exactly)."""
+        draws at random, under a grammar or with its logits adjusted (greedy rows and logprobs read them as they
+        are, exactly)."""
+        adjusted = [row for row, seq in enumerate(seqs) if adjusts(seq)]
         widen = (logits.dtype not in (torch.float32, torch.bfloat16)  # fp16 (torch backend or a device): no scan
-                 or any(seq.matcher is not None or not seq.params.greedy for seq in seqs))
+                 or bool(adjusted) or any(seq.matcher is not None or not seq.params.greedy for seq in seqs))
         raw = logits.float() if widen else logits
         greedy, broken = scan(raw)
-        logits, unsatisfiable = self.apply_grammars(raw, seqs)
-        if any(seq.matcher is not None for seq in seqs):  # greedy among the tokens the grammars allow
+        logits = raw.clone() if adjusted else raw  # raw stays the model's own: logprobs are read from it
+        adjust_logits_(logits, seqs, adjusted, self.eos_ids)
+        logits, unsatisfiable = self.apply_grammars(logits, seqs, copied=bool(adjusted))
+        if adjusted or any(seq.matcher is not None for seq in seqs):  # greedy among what is left
             greedy, masked_out = scan(logits)
             # Tokens the grammar allows whose logits are all -inf leave nothing to draw either.
-            unsatisfiable |= {row for row, seq in enumerate(seqs) if seq.matcher is not None and masked_out[row]}
+            unsatisfiable |= {row for row, seq in enumerate(seqs)
+                              if (seq.matcher is not None or row in adjusted) and masked_out[row]}
         out = []
         for row, seq in enumerate(seqs):
             p = seq.params
@@ -104,21 +115,22 @@ class Sampler:
             if p.greedy:
                 token = greedy[row]
             else:
-                filtered = filter_logits(logits[row] / p.temperature, p.top_k, p.top_p)
+                filtered = filter_logits(logits[row] / p.temperature, p.top_k, p.top_p, p.min_p)
                 probs = torch.softmax(filtered, dim=-1)
                 token = int(torch.multinomial(probs, 1, generator=seq.generator).item())
             lp = token_logprobs(raw[row:row + 1], [token], p.logprobs)[0] if p.logprobs is not None else None
             out.append(Sample(token, lp))
         return out
 
-    def apply_grammars(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, set[int]]:
-        """The logits with each constrained row's grammar mask applied (in place unless a row asked for
-        logprobs), and the rows whose grammar allows nothing."""
+    def apply_grammars(self, logits: torch.Tensor, seqs: list[Sequence],
+                       copied: bool = False) -> tuple[torch.Tensor, set[int]]:
+        """The logits with each constrained row's grammar mask applied (in place where they are a copy already or
+        no row asked for logprobs), and the rows whose grammar allows nothing."""
         rows = [row for row, seq in enumerate(seqs) if seq.matcher is not None]
         if not rows:
             return logits, set()
         masks = self.masks.take(self.grammars, seqs if len(rows) == len(seqs) else [seqs[row] for row in rows])
-        if any(seq.params.logprobs is not None for seq in seqs):  # they are read from the unmasked logits
+        if not copied and any(seq.params.logprobs is not None for seq in seqs):  # read from the unmasked logits
             logits = logits.clone()
         every = len(rows) == len(seqs)
         return mask_logits_(logits, masks.bits, None if every else rows), {rows[i] for i in masks.nothing}

@@ -1,0 +1,106 @@
+"""Penalties, logit_bias, min_tokens and min_p: the vectorized adjustments against a token-by-token reference, the
+sampler drawing from them while reporting the model's own logprobs, and the engine honouring min_tokens."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from conftest import prompt_ids
+
+from hybrid import LLM, SamplingParams
+from hybrid.engine.logits_processors import adjust_row_, adjust_row_reference, adjusts
+from hybrid.engine.sampler import Sampler, filter_logits
+from hybrid.engine.sequence import Sequence
+
+EOS = {2, 7}
+
+
+def random_case(rng: random.Random, vocab: int) -> tuple[torch.Tensor, Sequence]:
+    params = SamplingParams(
+        max_tokens=64, repetition_penalty=rng.choice([1.0, 0.5, 1.3, 7.0]),
+        presence_penalty=rng.choice([0.0, -1.5, 0.7, 2.0]), frequency_penalty=rng.choice([0.0, -2.0, 0.3, 1.1]),
+        logit_bias={rng.randrange(vocab): rng.uniform(-100, 100) for _ in range(rng.choice([0, 1, 5]))},
+        min_tokens=rng.choice([0, 3, 40]), ignore_eos=rng.random() < 0.3,
+        stop_token_ids=rng.sample(range(vocab), rng.choice([0, 2])))
+    seq = Sequence("r", [rng.randrange(vocab) for _ in range(rng.randrange(1, 30))], params)
+    for _ in range(rng.randrange(0, 12)):
+        seq.append(rng.randrange(vocab))
+    return torch.randn(vocab, generator=torch.Generator().manual_seed(rng.randrange(2**31))) * 4, seq
+
+
+@pytest.mark.parametrize("vocab", [9, 64, 1001])
+def test_adjustments_match_the_token_by_token_reference(vocab):
+    rng = random.Random(vocab)
+    for _ in range(200):
+        logits, seq = random_case(rng, vocab)
+        want = adjust_row_reference(logits, seq, EOS)
+        got = logits.clone()
+        adjust_row_(got, seq, EOS)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
+        if not adjusts(seq):  # the sampler skips such rows
+            assert torch.equal(want, logits)
+
+
+def test_min_tokens_bars_eos_and_stop_ids_only_until_it_is_reached():
+    seq = Sequence("r", [1, 2], SamplingParams(min_tokens=2, stop_token_ids=[5]))
+    logits = torch.zeros(8)
+    adjust_row_(logits, seq, EOS)
+    assert logits[[2, 5, 7]].tolist() == [float("-inf")] * 3 and logits[[0, 1, 3]].tolist() == [0.0] * 3
+    seq.append(3)
+    seq.append(4)
+    assert not adjusts(seq)
+
+
+def test_the_sampler_draws_from_the_adjusted_logits_and_reports_the_models_logprobs():
+    logits = torch.tensor([[0.0, 5.0, 4.0, 1.0], [0.0, 5.0, 4.0, 1.0], [3.0, 1.0, 0.0, 0.0]])
+    seqs = [Sequence("a", [1], SamplingParams(temperature=0, repetition_penalty=2.0, logprobs=0)),
+            Sequence("b", [1], SamplingParams(temperature=0)),
+            Sequence("c", [0], SamplingParams(temperature=0, logit_bias={3: 10.0}, min_tokens=1))]
+    samples = Sampler(eos_ids={3})(logits, seqs)
+    # a: token 1 seen in the prompt, 5 / 2 < 4; b: untouched; c: the bias lifts 3, but 3 is the end of sequence and
+    # min_tokens bars it for the first token
+    assert [s.token for s in samples] == [2, 1, 0]
+    assert samples[0].logprob.logprob == pytest.approx(torch.log_softmax(logits[0], -1)[2].item())
+
+
+def test_min_p_drops_tokens_below_its_share_of_the_top_one():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    kept = filter_logits(logits, 0, 1.0, min_p=0.25) > float("-inf")
+    assert kept.tolist() == [True, True, True, False]  # 0.05 < 0.25 * 0.5 <= 0.15
+    assert (filter_logits(logits, 0, 1.0, min_p=1.0) > float("-inf")).tolist() == [True, False, False, False]
+    g = torch.Generator().manual_seed(0)
+    probs = torch.softmax(filter_logits(logits, 0, 1.0, min_p=0.4), -1)
+    assert set(torch.multinomial(probs, 200, replacement=True, generator=g).tolist()) == {0, 1}
+
+
+@pytest.mark.parametrize("bad", [dict(presence_penalty=2.5), dict(frequency_penalty=float("nan")),
+                                 dict(repetition_penalty=0.0), dict(min_p=-0.1), dict(logit_bias={1: 101.0}),
+                                 dict(min_tokens=17), dict(logit_bias={i: 1.0 for i in range(1025)})])
+def test_absurd_values_are_refused_naming_the_field(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        SamplingParams(**bad)
+
+
+def test_the_engine_generates_min_tokens_before_the_end_of_sequence(model_dirs):
+    """The end of sequence biased to be every greedy step's choice: the request ends at its first token without
+    min_tokens, and right after min_tokens with it; a stop string met before min_tokens does not end it."""
+    llm = LLM(model_dirs["tiny-qwen3-moe"], dtype="float32")
+    eos = sorted(llm.engine.eos_ids)[0]
+    ids = prompt_ids(10, seed=3)
+    try:
+        first = llm.generate(ids, SamplingParams(temperature=0, max_tokens=20, logit_bias={eos: 100.0}))[0]
+        assert first.token_ids == [eos] and first.finish_reason == "stop"
+        held = llm.generate(ids, SamplingParams(temperature=0, max_tokens=20, logit_bias={eos: 100.0},
+                                                min_tokens=5))[0]
+        assert len(held.token_ids) == 6 and held.token_ids[-1] == eos and eos not in held.token_ids[:5]
+        free = llm.generate(ids, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+        stop = free.text[:2]
+        assert stop and llm.generate(ids, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                                                         stop=[stop]))[0].token_ids != free.token_ids
+        late = llm.generate(ids, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, stop=[stop],
+                                                min_tokens=8))[0]
+        assert late.token_ids == free.token_ids
+    finally:
+        llm.close()
