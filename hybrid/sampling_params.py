@@ -22,7 +22,8 @@ class SamplingParams:
     presence / frequency penalties (OpenAI's), repetition_penalty (HF's and vLLM's, over prompt and completion),
     logit_bias (token id: bias) and min_tokens (no end of sequence or stop before that many tokens) adjust the
     logits before drawing (engine/logits_processors.py); min_p drops tokens less likely than min_p times the most
-    likely one when sampling."""
+    likely one when sampling. The text ends before the stop string it met, or after it with
+    include_stop_str_in_output."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -42,6 +43,7 @@ class SamplingParams:
     min_p: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     min_tokens: int = 0
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -33,7 +33,7 @@ UNSUPPORTED = {
     "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
     "structured_outputs": (None,), "grammar": (None, ""), "json_schema": (None,), "use_beam_search": (None, False),
     "length_penalty": (None, 1, 1.0), "allowed_token_ids": (None,), "bad_words": (None, []),
-    "include_stop_str_in_output": (None, False), "logits_processors": (None, []), "repeat_penalty": (None, 1, 1.0),
+"logits_processors": (None, []), "repeat_penalty": (None, 1, 1.0),
     "typical_p": (None, 1, 1.0), "mirostat": (None, 0), "tfs_z": (None, 1, 1.0), "n_predict": (None,),
     "dry_multiplier": (None, 0, 0.0), "xtc_probability": (None, 0, 0.0), "n_probs": (None, 0),
 }
@@ -164,6 +164,7 @@ class SamplingFields(BaseModel):
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     min_tokens: int = Field(default=0, ge=0)
     logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
+    include_stop_str_in_output: bool = False
 
     @model_validator(mode="before")
     @classmethod
@@ -207,7 +208,7 @@ class SamplingFields(BaseModel):
                               prompt_logprobs=self.prompt_logprob_count, grammar=grammar,
                               presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                               repetition_penalty=self.repetition_penalty, min_p=self.min_p,
-                              min_tokens=self.min_tokens,
+                              min_tokens=self.min_tokens, include_stop_str_in_output=self.include_stop_str_in_output,
                               logit_bias={int(k): b for k, b in (self.logit_bias or {}).items()})
 
     @property

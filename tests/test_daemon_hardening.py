@@ -116,7 +116,8 @@ def test_every_field_is_checked_at_the_api_with_its_name(daemon):
     assert ok.status_code == 200, ok.text
     tuned = httpx.post(f"{url}/completions", timeout=30, json={
         "model": MODEL, "prompt": "x", "max_tokens": 4, "presence_penalty": 0.5, "frequency_penalty": 0.5,
-        "repetition_penalty": 1.2, "min_p": 0.1, "logit_bias": {"5": 3}, "min_tokens": 4, "seed": 1})
+        "repetition_penalty": 1.2, "min_p": 0.1, "logit_bias": {"5": 3}, "min_tokens": 4, "seed": 1,
+        "include_stop_str_in_output": True})
     assert tuned.status_code == 200 and tuned.json()["usage"]["completion_tokens"] == 4, tuned.text
     r = httpx.post(f"{url}/completions", json={"model": MODEL, "prompt": "word " * 5000}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"

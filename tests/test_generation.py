@@ -86,6 +86,9 @@ def test_streamed_text_equals_full_decode_and_stop_strings_cut_it(llm):
     assert final.finish_reason == "stop"
     assert final.text == text[:text.index(stop)]
     assert "".join(pieces) == final.text
+    kept = llm.generate(ids, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop],
+                                            include_stop_str_in_output=True))[0]
+    assert kept.finish_reason == "stop" and kept.text == text[:text.index(stop) + len(stop)]
 
 
 def test_bad_requests_are_refused_with_a_reason(llm):

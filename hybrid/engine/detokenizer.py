@@ -12,9 +12,10 @@ class IncrementalDetokenizer:
     """Feeds generated ids one at a time; `text` is the full completion, `take_delta` what is safe to stream."""
 
     def __init__(self, backend: BackendTokenizer, stop: list[str], skip_special_tokens: bool = True,
-                 min_tokens: int = 0):
-        """Stop strings are looked for once `min_tokens` tokens have come (in the text they add from then)."""
-        self.backend, self.skip_special_tokens = backend, skip_special_tokens
+                 min_tokens: int = 0, include_stop: bool = False):
+        """Stop strings are looked for once `min_tokens` tokens have come (in the text they add from then); the
+        text is cut before the one met, or after it with `include_stop`."""
+        self.backend, self.skip_special_tokens, self.include_stop = backend, skip_special_tokens, include_stop
         self.min_tokens, self.tokens = min_tokens, 0
         self.stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         self.last: int | None = None  # the token before, context for a fresh stream
@@ -24,7 +25,7 @@ class IncrementalDetokenizer:
         self.sent = 0
 
     def step(self, token_id: int) -> str | None:
-        """Adds one token; returns the stop string it completed, if any (the text is then cut before it)."""
+        """Adds one token; returns the stop string it completed, if any (the text is then cut there)."""
         try:
             chunk = self.stream.step(self.backend, token_id)
         except Exception as e:
@@ -48,8 +49,8 @@ class IncrementalDetokenizer:
         found = [(at, stop) for stop in self.stop if (at := self.text.find(stop, search_from)) != -1]
         if not found:
             return None
-        at, stop = min(found)  # the earliest: the text never holds any stop string
-        self.text = self.text[:at]
+        at, stop = min(found)  # the earliest: the text holds no stop string but this one, when included
+        self.text = self.text[:at + len(stop) if self.include_stop else at]
         return stop
 
     def take_delta(self, finished: bool) -> str:

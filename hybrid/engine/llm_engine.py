@@ -117,7 +117,7 @@ class LLMEngine:
 
     def _detokenizer(self, params: SamplingParams) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self.tokenizer.backend, params.stop, params.skip_special_tokens,
-                                      params.min_tokens)
+                                      params.min_tokens, params.include_stop_str_in_output)
 
     def _matcher(self, grammar: str) -> GrammarMatcher:
         """Runs on the compiler thread, the only one that creates the backend."""
