@@ -70,6 +70,8 @@ class SamplingParams:
                              f"{self.repetition_penalty}")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if any(not isinstance(t, int) or isinstance(t, bool) for t in self.logit_bias):
+            raise ValueError("logit_bias keys must be token ids (integers)")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise ValueError(f"logit_bias may name at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}")
         if any(not -100.0 <= b <= 100.0 for b in self.logit_bias.values()):

@@ -37,6 +37,9 @@ UNSUPPORTED = {
     "typical_p": (None, 1, 1.0), "mirostat": (None, 0), "tfs_z": (None, 1, 1.0), "n_predict": (None,),
     "dry_multiplier": (None, 0, 0.0), "xtc_probability": (None, 0, 0.0), "n_probs": (None, 0),
 }
+NULL_MEANS_DEFAULT = {"temperature", "top_p", "top_k", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                      "min_p", "min_tokens", "include_stop_str_in_output", "stop_token_ids", "ignore_eos",
+                      "skip_special_tokens", "stream", "n"}
 log = logging.getLogger(__name__)
 # Unknown fields are logged once per name, names cut short and at most this many: a client cannot fill the log.
 WARNED_FIELDS = 256
@@ -170,6 +173,8 @@ class SamplingFields(BaseModel):
     @classmethod
     def _refuse_unsupported(cls, data):
         if isinstance(data, dict):
+            # OpenAI's spec lets these be null, meaning the default (clients built on it send them so).
+            data = {k: v for k, v in data.items() if not (v is None and k in NULL_MEANS_DEFAULT)}
             for name, neutral in UNSUPPORTED.items():
                 if name in data and not any(data[name] == v and type(data[name]) is type(v) for v in neutral):
                     raise PydanticCustomError("unsupported", "hybridd does not support this field yet",

@@ -109,10 +109,11 @@ def test_every_field_is_checked_at_the_api_with_its_name(daemon):
         assert r.status_code == 400, (extra, r.text)
         err = r.json()["error"]
         assert err["param"] == field and err["message"].startswith(f"{field}: "), (extra, err)
-    # neutral values of unsupported fields ask for nothing and are accepted
+    # neutral values of unsupported fields ask for nothing and are accepted, as are nulls of optional ones
     ok = httpx.post(f"{url}/chat/completions", timeout=30, json={
         "model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "tools": [],
-        "response_format": {"type": "text"}, "best_of": 1, "functions": []})
+        "response_format": {"type": "text"}, "best_of": 1, "functions": [], "temperature": None,
+        "presence_penalty": None, "min_p": None, "min_tokens": None, "logit_bias": None})  # null: the default
     assert ok.status_code == 200, ok.text
     tuned = httpx.post(f"{url}/completions", timeout=30, json={
         "model": MODEL, "prompt": "x", "max_tokens": 4, "presence_penalty": 0.5, "frequency_penalty": 0.5,

@@ -85,7 +85,7 @@ def test_a_request_the_silent_engine_holds_is_failed_and_aborted(tmp_path):
         assert (await engine.receive(messages.AbortRequest)).request_id == "r1"
         assert client.state.status == "down"
 
-    run_with_engine(tmp_path, 0.3, script)
+    run_with_engine(tmp_path, 1.0, script)
 
 
 def test_a_failed_request_ends_alone_and_deltas_reach_their_caller_in_order(tmp_path):

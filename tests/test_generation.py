@@ -334,6 +334,24 @@ def test_stop_strings_cut_at_the_earliest_one_whatever_their_order():
     assert detok.step(1) == "." and "." not in detok.text and "\n" not in detok.text
 
 
+def test_stop_strings_before_min_tokens_never_stop_later():
+    """A short stop string met before min_tokens is not found once the longer one widens the search window."""
+    from tokenizers import Tokenizer as BackendTokenizer
+    from tokenizers.decoders import Fuse
+    from tokenizers.models import WordLevel
+
+    from hybrid.engine.detokenizer import IncrementalDetokenizer
+
+
+    backend = BackendTokenizer(WordLevel({"x": 0, "\n": 1, "y": 2, "z": 3}, unk_token="x"))
+    backend.decoder = Fuse()  # the tokens' text joined as it is
+    detok = IncrementalDetokenizer(backend, ["\n", "zz"], min_tokens=3)
+    assert [detok.step(t) for t in (0, 1, 2, 3)] == [None, None, None, None]
+    assert detok.step(3) == "zz" and detok.text == "x\ny"
+    kept = IncrementalDetokenizer(backend, ["zz"], include_stop=True)
+    assert [kept.step(t) for t in (2, 3, 3)] == [None, None, "zz"] and kept.text == "yzz"
+
+
 def test_a_decode_stream_that_meets_an_invalid_prefix_starts_afresh():
     from hybrid.engine.detokenizer import IncrementalDetokenizer
 

@@ -41,12 +41,13 @@ class IncrementalDetokenizer:
         self.tokens += 1
         if not chunk:
             return None
-        if self.tokens < self.min_tokens:
-            self.text += chunk
-            return None
-        search_from = max(0, len(self.text) - self.holdback)
+        before = len(self.text)
         self.text += chunk
-        found = [(at, stop) for stop in self.stop if (at := self.text.find(stop, search_from)) != -1]
+        if self.tokens < self.min_tokens:
+            return None
+        # Each stop string is looked for where it could end in the new text: one wholly in the text before can
+        # only be there from the tokens before min_tokens, which do not stop.
+        found = [(at, stop) for stop in self.stop if (at := self.text.find(stop, max(0, before - len(stop) + 1))) != -1]
         if not found:
             return None
         at, stop = min(found)  # the earliest: the text holds no stop string but this one, when included

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cpu_kernels.logits_scan import logits_scan, logits_scan_reference
+from cpu_kernels.logits_scan import logits_scan
 from cpu_kernels.token_mask import mask_logits_
 from hybrid.engine.grammar_masks import MaskPrefetcher, MaskProcessSpec
 from hybrid.engine.logits_processors import adjust_logits_, adjusts
@@ -61,7 +61,7 @@ def scan(logits: torch.Tensor) -> tuple[list[int], list[bool]]:
     """Each row's greedy token and whether no token can be drawn from it (any NaN or +inf, or nothing above -inf):
     one pass of a kernel over CPU logits, fp32 or the model's bf16 (torch's five passes took 1.6 ms for 8 rows of a
     152K vocabulary)."""
-    greedy, broken = (logits_scan if logits.device.type == "cpu" else logits_scan_reference)(logits)
+    greedy, broken = logits_scan(logits)
     return greedy.tolist(), broken.tolist()
 
 
@@ -90,9 +90,13 @@ class Sampler:
         self.eos_ids = eos_ids or set()
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[Sample]:
-        """logits [len(seqs), vocab] in fp32 or the model's dtype: widened to fp32 only for a batch with a row that
-        draws at random, under a grammar or with its logits adjusted (greedy rows and logprobs read them as they
-        are, exactly)."""
+        """logits [len(seqs), vocab] in fp32 or the model's dtype, on any device: widened to fp32 only for a batch
+        with a row that draws at random, under a grammar or with its logits adjusted (greedy rows and logprobs read
+        them as they are, exactly)."""
+        if logits.device.type != "cpu":
+            # A device's logits come over once ([batch, vocab]: ~2 MB for 8 rows of 129K in bf16): the scan
+            # kernel, grammar masks, seeded generators and the adjustments all work on the CPU.
+            logits = logits.cpu()
         adjusted = [row for row, seq in enumerate(seqs) if adjusts(seq)]
         widen = (logits.dtype not in (torch.float32, torch.bfloat16)  # fp16 (torch backend or a device): no scan
                  or bool(adjusted) or any(seq.matcher is not None or not seq.params.greedy for seq in seqs))
