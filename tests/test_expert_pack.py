@@ -175,9 +175,10 @@ def test_weights_rewritten_in_place_make_the_pack_stale(model_dirs, tmp_path):
     assert default_pack_dir(model, "bf16") == old_dir  # the stale pack's place, which a repack overwrites
 
 
-def test_packs_lists_each_pack_state_and_prune_keeps_only_current_ones(model_dirs, tmp_path, monkeypatch, capsys):
-    """`hybridd packs` tells a pack an engine would map from one whose checkpoint changed or is gone and from an
-    interrupted one; --prune deletes all but the first."""
+def test_packs_lists_each_pack_state_and_prune_deletes_only_dead_ones(model_dirs, tmp_path, monkeypatch, capsys):
+    """`hybridd packs` tells a pack an engine would map from one whose checkpoint changed or is gone, an
+    interrupted one and one being written; --prune deletes the changed and interrupted ones, --orphaned the one
+    whose checkpoint is gone too, and nothing else."""
     from hybrid.cli.main import main
 
     monkeypatch.setenv("HYBRIDD_HOME", str(tmp_path / "home"))
@@ -195,11 +196,19 @@ def test_packs_lists_each_pack_state_and_prune_keeps_only_current_ones(model_dir
         assert main(["packs", "--json", *flags]) == 0
         return {Path(e["path"]).name.split("-")[0]: e for e in json.loads(capsys.readouterr().out)}
 
-    listed = packs()
-    assert {name: e["state"] for name, e in listed.items()} == {
-        "kept": "current", "changed": "stale", "deleted": "orphaned", "interrupted": "incomplete"}
-    assert listed["interrupted"]["bytes"] == 4096 and listed["kept"]["model_dir"] == str(models["kept"].resolve())
-    pruned = packs("--prune")
-    assert [name for name, e in pruned.items() if e["removed"]] == ["changed", "deleted", "interrupted"]
-    assert [p.name.split("-")[0] for p in (tmp_path / "home" / "packs").iterdir()] == ["kept"]
+    writing = tmp_path / "home" / "packs" / "writing-0-bf16"
+    writing.mkdir()
+    (tmp_path / "home" / "packs" / "lost+found").mkdir()  # not a pack
+    with expert_pack.pack_lock(writing):  # another process packing there now
+        listed = packs()
+        assert {name: e["state"] for name, e in listed.items()} == {
+            "kept": "current", "changed": "stale", "deleted": "orphaned", "interrupted": "incomplete",
+            "writing": "packing"}
+        assert listed["interrupted"]["bytes"] == 4096
+        assert listed["kept"]["model_dir"] == str(models["kept"].resolve())
+        pruned = packs("--prune")
+        assert [name for name, e in pruned.items() if e["removed"]] == ["changed", "interrupted"]
+    # its writer gone without a complete pack, the directory is an interrupted one
+    assert [name for name, e in packs("--prune", "--orphaned").items() if e["removed"]] == ["deleted", "writing"]
+    assert sorted(p.name.split("-")[0] for p in (tmp_path / "home" / "packs").iterdir()) == ["kept", "lost+found"]
     assert load_pack(default_pack_dir(models["kept"], "bf16"), ModelConfig.from_dir(models["kept"]))

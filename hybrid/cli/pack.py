@@ -19,8 +19,10 @@ def register(sub) -> None:
     pk.set_defaults(func=cmd_pack)
     ps = sub.add_parser("packs", help="list the packs under $HYBRIDD_HOME/packs, and remove those no model uses")
     ps.add_argument("--prune", action="store_true",
-                    help="delete every pack that is not current (its checkpoint changed or is gone, or packing was "
-                         "interrupted)")
+                    help="delete the stale packs (their checkpoint changed) and those whose packing was interrupted")
+    ps.add_argument("--orphaned", action="store_true",
+                    help="with --prune, also those whose checkpoint is not where it was packed from (deleted, or "
+                         "moved: a moved one is packed again at its next start)")
     ps.add_argument("--json", action="store_true", help="print the list as JSON")
     ps.set_defaults(func=cmd_packs)
 
@@ -53,7 +55,9 @@ def cmd_packs(a: argparse.Namespace) -> int:
     from hybrid.experts.pack_inventory import list_packs, packs_root, remove_pack
 
     entries = list_packs()
-    removed = [e for e in entries if e.removable] if a.prune else []
+    if a.orphaned and not a.prune:
+        raise ValueError("--orphaned says which packs --prune deletes: give --prune too")
+    removed = [e for e in entries if e.removable(a.orphaned)] if a.prune else []
     for e in removed:
         remove_pack(e)
     if a.json:
@@ -69,9 +73,12 @@ def cmd_packs(a: argparse.Namespace) -> int:
         state = f"{e.state}, removed" if e in removed else e.state
         table.add_row(e.path.name, state, f"{e.nbytes / 1e9:.2f} GB", e.format or "?", e.model_dir or "?")
     console.print(table)
-    freeable = sum(e.nbytes for e in entries if e.removable)
     if a.prune:
-        console.print(f"removed {len(removed)} pack(s), {freeable / 1e9:.2f} GB")
-    elif freeable:
-        console.print(f"{freeable / 1e9:.2f} GB in packs no model uses: `hybridd packs --prune` removes them")
+        console.print(f"removed {len(removed)} pack(s), {sum(e.nbytes for e in removed) / 1e9:.2f} GB")
+    elif freeable := sum(e.nbytes for e in entries if e.removable()):
+        console.print(f"{freeable / 1e9:.2f} GB in stale or incomplete packs: `hybridd packs --prune` removes them")
+    orphaned = [e for e in entries if e.state == "orphaned" and e not in removed]
+    if orphaned:
+        console.print(f"{sum(e.nbytes for e in orphaned) / 1e9:.2f} GB in packs whose checkpoint is not where it "
+                      "was packed from: `hybridd packs --prune --orphaned` removes them once it is gone for good")
     return 0

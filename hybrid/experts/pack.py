@@ -8,12 +8,14 @@ interrupted pack never looks complete; a pack of another model, format or versio
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
 import warnings
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +30,7 @@ PACK_VERSION = 3  # 2: int8 K padded to 64 (one AMX k step); 3: fp8 line pair fl
 EXPERTS_FILE = "experts.bin"
 INDEX_FILE = "experts.json"
 PARTIAL_SUFFIX = ".partial"
+LOCK_FILE = "pack.lock"
 ALIGN = 64
 FIELDS = ("w13_data", "w2_data", "w13_scales", "w2_scales", "w13_comp", "w2_comp", "w13_flags",
           "w2_flags")
@@ -123,6 +126,31 @@ def write_pack(model_dir: str | Path, pack_dir: str | Path, fmt: str | None = No
     if is_current(pack_dir, config, fmt):
         return False
     make_private_dir(pack_dir)
+    with pack_lock(pack_dir):
+        if is_current(pack_dir, config, fmt):  # another process packed it while this one waited
+            return False
+        _write(pack_dir, config, fmt, progress)
+    return True
+
+
+@contextmanager
+def pack_lock(pack_dir: Path, wait: bool = True) -> Iterator[bool]:
+    """Holds the pack directory's lock (yields True), or, with wait=False, yields False at once where another
+    process holds it: packers of one directory take turns, and `hybridd packs --prune` leaves a pack being
+    written alone."""
+    fd = open_private(pack_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)
+
+
+def _write(pack_dir: Path, config: ModelConfig, fmt: str, progress: Callable[[int], None] | None) -> None:
     (pack_dir / INDEX_FILE).unlink(missing_ok=True)
     # A stale pack's data goes before the new one is written: a repack would otherwise need the disk for both.
     # A process still mapping it keeps its pages until it unmaps them.
@@ -155,7 +183,6 @@ def write_pack(model_dir: str | Path, pack_dir: str | Path, fmt: str | None = No
              model_fingerprint(config.model_dir), "format": fmt, "num_experts": config.num_experts,
              "layers": layers}
     write_private(pack_dir / INDEX_FILE, json.dumps(index, indent=1))
-    return True
 
 
 def _mapped(pack_dir: Path) -> np.memmap:

@@ -9,16 +9,27 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hybrid.config.home import hybridd_home
-from hybrid.experts.pack import EXPERTS_FILE, INDEX_FILE, PACK_VERSION, model_fingerprint
+from hybrid.experts.pack import (
+    EXPERTS_FILE,
+    INDEX_FILE,
+    LOCK_FILE,
+    PACK_VERSION,
+    PARTIAL_SUFFIX,
+    model_fingerprint,
+    pack_lock,
+)
 
-CURRENT, STALE, ORPHANED, INCOMPLETE, UNKNOWN = "current", "stale", "orphaned", "incomplete", "unknown"
+CURRENT, STALE, ORPHANED, INCOMPLETE, PACKING, UNKNOWN = (
+    "current", "stale", "orphaned", "incomplete", "packing", "unknown")
 
 
 @dataclass(frozen=True)
 class PackEntry:
     """One pack directory: `state` is current (an engine would map it), stale (its checkpoint changed since, or
-    an older pack version), orphaned (its checkpoint is gone), incomplete (packing was interrupted) or unknown
-    (an older pack naming its checkpoint by a relative path, which is kept)."""
+    an older pack version), orphaned (no checkpoint where it was packed from: deleted, moved, or on a drive not
+    mounted now), incomplete (packing was interrupted), packing (being written now) or unknown (unreadable, or
+    an older pack naming its checkpoint by a relative path). Only stale and incomplete ones are pruned by
+    default: an orphaned pack still serves a checkpoint that was moved."""
 
     path: Path
     state: str
@@ -26,9 +37,8 @@ class PackEntry:
     model_dir: str | None = None
     format: str | None = None
 
-    @property
-    def removable(self) -> bool:
-        return self.state not in (CURRENT, UNKNOWN)
+    def removable(self, orphaned: bool = False) -> bool:
+        return self.state in (STALE, INCOMPLETE) or (orphaned and self.state == ORPHANED)
 
 
 def packs_root() -> Path:
@@ -41,6 +51,9 @@ def _size(path: Path) -> int:
 
 def inspect_pack(path: Path) -> PackEntry:
     nbytes = _size(path)
+    with pack_lock(path, wait=False) as free:
+        if not free:
+            return PackEntry(path, PACKING, nbytes)
     try:
         index = json.loads((path / INDEX_FILE).read_text())
         model_dir, fmt = str(index["model_dir"]), index.get("format")
@@ -61,12 +74,25 @@ def inspect_pack(path: Path) -> PackEntry:
     return PackEntry(path, state, nbytes, model_dir, fmt)
 
 
+def _is_pack(path: Path) -> bool:
+    return path.is_dir() and not path.is_symlink() and any(
+        (path / name).exists() for name in (INDEX_FILE, EXPERTS_FILE, EXPERTS_FILE + PARTIAL_SUFFIX, LOCK_FILE))
+
+
 def list_packs() -> list[PackEntry]:
-    """Every directory under the packs root, by name."""
+    """Every pack directory under the packs root, by name (other directories, such as lost+found, are not
+    packs); one that cannot be read is listed as unknown."""
     root = packs_root()
     if not root.is_dir():
         return []
-    return [inspect_pack(p) for p in sorted(root.iterdir()) if p.is_dir() and not p.is_symlink()]
+    entries = []
+    for path in sorted(root.iterdir()):
+        try:
+            if _is_pack(path):
+                entries.append(inspect_pack(path))
+        except OSError:
+            entries.append(PackEntry(path, UNKNOWN, 0))
+    return entries
 
 
 def remove_pack(entry: PackEntry) -> None:
