@@ -98,3 +98,24 @@ def test_start_refuses_what_its_engines_would_refuse_before_starting_anything(tm
     monkeypatch.setenv("HYBRIDD_HOME", str(long_home))
     code, err = in_process("start", "--port", "1")
     assert code == 2 and "is too long" in err and not long_home.exists(), err
+
+
+def test_doctor_says_whether_the_disk_has_room_for_the_first_pack(model_dirs, tmp_path, monkeypatch, capsys):
+    from collections import namedtuple
+
+    from hybrid.cli import doctor
+    from hybrid.cli.main import main
+
+    monkeypatch.setenv("HYBRIDD_HOME", str(tmp_path / "home"))
+    model = str(model_dirs["tiny-qwen3-moe"])
+
+    def packs_finding() -> tuple[int, dict]:
+        code = main(["doctor", "--model", model, "--json", "--no-plan"])
+        return code, next(f for f in json.loads(capsys.readouterr().out)["findings"] if f["topic"] == "packs")
+
+    code, finding = packs_finding()
+    assert code == 0 and finding["ok"] and "the first start packs this model's experts" in finding["detail"]
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(doctor.shutil, "disk_usage", lambda _: usage(10**6, 10**6, 0))
+    code, finding = packs_finding()
+    assert code == 1 and not finding["ok"] and "0.0 GB free" in finding["detail"]

@@ -93,6 +93,18 @@ def test_an_interrupted_pack_never_looks_complete(model_dirs, tmp_path, monkeypa
         load_pack(tmp_path, ModelConfig.from_dir(model))
 
 
+def test_a_disk_too_small_for_the_pack_is_named_after_the_first_layer(model_dirs, tmp_path, monkeypatch):
+    """The room the rest of the pack needs is known once one layer is packed: a disk without it is an error
+    then, not hours later, and the partial file goes."""
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(expert_pack.shutil, "disk_usage", lambda _: usage(10**6, 10**6 - 1000, 1000))
+    with pytest.raises(PackError, match=r"the pack needs .* GB more and the disk has 0\.0 GB free"):
+        write_pack(model_dirs["tiny-deepseek-v3"], tmp_path / "pack")
+    assert not any((tmp_path / "pack").glob("experts.*"))
+
+
 def test_corruption_and_truncation_are_caught(model_dirs, tmp_path):
     model = model_dirs["tiny-qwen3-moe"]
     write_pack(model, tmp_path)

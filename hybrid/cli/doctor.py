@@ -116,6 +116,37 @@ def check_model(d: Diagnosis, model_dir: Path, kv_cache_bytes: int) -> None:
                             "or a smaller model")
 
 
+def check_packs(d: Diagnosis, model_dir: Path | None) -> None:
+    """Room on the disk of $HYBRIDD_HOME/packs for the model's pack, if it has none yet, and packs no model
+    uses."""
+    from hybrid.config import ModelConfig
+    from hybrid.experts.kernel_experts import default_expert_format
+    from hybrid.experts.pack import default_pack_dir, is_current
+    from hybrid.experts.pack_inventory import list_packs, packs_root
+
+    root = packs_root()
+    existing = next(p for p in (root, *root.parents) if p.exists())
+    free = shutil.disk_usage(existing).free
+    dead = [e for e in list_packs() if e.removable()]
+    if dead:
+        d.advice.append(f"{sum(e.nbytes for e in dead) / 1e9:.1f} GB in {len(dead)} stale or incomplete pack(s): "
+                        "hybridd packs --prune")
+    if model_dir is None or not (model_dir / "config.json").is_file():
+        d.add("packs", f"{root}: {free / 1e9:.1f} GB free")
+        return
+    config = ModelConfig.from_dir(model_dir)
+    fmt = default_expert_format(config)
+    if is_current(default_pack_dir(model_dir, fmt), config, fmt):
+        d.add("packs", f"{root}: this model's experts are packed ({fmt}); {free / 1e9:.1f} GB free")
+        return
+    need = model_bytes(model_dir, fmt)[1]
+    d.add("packs", f"{root}: the first start packs this model's experts as {fmt}, {need / 1e9:.1f} GB; "
+                   f"{free / 1e9:.1f} GB free", free >= need)
+    if free < need:
+        d.advice.append("make room for the pack, or pack it on a larger disk: hybridd pack MODEL --out DIR, then "
+                        "start with --expert-pack DIR")
+
+
 def diagnose(model_dir: Path | None, kv_cache_bytes: int = 1 << 30) -> Diagnosis:
     d = Diagnosis()
     check_cpu(d)
@@ -123,6 +154,8 @@ def diagnose(model_dir: Path | None, kv_cache_bytes: int = 1 << 30) -> Diagnosis
     check_memory(d)
     if model_dir is not None:
         check_model(d, model_dir, kv_cache_bytes)
+    if all(f.ok for f in d.findings if f.topic == "model"):
+        check_packs(d, model_dir)
     return d
 
 

@@ -12,6 +12,7 @@ import fcntl
 import hashlib
 import json
 import os
+import shutil
 import warnings
 import zlib
 from collections.abc import Callable, Iterator
@@ -158,9 +159,34 @@ def _write(pack_dir: Path, config: ModelConfig, fmt: str, progress: Callable[[in
     reader = CheckpointReader(config.model_dir, config.fp8_block)
     partial = pack_dir / (EXPERTS_FILE + PARTIAL_SUFFIX)
     layers: dict[str, dict] = {}
+    try:
+        _write_experts(partial, reader, config, fmt, layers, progress)
+    except (PackError, OSError):  # no room (found ahead, or met): the partial file would only hold the disk
+        partial.unlink(missing_ok=True)
+        raise
+    os.replace(partial, pack_dir / EXPERTS_FILE)
+    index = {"version": PACK_VERSION, "model_dir": str(Path(config.model_dir).resolve()), "model_fingerprint":
+             model_fingerprint(config.model_dir), "format": fmt, "num_experts": config.num_experts,
+             "layers": layers}
+    write_private(pack_dir / INDEX_FILE, json.dumps(index, indent=1))
+
+
+def _check_room(path: Path, layer_bytes: int, layers_left: int) -> None:
+    """Refuses to go on where the disk cannot hold the rest of the pack (every layer's experts take the same
+    bytes), rather than fill it hours later. One layer more than the rest: what is buffered is not on disk yet."""
+    need, free = layer_bytes * (layers_left + 1), shutil.disk_usage(path.parent).free
+    if free < need:
+        raise PackError(f"{path.parent}: the pack needs {need / 1e9:.1f} GB more and the disk has {free / 1e9:.1f} GB "
+                        "free; free some (`hybridd packs --prune`), or pack elsewhere (hybridd pack --out DIR, then "
+                        "--expert-pack DIR; or HYBRIDD_HOME on a larger disk)")
+
+
+def _write_experts(partial: Path, reader: CheckpointReader, config: ModelConfig, fmt: str, layers: dict,
+                   progress: Callable[[int], None] | None) -> None:
+    """Writes every layer's packed experts to `partial`, recording each tensor's place in `layers`."""
     per_layer = expert_bytes_to_read(config) // max(1, len(config.moe_layers))
     with os.fdopen(open_private(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "wb") as f:
-        for layer in config.moe_layers:
+        for done, layer in enumerate(config.moe_layers, 1):
             packed = pack_layer(reader, config, layer, fmt)
             entry = {"hidden": packed.hidden, "inter": packed.inter, "kp13": packed.kp13, "kp2": packed.kp2,
                      "block_k": packed.block_k, "group": packed.group, "tensors": {}}
@@ -174,15 +200,12 @@ def _write(pack_dir: Path, config: ModelConfig, fmt: str, progress: Callable[[in
                                            "dtype": str(t.dtype).removeprefix("torch."), "crc32": zlib.crc32(raw)}
                 f.write(raw.data)
             layers[str(layer)] = entry
+            if done == 1:
+                _check_room(partial, f.tell(), len(config.moe_layers) - 1)
             if progress is not None:
                 progress(per_layer)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(partial, pack_dir / EXPERTS_FILE)
-    index = {"version": PACK_VERSION, "model_dir": str(Path(config.model_dir).resolve()), "model_fingerprint":
-             model_fingerprint(config.model_dir), "format": fmt, "num_experts": config.num_experts,
-             "layers": layers}
-    write_private(pack_dir / INDEX_FILE, json.dumps(index, indent=1))
 
 
 def _mapped(pack_dir: Path) -> np.memmap:
