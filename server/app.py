@@ -104,14 +104,15 @@ class Admissions:
     def __init__(self, bound: int):
         self.bound, self.count = bound, 0
 
-    def take(self) -> bool:
-        if self.count >= self.bound:
+    def take(self, n: int = 1) -> bool:
+        """Admits n sequences (a request's choices) together, or none."""
+        if self.count + n > self.bound:
             return False
-        self.count += 1
+        self.count += n
         return True
 
-    def give_back(self) -> None:
-        self.count -= 1
+    def give_back(self, n: int = 1) -> None:
+        self.count -= n
 
 
 class EndingStream(StreamingResponse):
@@ -130,7 +131,8 @@ class EndingStream(StreamingResponse):
 
 
 class RequestStats:
-    """One request's timings as the client sees them, recorded into the metrics when it ends."""
+    """One request's timings as the client sees them, recorded into the metrics when it ends; a request with
+    `n` choices counts each choice's tokens (its prompt once, as OpenAI's usage does)."""
 
     def __init__(self, metrics: Metrics, prompt_tokens: int, on_end: Callable[[], None]):
         self.metrics, self.prompt_tokens, self.on_end = metrics, prompt_tokens, on_end
@@ -138,18 +140,22 @@ class RequestStats:
         self.cached_tokens = 0
         self.start = time.perf_counter()
         self.first: float | None = None
-        self.completion_tokens = 0
+        self.choice_tokens: dict[int, int] = {}
         metrics.prompt_tokens.inc(prompt_tokens)
 
-    def token(self, msg: TokenDelta) -> None:
+    @property
+    def completion_tokens(self) -> int:
+        return sum(self.choice_tokens.values())
+
+    def token(self, msg: TokenDelta, choice: int = 0) -> None:
         if self.first is None:
             self.first = time.perf_counter()
             self.metrics.ttft.observe(self.first - self.start)
             self.cached_tokens = msg.cached_tokens
             self.metrics.prefix_queried.inc(self.prompt_tokens)
             self.metrics.prefix_hits.inc(msg.cached_tokens)
-        self.metrics.generation_tokens.inc(msg.completion_tokens - self.completion_tokens)
-        self.completion_tokens = msg.completion_tokens
+        self.metrics.generation_tokens.inc(msg.completion_tokens - self.choice_tokens.get(choice, 0))
+        self.choice_tokens[choice] = msg.completion_tokens
 
     def usage(self) -> dict:
         return usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
@@ -163,8 +169,9 @@ class RequestStats:
         end = time.perf_counter()
         if outcome in ("stop", "length"):
             self.metrics.e2e.observe(end - self.start)
-            if self.first is not None and self.completion_tokens > 1:
-                self.metrics.tpot.observe((end - self.first) / (self.completion_tokens - 1))
+            longest = max(self.choice_tokens.values(), default=0)  # choices run side by side
+            if self.first is not None and longest > 1:
+                self.metrics.tpot.observe((end - self.first) / (longest - 1))
         self.metrics.finished(outcome)
 
 
@@ -246,7 +253,8 @@ def build_app(config: DaemonConfig, client: EngineClient, tokenizer: Tokenizer |
             raise ApiError(400, f"{param}: the schema cannot be enforced: {e}", param=param) from None
 
     def admit(req: SamplingFields, prompt_ids: list[int], prompt_field: str,
-              grammar: str | None = None) -> tuple[SamplingParams, RequestStats]:
+              grammar: str | None = None) -> tuple[list[SamplingParams], RequestStats]:
+        """Each of the request's `n` choices' sampling parameters, once the request is checked and admitted."""
         check_ready()
         info = client.state.info
         limits = RequestLimits(info.vocab_size, info.max_model_len)
@@ -255,49 +263,89 @@ def build_app(config: DaemonConfig, client: EngineClient, tokenizer: Tokenizer |
             check_stop_token_ids(req.stop_token_ids, limits)
             max_tokens = resolve_max_tokens(req.requested_max_tokens, len(prompt_ids), limits, req.default_max_tokens)
             check_min_tokens(req.min_tokens, max_tokens)
-            params = req.sampling_params(max_tokens, grammar)
-            check_logit_bias(params.logit_bias, limits)
+            params = [req.sampling_params(max_tokens, grammar, choice) for choice in range(req.n)]
+            check_logit_bias(params[0].logit_bias, limits)
         except InvalidRequest as e:
             raise ApiError(400, str(e), param=e.param, code=e.code) from None
         except ValueError as e:
             raise ApiError(400, str(e)) from None
-        if not admitted.take():
+        if not admitted.take(req.n):
             metrics.finished("rejected")
             raise ApiError(503, f"the server is busy: {admitted.count} requests are queued or running; retry "
                            "shortly", headers={"Retry-After": str(RETRY_AFTER_S)})
-        return params, RequestStats(metrics, len(prompt_ids), admitted.give_back)
+        return params, RequestStats(metrics, len(prompt_ids), lambda: admitted.give_back(req.n))
 
     def need_tokenizer() -> Tokenizer:
         if tokenizer is None:
             raise ApiError(400, "this model has no tokenizer: send token ids to /v1/completions")
         return tokenizer
 
-    async def run(request: Request, stream: bool, prompt_ids: list[int], params: SamplingParams,
-                  stats: RequestStats, shape: ResponseShape, include_usage: bool) -> Response:
-        """Streams `shape`'s SSE chunks or returns its whole body; `shape.rid` names the request in the
-        response id and in the engine."""
+    async def deltas(prompt_ids: list[int], params: list[SamplingParams],
+                     shapes: list[ResponseShape]) -> AsyncIterator[tuple[ResponseShape, TokenDelta]]:
+        """Each choice's deltas as the engine sends them, with the choice's shape; the first failure of any
+        choice ends them all (the others are aborted in the engine)."""
+        if len(shapes) == 1:
+            async with aclosing(client.generate(shapes[0].rid, prompt_ids, params[0])) as gen:
+                async for msg in gen:
+                    yield shapes[0], msg
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(p: SamplingParams, shape: ResponseShape) -> None:
+            try:
+                async with aclosing(client.generate(f"{shape.rid}-{shape.index}", prompt_ids, p)) as gen:
+                    async for msg in gen:
+                        queue.put_nowait((shape, msg))
+            except Exception as e:
+                queue.put_nowait((shape, e))
+            finally:
+                queue.put_nowait((shape, None))
+
+        tasks = [asyncio.create_task(pump(p, shape)) for p, shape in zip(params, shapes)]
+        try:
+            running = len(tasks)
+            while running:
+                shape, item = await queue.get()
+                if item is None:
+                    running -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield shape, item
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def run(request: Request, stream: bool, prompt_ids: list[int], params: list[SamplingParams],
+                  stats: RequestStats, shapes: list[ResponseShape], include_usage: bool) -> Response:
+        """Streams the choices' SSE chunks or returns the whole body; the shapes' `rid` names the request in the
+        response id and (with the choice's index, when there are several) in the engine."""
+        for index, shape in enumerate(shapes):
+            shape.index = index
+        first = shapes[0]
 
         async def events() -> AsyncIterator[str]:
             outcome = "abort"
             try:
-                if (opening := shape.opening()) is not None:
-                    yield _sse(opening)
-                async with aclosing(client.generate(shape.rid, prompt_ids, params)) as gen:
-                    async for msg in gen:
-                        stats.token(msg)
+                for shape in shapes:
+                    if (opening := shape.opening()) is not None:
+                        yield _sse(opening)
+                async with aclosing(deltas(prompt_ids, params, shapes)) as gen:
+                    async for shape, msg in gen:
+                        stats.token(msg, shape.index)
                         if (body := shape.chunk(msg)) is not None:
                             yield _sse(body)
-                        if msg.finished:
-                            outcome = msg.finish_reason
+                outcome = first.finish_reason or "abort"
                 if include_usage:
-                    yield _sse(shape.usage_chunk(stats.usage()))
+                    yield _sse(first.usage_chunk(stats.usage()))
                 yield _sse("[DONE]")
             except EngineError as e:
                 outcome = "error"
                 yield _sse(error_body(str(e), e.status))
                 yield _sse("[DONE]")
             except Exception as e:  # the stream has begun: the error can only be an event
-                log.exception("request %s failed mid-stream", shape.rid)
+                log.exception("request %s failed mid-stream", first.rid)
                 outcome = "error"
                 yield _sse(error_body(f"the server failed on this request ({type(e).__name__})", 500))
                 yield _sse("[DONE]")
@@ -309,9 +357,9 @@ def build_app(config: DaemonConfig, client: EngineClient, tokenizer: Tokenizer |
                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
         async def collect() -> None:
-            async with aclosing(client.generate(shape.rid, prompt_ids, params)) as gen:
-                async for msg in gen:
-                    stats.token(msg)
+            async with aclosing(deltas(prompt_ids, params, shapes)) as gen:
+                async for shape, msg in gen:
+                    stats.token(msg, shape.index)
                     shape.add(msg)
 
         task = asyncio.create_task(collect())
@@ -325,11 +373,13 @@ def build_app(config: DaemonConfig, client: EngineClient, tokenizer: Tokenizer |
             except EngineError as e:
                 stats.end("error")
                 raise ApiError(e.status, str(e)) from None
-            stats.end(shape.finish_reason)
+            stats.end(first.finish_reason)
         finally:
             task.cancel()
             stats.end("abort")
-        return JSONResponse(shape.final(stats.usage()))
+        body = first.final(stats.usage())
+        body["choices"] += [c for shape in shapes[1:] for c in shape.final(stats.usage())["choices"]]
+        return JSONResponse(body)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
@@ -356,9 +406,10 @@ def build_app(config: DaemonConfig, client: EngineClient, tokenizer: Tokenizer |
         except Exception as e:  # a chat template raising on an odd conversation is the caller's error
             raise ApiError(400, f"messages: the chat template rejected them: {e}", param="messages") from None
         params, stats = admit(req, prompt_ids, "messages", grammar)
-        shape = ChatShape(uuid.uuid4().hex, name, now(), token_text, params.logprobs is not None,
-                          tool_format if req.calls_tools else None, req.parallel_tool_calls)
-        return await run(request, req.stream, prompt_ids, params, stats, shape, req.include_usage)
+        rid, created = uuid.uuid4().hex, now()
+        shapes = [ChatShape(rid, name, created, token_text, params[0].logprobs is not None,
+                            tool_format if req.calls_tools else None, req.parallel_tool_calls) for _ in params]
+        return await run(request, req.stream, prompt_ids, params, stats, shapes, req.include_usage)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
@@ -378,9 +429,10 @@ def build_app(config: DaemonConfig, client: EngineClient, tokenizer: Tokenizer |
             echo = req.prompt if isinstance(req.prompt, str) else ""
             if not echo and tokenizer is not None:
                 echo = await asyncio.to_thread(tokenizer.decode, prompt_ids, False)
-        shape = CompletionShape(uuid.uuid4().hex, name, now(), token_text, params.logprobs is not None, echo,
-                                prompt_ids)
-        return await run(request, req.stream, prompt_ids, params, stats, shape, req.include_usage)
+        rid, created = uuid.uuid4().hex, now()
+        shapes = [CompletionShape(rid, name, created, token_text, params[0].logprobs is not None, echo, prompt_ids)
+                  for _ in params]
+        return await run(request, req.stream, prompt_ids, params, stats, shapes, req.include_usage)
 
     @app.get("/v1/models")
     async def models():

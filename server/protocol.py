@@ -37,6 +37,7 @@ UNSUPPORTED = {
     "typical_p": (None, 1, 1.0), "mirostat": (None, 0), "tfs_z": (None, 1, 1.0), "n_predict": (None,),
     "dry_multiplier": (None, 0, 0.0), "xtc_probability": (None, 0, 0.0), "n_probs": (None, 0),
 }
+MAX_CHOICES = 16  # `n`: each choice is a sequence of its own in the engine
 NULL_MEANS_DEFAULT = {"temperature", "top_p", "top_k", "presence_penalty", "frequency_penalty", "repetition_penalty",
                       "min_p", "min_tokens", "include_stop_str_in_output", "stop_token_ids", "ignore_eos",
                       "skip_special_tokens", "stream", "n"}
@@ -153,7 +154,7 @@ class SamplingFields(BaseModel):
     top_k: int = Field(default=0, ge=-1, le=MAX_TOP_K)
     seed: int | None = Field(default=None, ge=SEED_RANGE[0], lt=SEED_RANGE[1])
     stop: str | list[str] | None = Field(default=None, validate_default=True)
-    n: int = Field(default=1, ge=1, le=1)
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
@@ -205,9 +206,14 @@ class SamplingFields(BaseModel):
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {key}")
         return v
 
-    def sampling_params(self, max_tokens: int, grammar: str | None = None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, grammar: str | None = None, choice: int = 0) -> SamplingParams:
+        """Choice `choice` of the request's `n`: a seeded request's choices draw from seeds seed, seed + 1, ...
+        (each repeatable, and unlike the others)."""
+        seed = self.seed
+        if seed is not None and choice:
+            seed = seed + choice if seed + choice < SEED_RANGE[1] else seed - choice
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=max(self.top_k, 0),
-                              max_tokens=max_tokens, seed=self.seed, stop=self.stop,
+                              max_tokens=max_tokens, seed=seed, stop=self.stop,
                               stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
                               skip_special_tokens=self.skip_special_tokens, logprobs=self.logprob_count,
                               prompt_logprobs=self.prompt_logprob_count, grammar=grammar,

@@ -25,8 +25,9 @@ class TokenText:
 
 
 class ResponseShape:
-    """Accumulates one request's deltas and renders its chunks and final body. `chunk` returns None when a
-    delta carries nothing to send (text held back by the stop-string check, and no logprobs)."""
+    """Accumulates one choice's deltas and renders its chunks and final body (under the request's id: a request
+    asking for `n` choices has one shape each, told apart by `index`). `chunk` returns None when a delta carries
+    nothing to send (text held back by the stop-string check, and no logprobs)."""
 
     object_name = ""
     chunk_object_name = ""
@@ -34,6 +35,7 @@ class ResponseShape:
 
     def __init__(self, rid: str, model: str, created: int, token_text: TokenText, logprobs: bool):
         self.rid, self.model, self.created, self.token_text, self.logprobs = rid, model, created, token_text, logprobs
+        self.index = 0  # the choice's place among the request's `n`
         self.parts: list[str] = []
         self.entries: list = []
         self.finish_reason: str | None = None
@@ -94,7 +96,7 @@ class ChatShape(ResponseShape):
         return finish_reason
 
     def opening(self) -> dict:
-        return self.body([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+        return self.body([{"index": self.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                            "finish_reason": None}], True)
 
     def entry(self, lp: TokenLogprob) -> dict:
@@ -117,7 +119,7 @@ class ChatShape(ResponseShape):
         if not (delta.get("content") or delta.get("tool_calls") or msg.finished or entries):
             return None
         logprobs = {"content": entries, "refusal": None} if self.logprobs else None
-        return self.body([{"index": 0, "delta": delta, "logprobs": logprobs,
+        return self.body([{"index": self.index, "delta": delta, "logprobs": logprobs,
                            "finish_reason": self.reason(msg.finish_reason)}], True)
 
     def final(self, usage: dict) -> dict:
@@ -128,7 +130,7 @@ class ChatShape(ResponseShape):
             message["content"] = content
             if calls:
                 message.update(content=content or None, tool_calls=[tool_call_json(c) for c in calls])
-        return self.body([{"index": 0, "message": message, "logprobs": logprobs,
+        return self.body([{"index": self.index, "message": message, "logprobs": logprobs,
                            "finish_reason": self.reason(self.finish_reason)}], False, usage)
 
 
@@ -174,9 +176,10 @@ class CompletionShape(ResponseShape):
         if not (text or msg.finished or entries):
             return None
         logprobs = self.lists(entries) if self.logprobs else None
-        return self.body([{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": msg.finish_reason}], True)
+        return self.body([{"index": self.index, "text": text, "logprobs": logprobs,
+                           "finish_reason": msg.finish_reason}], True)
 
     def final(self, usage: dict) -> dict:
         logprobs = self.lists(self.entries) if self.logprobs else None
-        return self.body([{"index": 0, "text": "".join(self.parts), "logprobs": logprobs,
+        return self.body([{"index": self.index, "text": "".join(self.parts), "logprobs": logprobs,
                            "finish_reason": self.finish_reason}], False, usage)

@@ -43,6 +43,28 @@ def test_chat_nonstreaming_and_streaming_agree(client):
         [full.choices[0].finish_reason]
 
 
+def test_n_choices_sample_apart_and_stream_as_they_answer(client):
+    """n=3 seeded: three choices drawn from seeds 7, 8, 9 (the first as a one-choice request with seed 7 draws
+    it), usage counting each choice's tokens and the prompt once; streamed, each index's chunks give that
+    choice's text."""
+    messages = [{"role": "user", "content": "Name a color."}]
+    kw = dict(model=MODEL, messages=messages, max_tokens=8, temperature=1.0, seed=7, extra_body={"ignore_eos": True})
+    full = client.chat.completions.create(n=3, **kw)
+    assert [c.index for c in full.choices] == [0, 1, 2]
+    texts = [c.message.content for c in full.choices]
+    assert len(set(texts)) > 1
+    assert full.usage.completion_tokens == 24 and full.usage.prompt_tokens < 24
+    assert client.chat.completions.create(**kw).choices[0].message.content == texts[0]
+    chunks = list(client.chat.completions.create(n=3, stream=True, stream_options={"include_usage": True}, **kw))
+    streamed = {i: "".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
+                for i in range(3)}
+    assert streamed == dict(enumerate(texts))
+    assert chunks[-1].usage.completion_tokens == 24
+    assert sum(1 for c in chunks if c.choices and c.choices[0].finish_reason) == 3
+    completion = client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=4, n=2, temperature=0)
+    assert [c.index for c in completion.choices] == [0, 1] and completion.choices[0].text == completion.choices[1].text
+
+
 def test_completion_matches_in_process_engine(client):
     prompt = list(range(40, 71))
     got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0,
@@ -106,7 +128,7 @@ BAD_REQUESTS = [
      400, "top_p"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": -3},
      400, "max_tokens"),
-    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 4}, 400, "n"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 17}, 400, "n"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                               "max_tokens": 10**9}, 400, "max_tokens"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stop": [""]},

@@ -80,7 +80,7 @@ def test_every_field_is_checked_at_the_api_with_its_name(daemon):
         ("completions", {"repetition_penalty": 0}, "repetition_penalty"),
         ("completions", {"min_p": 1.5}, "min_p"),
         ("completions", {"min_tokens": 20, "max_tokens": 10}, "min_tokens"),
-        ("chat/completions", {"n": 2}, "n"),
+        ("chat/completions", {"n": 0}, "n"),
         ("chat/completions", {"top_logprobs": 3}, "top_logprobs"),
         ("chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ("completions", {"logprobs": 50}, "logprobs"),
