@@ -252,46 +252,51 @@ def build_app(config: DaemonConfig, client: EngineClient, tokenizer: Tokenizer |
         except GrammarError as e:
             raise ApiError(400, f"{param}: the schema cannot be enforced: {e}", param=param) from None
 
-    def admit(req: SamplingFields, prompt_ids: list[int], prompt_field: str,
-              grammar: str | None = None) -> tuple[list[SamplingParams], RequestStats]:
-        """Each of the request's `n` choices' sampling parameters, once the request is checked and admitted."""
+    def admit(req: SamplingFields, prompts: list[list[int]], prompt_field: str,
+              grammar: str | None = None) -> tuple[list[list[int]], list[SamplingParams], RequestStats]:
+        """The prompt and sampling parameters of each of the request's choices (`n` per prompt, prompt by prompt),
+        once the request is checked and admitted."""
         check_ready()
         info = client.state.info
         limits = RequestLimits(info.vocab_size, info.max_model_len)
+        choices: list[tuple[list[int], SamplingParams]] = []
         try:
-            check_prompt(prompt_ids, limits, prompt_field)
             check_stop_token_ids(req.stop_token_ids, limits)
-            max_tokens = resolve_max_tokens(req.requested_max_tokens, len(prompt_ids), limits, req.default_max_tokens)
-            check_min_tokens(req.min_tokens, max_tokens)
-            params = [req.sampling_params(max_tokens, grammar, choice) for choice in range(req.n)]
-            check_logit_bias(params[0].logit_bias, limits)
+            for prompt_ids in prompts:
+                check_prompt(prompt_ids, limits, prompt_field)
+                max_tokens = resolve_max_tokens(req.requested_max_tokens, len(prompt_ids), limits,
+                                                req.default_max_tokens)
+                check_min_tokens(req.min_tokens, max_tokens)
+                choices += [(prompt_ids, req.sampling_params(max_tokens, grammar, j)) for j in range(req.n)]
+            check_logit_bias(choices[0][1].logit_bias, limits)
         except InvalidRequest as e:
             raise ApiError(400, str(e), param=e.param, code=e.code) from None
         except ValueError as e:
             raise ApiError(400, str(e)) from None
-        if not admitted.take(req.n):
+        if not admitted.take(len(choices)):
             metrics.finished("rejected")
             raise ApiError(503, f"the server is busy: {admitted.count} requests are queued or running; retry "
                            "shortly", headers={"Retry-After": str(RETRY_AFTER_S)})
-        return params, RequestStats(metrics, len(prompt_ids), lambda: admitted.give_back(req.n))
+        stats = RequestStats(metrics, sum(map(len, prompts)), lambda: admitted.give_back(len(choices)))
+        return [c[0] for c in choices], [c[1] for c in choices], stats
 
     def need_tokenizer() -> Tokenizer:
         if tokenizer is None:
             raise ApiError(400, "this model has no tokenizer: send token ids to /v1/completions")
         return tokenizer
 
-    async def deltas(prompt_ids: list[int], params: list[SamplingParams],
+    async def deltas(prompts: list[list[int]], params: list[SamplingParams],
                      shapes: list[ResponseShape]) -> AsyncIterator[tuple[ResponseShape, TokenDelta]]:
         """Each choice's deltas as the engine sends them, with the choice's shape; the first failure of any
         choice ends them all (the others are aborted in the engine)."""
         if len(shapes) == 1:
-            async with aclosing(client.generate(shapes[0].rid, prompt_ids, params[0])) as gen:
+            async with aclosing(client.generate(shapes[0].rid, prompts[0], params[0])) as gen:
                 async for msg in gen:
                     yield shapes[0], msg
             return
         queue: asyncio.Queue = asyncio.Queue()
 
-        async def pump(p: SamplingParams, shape: ResponseShape) -> None:
+        async def pump(prompt_ids: list[int], p: SamplingParams, shape: ResponseShape) -> None:
             try:
                 async with aclosing(client.generate(f"{shape.rid}-{shape.index}", prompt_ids, p)) as gen:
                     async for msg in gen:
@@ -301,7 +306,7 @@ def build_app(config: DaemonConfig, client: EngineClient, tokenizer: Tokenizer |
             finally:
                 queue.put_nowait((shape, None))
 
-        tasks = [asyncio.create_task(pump(p, shape)) for p, shape in zip(params, shapes)]
+        tasks = [asyncio.create_task(pump(*choice)) for choice in zip(prompts, params, shapes)]
         try:
             running = len(tasks)
             while running:
@@ -317,7 +322,7 @@ def build_app(config: DaemonConfig, client: EngineClient, tokenizer: Tokenizer |
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def run(request: Request, stream: bool, prompt_ids: list[int], params: list[SamplingParams],
+    async def run(request: Request, stream: bool, prompts: list[list[int]], params: list[SamplingParams],
                   stats: RequestStats, shapes: list[ResponseShape], include_usage: bool) -> Response:
         """Streams the choices' SSE chunks or returns the whole body; the shapes' `rid` names the request in the
         response id and (with the choice's index, when there are several) in the engine."""
@@ -331,7 +336,7 @@ def build_app(config: DaemonConfig, client: EngineClient, tokenizer: Tokenizer |
                 for shape in shapes:
                     if (opening := shape.opening()) is not None:
                         yield _sse(opening)
-                async with aclosing(deltas(prompt_ids, params, shapes)) as gen:
+                async with aclosing(deltas(prompts, params, shapes)) as gen:
                     async for shape, msg in gen:
                         stats.token(msg, shape.index)
                         if (body := shape.chunk(msg)) is not None:
@@ -357,7 +362,7 @@ def build_app(config: DaemonConfig, client: EngineClient, tokenizer: Tokenizer |
                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
         async def collect() -> None:
-            async with aclosing(deltas(prompt_ids, params, shapes)) as gen:
+            async with aclosing(deltas(prompts, params, shapes)) as gen:
                 async for shape, msg in gen:
                     stats.token(msg, shape.index)
                     shape.add(msg)
@@ -405,34 +410,33 @@ def build_app(config: DaemonConfig, client: EngineClient, tokenizer: Tokenizer |
             raise ApiError(400, f"messages: {e}", param="messages") from None
         except Exception as e:  # a chat template raising on an odd conversation is the caller's error
             raise ApiError(400, f"messages: the chat template rejected them: {e}", param="messages") from None
-        params, stats = admit(req, prompt_ids, "messages", grammar)
+        prompts, params, stats = admit(req, [prompt_ids], "messages", grammar)
         rid, created = uuid.uuid4().hex, now()
         shapes = [ChatShape(rid, name, created, token_text, params[0].logprobs is not None,
                             tool_format if req.calls_tools else None, req.parallel_tool_calls) for _ in params]
-        return await run(request, req.stream, prompt_ids, params, stats, shapes, req.include_usage)
+        return await run(request, req.stream, prompts, params, stats, shapes, req.include_usage)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
         check_model(req)
-        if isinstance(req.prompt, str):
-            try:
-                prompt_ids = await asyncio.to_thread(need_tokenizer().encode, req.prompt)
-            except TokenizerError as e:
-                raise ApiError(400, str(e), param="prompt") from None
-        else:
-            prompt_ids = list(req.prompt)
+        texts = req.prompts
+        try:
+            encoded = [await asyncio.to_thread(need_tokenizer().encode, p) if isinstance(p, str) else list(p)
+                       for p in texts]
+        except TokenizerError as e:
+            raise ApiError(400, str(e), param="prompt") from None
         await check_schemas(req)
         await check_grammar(req.grammar, "response_format")
-        params, stats = admit(req, prompt_ids, "prompt", req.grammar)
-        echo = None
+        prompts, params, stats = admit(req, encoded, "prompt", req.grammar)
+        echoes: list[str | None] = [None] * len(texts)
         if req.echo:
-            echo = req.prompt if isinstance(req.prompt, str) else ""
-            if not echo and tokenizer is not None:
-                echo = await asyncio.to_thread(tokenizer.decode, prompt_ids, False)
+            echoes = [p if isinstance(p, str) else "" for p in texts]
+            if tokenizer is not None:
+                echoes = [e or await asyncio.to_thread(tokenizer.decode, ids, False) for e, ids in zip(echoes, encoded)]
         rid, created = uuid.uuid4().hex, now()
-        shapes = [CompletionShape(rid, name, created, token_text, params[0].logprobs is not None, echo, prompt_ids)
-                  for _ in params]
-        return await run(request, req.stream, prompt_ids, params, stats, shapes, req.include_usage)
+        shapes = [CompletionShape(rid, name, created, token_text, params[0].logprobs is not None, echo, ids)
+                  for ids, echo in zip(encoded, echoes) for _ in range(req.n)]  # admit's order of choices
+        return await run(request, req.stream, prompts, params, stats, shapes, req.include_usage)
 
     @app.get("/v1/models")
     async def models():

@@ -38,6 +38,7 @@ UNSUPPORTED = {
     "dry_multiplier": (None, 0, 0.0), "xtc_probability": (None, 0, 0.0), "n_probs": (None, 0),
 }
 MAX_CHOICES = 16  # `n`: each choice is a sequence of its own in the engine
+MAX_PROMPTS = 64  # a completions request's batch of prompts
 NULL_MEANS_DEFAULT = {"temperature", "top_p", "top_k", "presence_penalty", "frequency_penalty", "repetition_penalty",
                       "min_p", "min_tokens", "include_stop_str_in_output", "stop_token_ids", "ignore_eos",
                       "skip_special_tokens", "stream", "n"}
@@ -367,14 +368,19 @@ class CompletionRequest(SamplingFields):
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, v):
-        if isinstance(v, list) and v and isinstance(v[0], (str, list)):
-            if len(v) != 1:
-                raise ValueError("hybridd serves one prompt per request; send a batch as separate requests")
-            v = v[0]
-        if len(v) == 0:
+    def _prompts(cls, v):
+        batch = v if isinstance(v, list) and v and isinstance(v[0], (str, list)) else [v]
+        if len(batch) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(batch)}")
+        if any(len(p) == 0 for p in batch):
             raise ValueError("the prompt is empty")
         return v
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: one, or OpenAI's batch of several (each gets `n` choices, in order)."""
+        v = self.prompt
+        return list(v) if isinstance(v, list) and v and isinstance(v[0], (str, list)) else [v]
 
 
 class PromptTokensDetails(BaseModel):

@@ -65,6 +65,20 @@ def test_n_choices_sample_apart_and_stream_as_they_answer(client):
     assert [c.index for c in completion.choices] == [0, 1] and completion.choices[0].text == completion.choices[1].text
 
 
+def test_a_batch_of_prompts_answers_each_in_order(client):
+    """OpenAI's list of prompts: `n` choices per prompt, prompt by prompt, each as its own request would be."""
+    kw = dict(model=MODEL, max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+    for prompts in ([[5, 6, 7], [40, 41, 42, 43], [9]], ["The sea", "A river"]):
+        batch = client.completions.create(prompt=prompts, n=2, **kw)
+        assert [c.index for c in batch.choices] == list(range(2 * len(prompts)))
+        alone = [client.completions.create(prompt=p, **kw) for p in prompts]
+        assert [c.text for c in batch.choices] == [a.choices[0].text for a in alone for _ in range(2)]
+        assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+        assert batch.usage.completion_tokens == 10 * len(prompts)
+    echoed = client.completions.create(prompt=["The sea", "A river"], echo=True, **kw)
+    assert [c.text[:7] for c in echoed.choices] == ["The sea", "A river"]
+
+
 def test_completion_matches_in_process_engine(client):
     prompt = list(range(40, 71))
     got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0,
@@ -137,7 +151,9 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": MODEL, "prompt": [1, 2, 99999999]}, 400, "token ids"),
     ("/v1/completions", {"model": MODEL, "prompt": [7] * 4200}, 400, "context length"),
     ("/v1/completions", {"model": MODEL, "prompt": "word " * 5000}, 400, "context length"),
-    ("/v1/completions", {"model": MODEL, "prompt": ["a", "b"]}, 400, "one prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": ["a"] * 65}, 400, "at most 64 prompts"),
+    ("/v1/completions", {"model": MODEL, "prompt": [[5, 6], []]}, 400, "empty"),
+    ("/v1/completions", {"model": MODEL, "prompt": [[5, 6], [7] * 4200]}, 400, "context length"),
     ("/v1/completions", {"model": MODEL, "prompt": [1, 2], "seed": 2**70}, 400, "seed"),
     ("/v1/nothing-here", {}, 404, ""),
 ]
