@@ -382,8 +382,9 @@ def build_app(config: DaemonConfig, client: EngineClient, tokenizer: Tokenizer |
         finally:
             task.cancel()
             stats.end("abort")
-        body = first.final(stats.usage())
-        body["choices"] += [c for shape in shapes[1:] for c in shape.final(stats.usage())["choices"]]
+        totals = stats.usage()
+        body = first.final(totals)
+        body["choices"] += [c for shape in shapes[1:] for c in shape.final(totals)["choices"]]
         return JSONResponse(body)
 
     @app.post("/v1/chat/completions")

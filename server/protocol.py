@@ -369,7 +369,7 @@ class CompletionRequest(SamplingFields):
     @field_validator("prompt")
     @classmethod
     def _prompts(cls, v):
-        batch = v if isinstance(v, list) and v and isinstance(v[0], (str, list)) else [v]
+        batch = _as_batch(v)
         if len(batch) > MAX_PROMPTS:
             raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(batch)}")
         if any(len(p) == 0 for p in batch):
@@ -379,8 +379,12 @@ class CompletionRequest(SamplingFields):
     @property
     def prompts(self) -> list[str | list[int]]:
         """The request's prompts: one, or OpenAI's batch of several (each gets `n` choices, in order)."""
-        v = self.prompt
-        return list(v) if isinstance(v, list) and v and isinstance(v[0], (str, list)) else [v]
+        return _as_batch(self.prompt)
+
+
+def _as_batch(prompt) -> list:
+    """A completions prompt as a list of prompts: a text or a token-id list is one, a list of either is a batch."""
+    return list(prompt) if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
 
 
 class PromptTokensDetails(BaseModel):

@@ -108,8 +108,8 @@ class Sampler:
         if adjusted or any(seq.matcher is not None for seq in seqs):  # greedy among what is left
             greedy, masked_out = scan(logits)
             # Tokens the grammar allows whose logits are all -inf leave nothing to draw either.
-            unsatisfiable |= {row for row, seq in enumerate(seqs)
-                              if (seq.matcher is not None or row in adjusted) and masked_out[row]}
+            constrained = {row for row, seq in enumerate(seqs) if seq.matcher is not None}.union(adjusted)
+            unsatisfiable |= {row for row in constrained if masked_out[row]}
         out = []
         for row, seq in enumerate(seqs):
             p = seq.params
