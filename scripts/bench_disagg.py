@@ -30,6 +30,7 @@ from pathlib import Path
 
 import httpx
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 from rich.table import Table
 
@@ -97,6 +98,7 @@ async def round_trip(url: str, a: argparse.Namespace) -> dict:
                                        for i in range(a.long)))
         long_done = time.perf_counter()
         chat_times = await asyncio.gather(*chats)
+        slp = streamed((await client.get("/metrics")).text)
     # every gap that overlaps the long prompts' prefill, the one that spans its end included
     gaps = [b - a_ for t in chat_times for a_, b in zip(t[1:], t[2:]) if a_ < long_done and b > t_long]
     if not gaps:
@@ -105,7 +107,19 @@ async def round_trip(url: str, a: argparse.Namespace) -> dict:
     idle_tpot = statistics.median((t[-1] - t[1]) / (len(t) - 2) for t in idle)
     span = max(t[-1] - t[0] for t in chat_times)
     return {"idle_tpot": idle_tpot, "gaps": gaps, "tok_s": sum(len(t) - 1 for t in chat_times) / span,
-            "long_ttft": statistics.median(t[1] - t[0] for t in longs)}
+            "long_ttft": statistics.median(t[1] - t[0] for t in longs), "slp": slp}
+
+
+def streamed(metrics: str) -> tuple[float, float]:
+    """Prefill passes that streamed their experts to the device, and the bytes they streamed, over all engines
+    since the daemon started (the warm-up prompt included): whether `--slp-threshold` sent the long prompts to the
+    GPU or left their experts to the CPU."""
+    totals = {"hybridd_slp_passes": 0.0, "hybridd_slp_streamed_bytes": 0.0}
+    for family in text_string_to_metric_families(metrics):
+        for sample in family.samples:
+            if sample.name in totals:
+                totals[sample.name] += sample.value
+    return totals["hybridd_slp_passes"], totals["hybridd_slp_streamed_bytes"]
 
 
 def summarize(runs: list[dict]) -> dict[str, float]:
@@ -155,6 +169,10 @@ def main() -> None:
     for key in colocated:
         table.add_row(key, f"{colocated[key]:.3f}", f"{disagg[key]:.3f}", f"{disagg[key] / colocated[key]:.2f}x")
     console.print(table)
+    for mode, runs in results.items():
+        passes, nbytes = runs[-1]["slp"]
+        console.print(f"{mode}: {passes:.0f} prefill passes streamed {nbytes / 1e9:.2f} GB of experts to the device "
+                      "(last round, warm-up included)")
     console.print("gaps: time between a chat's streamed tokens while the long prompts are prefilled; issue 31's "
                   f"targets with a GPU: gap p90 <= {TPOT_TARGET}x the chats' TPOT alone, chat tok/s >= "
                   f"{THROUGHPUT_TARGET}x colocated")

@@ -274,5 +274,5 @@ def test_hybrid_pair_with_the_cpu_as_device(any_model):
 
 @pytest.mark.gpu
 def test_hybrid_pair_on_a_gpu(any_model):
-    """KV pools on the GPU, handed over through host shared memory (CUDA IPC is not built yet)."""
+    """KV pools on the GPU, handed over through host shared memory (CUDA IPC has its own daemon test)."""
     check_hybrid_pair(any_model, "cuda:0")

@@ -3,6 +3,7 @@ sampler drawing from them while reporting the model's own logprobs, and the engi
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -104,3 +105,27 @@ def test_the_engine_generates_min_tokens_before_the_end_of_sequence(model_dirs):
         assert late.token_ids == free.token_ids
     finally:
         llm.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_device_logits_draw_what_the_same_logits_draw_on_the_cpu(dtype):
+    """A GPU-attention step hands the sampler CUDA logits: seeded draws, adjustments and logprobs must give what
+    the same rows give on the CPU (they failed on the device mismatch before the sampler copied them over)."""
+    rng = random.Random(5)
+    rows = [random_case(rng, 1001) for _ in range(24)]
+    logits = torch.stack([row for row, _ in rows]).to(dtype)
+
+    def draw(device: str) -> list[tuple]:
+        seqs = []
+        for i, (_, seq) in enumerate(rows):
+            params = dataclasses.replace(seq.params, temperature=0.0 if i % 3 == 0 else 0.8, top_p=0.9, seed=i,
+                                         logprobs=2)
+            copy = Sequence(f"r{i}", seq.token_ids[:seq.num_prompt_tokens], params)
+            for token in seq.completion_ids:
+                copy.append(token)
+            seqs.append(copy)
+        samples = Sampler(eos_ids=EOS)(logits.to(device), seqs)
+        return [(s.token, s.error, round(s.logprob.logprob, 4)) for s in samples]
+
+    assert draw("cuda") == draw("cpu")
