@@ -199,17 +199,23 @@ def test_disconnect_mid_stream_aborts_and_frees_kv(daemon):
 
 
 def test_nonstreaming_disconnect_aborts(daemon):
-    before = metric(daemon, "hybridd_requests_total", 'outcome="abort"')
+    """A client that leaves a whole-body request gets it aborted in the engine (the api polls for the disconnect
+    every DISCONNECT_POLL_S), counted as an abort, not as finished by its length."""
+    outcomes = ("abort", "length", "stop", "error")
+    before = {o: metric(daemon, "hybridd_requests_total", f'outcome="{o}"') for o in outcomes}
+    generated = metric(daemon, "hybridd_generation_tokens_total")
+    choices = 8  # 24,000 tokens: seconds of work even where one 3,000-token choice takes a fraction of a second
     try:
-        # LONG's 3,000 tokens take ~1 s of this model's replayed decode steps on a 2-core EPYC
-        r = httpx.post(f"{daemon.url}/v1/completions", json={"model": MODEL, "prompt": "Again", **LONG}, timeout=0.3)
+        r = httpx.post(f"{daemon.url}/v1/completions", json={"model": MODEL, "prompt": "Again", "n": choices, **LONG},
+                       timeout=0.3)
     except httpx.ReadTimeout:
         pass
     else:
         pytest.fail(f"the request ended before the client left: {r.status_code} {r.text[:300]}")
     wait_idle(daemon)
-    # counted as aborted, not as finished by its length
-    assert metric(daemon, "hybridd_requests_total", 'outcome="abort"') == before + 1
+    after = {o: metric(daemon, "hybridd_requests_total", f'outcome="{o}"') for o in outcomes}
+    assert {o: after[o] - before[o] for o in outcomes} == {"abort": 1, "length": 0, "stop": 0, "error": 0}
+    assert metric(daemon, "hybridd_generation_tokens_total") - generated < choices * LONG["max_tokens"] / 2
 
 
 def test_prefix_cache_reports_cached_tokens(daemon, client):
