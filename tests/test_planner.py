@@ -17,6 +17,7 @@ from hybrid import LLM
 from hybrid.experts.slp_policy import SlpRates
 from hybrid.mem_cache.kv_pool import KVPool
 from hybrid.planner.costs import ModelCosts
+from hybrid.planner.disagg_choice import DEVICE_SHARE, choose_disagg, engine_device_bytes
 from hybrid.planner.plan import Plan
 from hybrid.planner.probes import CpuRates, DeviceRates
 
@@ -126,3 +127,45 @@ def test_doctor_predicts_from_probes(model_dirs, gpus):
         assert p["device"]["interpreted"] and p["device"]["devices"] == len(gpus.split(","))
         assert ("smallep" in p["ttft_s"]["1024"]) == (gpus == "0,1")
         assert (p["device"]["exchange_s_per_token"] > 0) == (gpus == "0,1")
+
+
+def test_disagg_is_the_default_only_where_a_gpu_holds_both_engines(model_dirs):
+    """Two engines on one GPU each hold the dense weights (with the embedding table), a KV pool and working room:
+    on where that fits the GPU's usable share, off where it does not and where no GPU runs attention."""
+    costs = ModelCosts.from_dir(model_dirs["tiny-deepseek-v3"])
+    c = costs.config
+    kv = 1 << 30
+    one = engine_device_bytes(costs, 2, kv)
+    assert one - kv > (costs.dense_params + c.vocab_size * c.hidden_size) * 2
+    assert engine_device_bytes(costs, 4, kv) - one == (costs.dense_params + c.vocab_size * c.hidden_size) * 2
+    fits = math.ceil(2 * one / DEVICE_SHARE)
+    assert choose_disagg(costs, fits, 2, kv).on
+    assert not choose_disagg(costs, fits - 64, 2, kv).on
+    short = choose_disagg(costs, 8 << 30, 2, 4 << 30)
+    assert not short.on and "--disagg forces" in short.why and "8.6 GB" in short.why
+    cpu = choose_disagg(costs, None, 2, kv)
+    assert not cpu.on and "split its cores" in cpu.why
+
+
+def test_start_leaves_disagg_off_where_the_cpu_plays_the_gpu():
+    """`hybridd start --gpus 0 --attn-device cpu` without --disagg / --no-disagg: one engine, and says why."""
+    import argparse
+
+    from hybrid.cli.daemon_commands import default_disagg
+    from hybrid.llm import DEFAULT_MODEL_DIR
+
+    a = argparse.Namespace(gpus=[0], attn_device="cpu", dtype="auto", expert_format="auto", kv_cache_gb=1.0)
+    assert default_disagg(a, str(DEFAULT_MODEL_DIR)) is False
+    a.gpus = None
+    assert default_disagg(a, str(DEFAULT_MODEL_DIR)) is False
+
+
+@pytest.mark.gpu
+def test_start_splits_prefill_and_decode_on_a_gpu_that_holds_both():
+    import argparse
+
+    from hybrid.cli.daemon_commands import default_disagg
+    from hybrid.llm import DEFAULT_MODEL_DIR
+
+    a = argparse.Namespace(gpus=[0], attn_device=None, dtype="auto", expert_format="auto", kv_cache_gb=1.0)
+    assert default_disagg(a, str(DEFAULT_MODEL_DIR)) is True

@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,9 +27,9 @@ def register(sub) -> None:
                      "dense layers; routed experts stay on the CPU (e.g. 0 or 0,1)")
     dev.add_argument("--cpu-only", action="store_true", help="run everything on the CPU (the default: nothing runs on "
                      "a GPU without --gpus)")
-    st.add_argument("--disagg", action=argparse.BooleanOptionalAction, default=False,
+    st.add_argument("--disagg", action=argparse.BooleanOptionalAction,
                     help="run prefill and decode in two engine processes on separate cores, so that long prompts "
-                    "never stall running chats (default: off)")
+                    "never stall running chats (default: on with --gpus where the GPU holds both engines, else off)")
     st.add_argument("--prefill-cores", type=int, help="with --disagg: cores of the prefill engine (default: half)")
     st.add_argument("--host", default="127.0.0.1")
     st.add_argument("--port", type=int, default=8000)
@@ -153,6 +154,40 @@ def _wait_ready(config, proc, timeout_s: float, logs_before: dict[Path, int]) ->
             time.sleep(0.25)
 
 
+def default_disagg(a: argparse.Namespace, model: str) -> bool:
+    """--disagg's default, said on stderr where GPUs are in play (CPU only it is off, as it always was)."""
+    if not a.gpus:
+        return False
+    import torch
+
+    from hybrid.config import EngineConfig, ModelConfig
+    from hybrid.planner.costs import ModelCosts
+    from hybrid.planner.disagg_choice import choose_disagg
+
+    device = torch.device(a.attn_device or f"cuda:{a.gpus[0]}")
+    total = None
+    if device.type == "cuda":
+        total = gpu_memory(device.index or 0)
+        if total is None:  # no such GPU: the engine's checks of --gpus say so
+            return False
+    item_bytes = EngineConfig(model=model, dtype=a.dtype).torch_dtype(ModelConfig.from_dir(model)).itemsize
+    choice = choose_disagg(ModelCosts.from_dir(model, a.expert_format), total, item_bytes,
+                           int(a.kv_cache_gb * 2**30))
+    print(f"hybridd: {choice.why}", file=sys.stderr)
+    return choice.on
+
+
+def gpu_memory(index: int) -> int | None:
+    """The GPU's memory in bytes, asked in a child process: CUDA initialized here would keep a context (hundreds of
+    MB of that GPU) in the supervisor for the daemon's life. None where CUDA cannot see the device."""
+    probe = ("import sys, torch; i = int(sys.argv[1]); "
+             "print(torch.cuda.get_device_properties(i).total_memory if i < torch.cuda.device_count() else '')")
+    r = subprocess.run([sys.executable, "-c", probe, str(index)], capture_output=True, text=True,
+                       timeout=120)
+    out = r.stdout.strip()
+    return int(out) if r.returncode == 0 and out.isdigit() else None
+
+
 def cmd_start(a: argparse.Namespace) -> int:
     from hybrid.config import ModelConfig
     from hybrid.config.home import PRIVATE_UMASK
@@ -182,7 +217,8 @@ def cmd_start(a: argparse.Namespace) -> int:
                           served_model_name=a.served_model_name, chat_template=chat_template,
                           max_queue=a.max_queue, max_body_mb=a.max_body_mb,
                           engine={k: v for k, v in engine_kwargs(a).items() if v is not None},
-                          disagg=a.disagg, prefill_cores=a.prefill_cores)
+                          disagg=a.disagg if a.disagg is not None else default_disagg(a, model),
+                          prefill_cores=a.prefill_cores)
     if config.disagg:  # the split of the cores the supervisor will make, checked here
         core_split(sorted(os.sched_getaffinity(0)), config.prefill_cores)
     if a.expert_pack:  # a pack the engines would refuse is refused here, before anything starts
