@@ -49,6 +49,19 @@ def any_model(request, model_dirs) -> Path:
     return model_dirs[request.param]
 
 
+# The hybrid path with the CPU as device (Triton interpreted) costs 15-25 s per model and test on 2 cores: the
+# default run takes it over a GQA bf16 and an MLA fp8 model, the other three presets with `-m slow`. A GPU run
+# (`-m gpu`) takes every preset through any_model.
+DEVICE_PATH_PRESETS = ("tiny-qwen3-moe", "tiny-deepseek-v3-fp8")
+
+
+@pytest.fixture(params=[name if name in DEVICE_PATH_PRESETS else pytest.param(name, marks=pytest.mark.slow)
+                        for name in TINY_PRESETS])
+def device_path_model(request, model_dirs) -> Path:
+    """Every test model for the tests of the hybrid path with the CPU as device; three of them only with -m slow."""
+    return model_dirs[request.param]
+
+
 @pytest.fixture(params=["tiny-qwen3-moe", "tiny-deepseek-v3"])
 def gqa_and_mla(request, model_dirs) -> Path:
     return model_dirs[request.param]

@@ -268,8 +268,8 @@ def check_hybrid_pair(model, attn_device: str) -> None:
         pair.close()
 
 
-def test_hybrid_pair_with_the_cpu_as_device(any_model):
-    check_hybrid_pair(any_model, "cpu")
+def test_hybrid_pair_with_the_cpu_as_device(device_path_model):
+    check_hybrid_pair(device_path_model, "cpu")
 
 
 @pytest.mark.gpu

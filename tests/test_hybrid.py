@@ -32,8 +32,8 @@ MODES = pytest.mark.parametrize("overlap,eager", [(True, False), (False, False),
 
 
 @MODES
-def test_hybrid_matches_transformers_and_cpu_only(any_model, overlap, eager):
-    check_hybrid(any_model, "cpu", overlap, eager)
+def test_hybrid_matches_transformers_and_cpu_only(device_path_model, overlap, eager):
+    check_hybrid(device_path_model, "cpu", overlap, eager)
 
 
 @pytest.mark.gpu
@@ -93,10 +93,10 @@ def check_hybrid(model, attn_device: str, overlap: bool, eager: bool) -> None:
     assert (calls["overlapped"] > 0) == overlap
 
 
-def test_hot_experts_on_the_device(any_model, tmp_path):
+def test_hot_experts_on_the_device(device_path_model, tmp_path):
     """Hot experts from counts collected while serving, then from a saved profile: same greedy tokens as
     CPU-only mode (itself checked against transformers above) on every test model."""
-    model = any_model
+    model = device_path_model
     prompts = [prompt_ids(30, seed=5), prompt_ids(11, seed=6)]
     cpu = LLM(model, dtype="float32")
     try:

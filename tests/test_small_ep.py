@@ -31,14 +31,14 @@ def small_ep(model, **kw) -> LLM:
     return LLM(model, dtype="float32", gpus=[0, 1], attn_device="cpu", **kw)
 
 
-def test_two_ranks_match_transformers_and_cpu_only(any_model):
+def test_two_ranks_match_transformers_and_cpu_only(device_path_model):
     """Every prefill streams, split over two ranks; prompts shorter and longer than a pass, three in flight, so
     decode rows of earlier requests ride along in later streamed passes."""
-    want = expected(any_model, PROMPTS)
-    llm = small_ep(any_model)
+    want = expected(device_path_model, PROMPTS)
+    llm = small_ep(device_path_model)
     runner = llm.engine.runner
     experts = runner.experts
-    config = ModelConfig.from_dir(any_model)
+    config = ModelConfig.from_dir(device_path_model)
     assert experts.devices == 2 and experts.owned == expert_share(config.num_experts, 2, 0)
     mixed = count_mixed_steps(runner)
     try:

@@ -70,12 +70,12 @@ def expected(model, prompts: list[list[int]]) -> list[list[int]]:
     return _EXPECTED[key]
 
 
-def test_every_prefill_streams_and_matches(any_model):
+def test_every_prefill_streams_and_matches(device_path_model):
     """--slp-threshold 1: every prefill streams, a 40-token prompt in passes of at most 16 tokens, three requests
     in flight, so decode rows of the earlier ones ride along in later streamed passes."""
     prompts = [prompt_ids(23, seed=2), prompt_ids(9, seed=3), prompt_ids(40, seed=4)]
-    want = expected(any_model, prompts)
-    llm = LLM(any_model, dtype="float32", gpus=[0], attn_device="cpu", slp_threshold=1, slp_max_tokens=16,
+    want = expected(device_path_model, prompts)
+    llm = LLM(device_path_model, dtype="float32", gpus=[0], attn_device="cpu", slp_threshold=1, slp_max_tokens=16,
               max_num_batched_tokens=16)
     runner = llm.engine.runner
     mixed = count_mixed_steps(runner)
