@@ -4,7 +4,8 @@ Starts the daemon colocated and with --disagg in turn (same HYBRIDD_HOME, so the
 both at once), and in each: `--chats` streaming chats start, and once they are decoding `--long` long prompts
 arrive together. Measured from the client side: first the chats' time per output
 token with nothing else running, then the gaps between a chat's streamed tokens while the long prompts are
-prefilled (p50 / p90 / p99 / max, and p90 over the TPOT alone), the chats' tokens/s, and the long prompts' time
+prefilled (p50 / p90 / p99 / max, and p90 over the TPOT alone), the chats' tokens/s, their time to first token and
+from their first to their second token (where a split daemon hands the sequence over), and the long prompts' time
 to first token. Rounds alternate
 colocated and disaggregated so that bandwidth drift hits both alike; the last column is disagg over colocated
 (issue 31: decode latency within 15 % of an idle engine's while throughput rises).
@@ -107,7 +108,9 @@ async def round_trip(url: str, a: argparse.Namespace) -> dict:
     idle_tpot = statistics.median((t[-1] - t[1]) / (len(t) - 2) for t in idle)
     span = max(t[-1] - t[0] for t in chat_times)
     return {"idle_tpot": idle_tpot, "gaps": gaps, "tok_s": sum(len(t) - 1 for t in chat_times) / span,
-            "long_ttft": statistics.median(t[1] - t[0] for t in longs), "slp": slp}
+            "long_ttft": statistics.median(t[1] - t[0] for t in longs), "slp": slp,
+            "chat_ttft": statistics.median(t[1] - t[0] for t in chat_times),
+            "second_token": statistics.median(t[2] - t[1] for t in chat_times)}
 
 
 def streamed(metrics: str) -> tuple[float, float]:
@@ -130,6 +133,8 @@ def summarize(runs: list[dict]) -> dict[str, float]:
             "gap p50 ms": pick(0.5) * 1e3, "gap p90 ms": pick(0.9) * 1e3, "gap p99 ms": pick(0.99) * 1e3,
             "gap max ms": gaps[-1] * 1e3, f"gap p90 / TPOT alone (target <= {TPOT_TARGET})": pick(0.9) / idle,
             "chat tok/s": statistics.median(r["tok_s"] for r in runs),
+            "chat TTFT ms": statistics.median(r["chat_ttft"] for r in runs) * 1e3,
+            "chat 1st -> 2nd token ms (the hand-off, split)": statistics.median(r["second_token"] for r in runs) * 1e3,
             "long TTFT s": statistics.median(r["long_ttft"] for r in runs)}
 
 

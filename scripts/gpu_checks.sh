@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The checks that need a CUDA GPU, in one pass under a time budget (a lent GPU's minutes are few): the
-# streamed-prefill, overlap and disaggregation benchmarks, the gpu-marked tests, then CPU decode at every core and
-# the planner, each step with what is left of the budget. Logs go to $OUT (default /tmp/gpu_checks), one file per
+# streamed-prefill, overlap and disaggregation benchmarks, the gpu-marked tests, then CPU decode at every core,
+# --tp 2 over two groups of the host's cores and the planner, each step with what is left of the budget. Logs go to $OUT (default /tmp/gpu_checks), one file per
 # step (at most 8 files come back from a lent machine: choose STEPS to fit).
 #
 #     BUDGET=540 scripts/gpu_checks.sh
@@ -90,11 +90,11 @@ step prefill 150 $PY scripts/bench_prefill.py --shape deepseek-v3 --layers "$pac
 rm -rf "$pack_dir/slp_pack"
 # Built after the prefill step, not beside it: building reads and writes gigabytes, which would slow the CPU experts
 # that step measures.
-if wants overlap disagg decode doctor; then
+if wants overlap disagg decode tp doctor; then
     mkdir -p "$models"
     # Only the models the chosen steps read: each costs tens of seconds of the lent minutes.
     {
-        ! wants decode || $PY scripts/make_tiny_model.py $models/qwen3-30b-a3b-L4-fp8 --preset qwen3-30b-a3b \
+        ! wants decode tp || $PY scripts/make_tiny_model.py $models/qwen3-30b-a3b-L4-fp8 --preset qwen3-30b-a3b \
             --layers 4 --fp8
         ! wants overlap disagg || $PY scripts/make_tiny_model.py $models/qwen3-30b-a3b-L4 --preset qwen3-30b-a3b \
             --layers 4
@@ -116,5 +116,9 @@ TAIL=45 step pytest_gpu "${PYTEST_LIMIT:-360}" $PY -m pytest -m gpu -v -rfEs --t
     --durations=15 ${PYTEST_ARGS--n 4} --deselect "$ipc_test" tests
 step decode 150 $PY scripts/bench_decode.py --model "$models/qwen3-30b-a3b-L4-fp8" --threads "$(nproc)" \
     --experts process --breakdown --compare eager,program --pairs 6
+# --tp 2 on the host's cores in two groups (it has one NUMA node: the groups stand in for two nodes).
+half=$(( $(nproc) / 2 ))
+step tp 150 env HYBRIDD_NUMA_NODES="0-$(( half - 1 ));$half-$(( $(nproc) - 1 ))" $PY scripts/bench_tp.py \
+    --model "$models/qwen3-30b-a3b-L4-fp8" --rounds 1
 step doctor 90 $PY -m hybrid.cli doctor --model "$models/deepseek-v3-full-shapes" --gpus 0
 echo "=== done after $(elapsed)s"
