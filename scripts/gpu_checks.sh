@@ -9,7 +9,7 @@
 #
 # The lent H100 (Python 3.12, torch 2.11, Triton 3.6, no package registry) lacks some of hybridd's dependencies and
 # cannot build here-built extensions for 3.11: carry cp312 wheels of pyzmq, msgspec, pydantic, pydantic-core,
-# annotated-types, typing-inspection, fastapi, opentelemetry-api (fastapi imports it), starlette, uvicorn,
+# annotated-types, typing-inspection, fastapi, annotated-doc and opentelemetry-api (fastapi needs both), starlette, uvicorn,
 # llguidance, jsonschema, jsonschema-specifications, referencing, rpds-py, openai, httpx2, httpcore2, truststore,
 # jiter, distro, sniffio, anyio, h11 and typing-extensions in .whl/, and cpu_kernels/_C.cpython-312-*.so built in a Python 3.12 venv from the current
 # csrc/ (`python setup.py build_ext --inplace` there; a stale one lacks the newest kernels), then run
