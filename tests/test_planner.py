@@ -154,7 +154,10 @@ def test_start_leaves_disagg_off_where_the_cpu_plays_the_gpu():
     from hybrid.cli.daemon_commands import default_disagg
     from hybrid.llm import DEFAULT_MODEL_DIR
 
-    a = argparse.Namespace(gpus=[0], attn_device="cpu", dtype="auto", expert_format="auto", kv_cache_gb=1.0)
+    a = argparse.Namespace(gpus=[0], attn_device="cpu", dtype="auto", expert_format="auto", kv_cache_gb=1.0,
+                           num_kv_blocks=None)
+    assert default_disagg(a, str(DEFAULT_MODEL_DIR)) is False
+    a.num_kv_blocks = 100  # the pool sized in blocks instead of GiB
     assert default_disagg(a, str(DEFAULT_MODEL_DIR)) is False
     a.gpus = None
     assert default_disagg(a, str(DEFAULT_MODEL_DIR)) is False
@@ -167,5 +170,6 @@ def test_start_splits_prefill_and_decode_on_a_gpu_that_holds_both():
     from hybrid.cli.daemon_commands import default_disagg
     from hybrid.llm import DEFAULT_MODEL_DIR
 
-    a = argparse.Namespace(gpus=[0], attn_device=None, dtype="auto", expert_format="auto", kv_cache_gb=1.0)
+    a = argparse.Namespace(gpus=[0], attn_device=None, dtype="auto", expert_format="auto", kv_cache_gb=1.0,
+                           num_kv_blocks=None)
     assert default_disagg(a, str(DEFAULT_MODEL_DIR)) is True

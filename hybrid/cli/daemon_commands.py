@@ -170,9 +170,12 @@ def default_disagg(a: argparse.Namespace, model: str) -> bool:
         total = gpu_memory(device.index or 0)
         if total is None:  # no such GPU: the engine's checks of --gpus say so
             return False
-    item_bytes = EngineConfig(model=model, dtype=a.dtype).torch_dtype(ModelConfig.from_dir(model)).itemsize
-    choice = choose_disagg(ModelCosts.from_dir(model, a.expert_format), total, item_bytes,
-                           int(a.kv_cache_gb * 2**30))
+    engine = EngineConfig(model=model, dtype=a.dtype)
+    item_bytes = engine.torch_dtype(ModelConfig.from_dir(model)).itemsize
+    costs = ModelCosts.from_dir(model, a.expert_format)
+    kv_bytes = (a.num_kv_blocks * engine.block_size * costs.kv_bytes_per_token(item_bytes) if a.num_kv_blocks
+                else int(a.kv_cache_gb * 2**30))  # the pool's cap: --num-kv-blocks sets it exactly
+    choice = choose_disagg(costs, total, item_bytes, kv_bytes)
     print(f"hybridd: {choice.why}", file=sys.stderr)
     return choice.on
 
