@@ -160,7 +160,7 @@ def default_disagg(a: argparse.Namespace, model: str) -> bool:
         return False
     import torch
 
-    from hybrid.config import EngineConfig, ModelConfig
+    from hybrid.config import EngineConfig
     from hybrid.planner.costs import ModelCosts
     from hybrid.planner.disagg_choice import choose_disagg
 
@@ -171,8 +171,8 @@ def default_disagg(a: argparse.Namespace, model: str) -> bool:
         if total is None:  # no such GPU: the engine's checks of --gpus say so
             return False
     engine = EngineConfig(model=model, dtype=a.dtype)
-    item_bytes = engine.torch_dtype(ModelConfig.from_dir(model)).itemsize
     costs = ModelCosts.from_dir(model, a.expert_format)
+    item_bytes = engine.torch_dtype(costs.config).itemsize
     kv_bytes = (a.num_kv_blocks * engine.block_size * costs.kv_bytes_per_token(item_bytes) if a.num_kv_blocks
                 else int(a.kv_cache_gb * 2**30))  # the pool's cap: --num-kv-blocks sets it exactly
     choice = choose_disagg(costs, total, item_bytes, kv_bytes)
