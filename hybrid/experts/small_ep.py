@@ -38,6 +38,11 @@ HEADER = 4  # int64 fields: op, then op-specific (PASS: tokens, longest prefill;
 JOIN_TIMEOUT = timedelta(seconds=120)  # ranks reach the store and, once built, connect within this
 BUILD_TIMEOUT_S = 1800  # an expert rank maps (on CUDA: registers) its share of the pack within this
 PEER_TIMEOUT = timedelta(seconds=300)  # rank 0 waits this long for an expert rank's part of a layer
+# Rank 0's headers and counts: an expert rank posts its receive for them within milliseconds of its last step, so
+# one still open after this is a rank that is gone or hung. Kept short because a gloo operation left open when rank
+# 0 gives a rank up is waited for (holding the GIL) when its group is destroyed: a header to a killed rank once
+# stayed open its whole timeout, freezing the engine for 300 s.
+CONTROL_TIMEOUT = timedelta(seconds=30)
 IDLE_TIMEOUT = timedelta(days=365)  # an expert rank waits for the next pass however long the daemon stays idle
 
 
@@ -94,9 +99,11 @@ class PeerGroups:
     torch.distributed state. Data operations return their Work: waiting on an NCCL one only orders the current
     stream after it, so whoever must know that it finished polls it (`finish`)."""
 
-    def __init__(self, store: dist.Store, rank: int, world: int, device: torch.device, timeout: timedelta):
+    def __init__(self, store: dist.Store, rank: int, world: int, device: torch.device, timeout: timedelta,
+                 control_timeout: timedelta | None = None):
         self.rank, self.world, self.device, self.store = rank, world, device, store
-        self.control = dist.ProcessGroupGloo(dist.PrefixStore("control/", store), rank, world, timeout)
+        self.control = dist.ProcessGroupGloo(dist.PrefixStore("control/", store), rank, world,
+                                             control_timeout or timeout)
         if device.type == "cuda":
             # a failed collective aborts the communicator and leaves this process alive (the default tears it
             # down): rank 0 then carries on without the expert ranks
@@ -258,7 +265,7 @@ def start_expert_ranks(engine: EngineConfig, hidden: int, top_k: int, dtype: tor
                                           preexec_fn=unpin_child))
     try:
         _wait_ready(store, processes)
-        groups = PeerGroups(store, 0, world, devices[0], PEER_TIMEOUT)
+        groups = PeerGroups(store, 0, world, devices[0], PEER_TIMEOUT, CONTROL_TIMEOUT)
     except (RuntimeError, CommunicationError) as e:
         _kill(processes)
         raise CommunicationError(f"SmallEP: the expert ranks did not join: {e}") from e
