@@ -5,12 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from hybrid.config import EngineConfig
+from hybrid.config.model_config import DEFAULT_MODEL_DIR
 from hybrid.engine.llm_engine import LLMEngine
 from hybrid.engine.outputs import RequestOutput
 from hybrid.experts.base import Experts
 from hybrid.sampling_params import SamplingParams
 
-DEFAULT_MODEL_DIR = Path(__file__).parent / "default_model"
+__all__ = ["DEFAULT_MODEL_DIR", "LLM"]
 
 
 class LLM:

@@ -8,16 +8,13 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from hybrid.checkpoint.errors import CheckpointError
 from hybrid.checkpoint.fp8 import check_block_scales, dequantize_block_fp8
 from hybrid.checkpoint.shard import Shard
 
 READABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e4m3fn)
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded: the message names the file and tensor."""
 
 
 class CheckpointReader:

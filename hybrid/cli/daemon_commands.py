@@ -194,8 +194,7 @@ def gpu_memory(index: int) -> int | None:
 def cmd_start(a: argparse.Namespace) -> int:
     from hybrid.config import ModelConfig
     from hybrid.config.home import PRIVATE_UMASK
-    from hybrid.experts.pack import engine_pack
-    from hybrid.llm import DEFAULT_MODEL_DIR
+    from hybrid.config.model_config import DEFAULT_MODEL_DIR
     from hybrid.managers.daemon_config import DaemonConfig
     from hybrid.managers.supervisor import Supervisor, check_port_free, core_split, launch, running_daemon
     from hybrid.tokenizer import MissingTokenizer, Tokenizer, load_chat_template
@@ -225,6 +224,8 @@ def cmd_start(a: argparse.Namespace) -> int:
     if config.disagg:  # the split of the cores the supervisor will make, checked here
         core_split(sorted(os.sched_getaffinity(0)), config.prefill_cores)
     if a.expert_pack:  # a pack the engines would refuse is refused here, before anything starts
+        from hybrid.experts.pack import engine_pack
+
         engine_pack(ModelConfig.from_dir(model), a.expert_format, a.expert_pack)
     explain_gpus(a.gpus, a.slp_threshold)
     running = running_daemon(config.paths)

@@ -8,17 +8,22 @@ import sys
 
 import httpx
 
-from hybrid.checkpoint.reader import CheckpointError
+from hybrid.checkpoint.errors import CheckpointError, PackError
 from hybrid.cli import daemon_commands, doctor, generate, pack
 from hybrid.cli.sse_client import StreamError
 from hybrid.config import ConfigError
-from hybrid.experts.pack import PackError
-from hybrid.experts.process.client import ExpertServerError
 from hybrid.managers.supervisor import DaemonError
 from hybrid.tokenizer import TokenizerError
 
-USER_ERRORS = (ConfigError, CheckpointError, PackError, ExpertServerError, TokenizerError, ValueError,
-               FileNotFoundError, DaemonError, StreamError)
+USER_ERRORS = (ConfigError, CheckpointError, PackError, TokenizerError, ValueError, FileNotFoundError, DaemonError,
+               StreamError)
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """USER_ERRORS, and the expert process's error where the command loaded its client. That error lives in the
+    kernels' C++ module, which needs torch; `stop` and `status` import neither, and cannot have raised it."""
+    client = sys.modules.get("hybrid.experts.process.client")
+    return USER_ERRORS + ((client.ExpertServerError,) if client is not None else ())
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         return a.func(a)
-    except USER_ERRORS as e:
+    except user_errors() as e:
         print(f"hybridd: error: {e}", file=sys.stderr)
         return 2
     except httpx.HTTPStatusError as e:

@@ -5,10 +5,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+from hybrid.config.model_config import DTYPES, ConfigError, ModelConfig, torch_dtype
 
-from hybrid.config.model_config import DTYPES, ConfigError, ModelConfig
+if TYPE_CHECKING:
+    import torch
 
 # An engine does both phases of a request, or, disaggregated, only prefills (then hands each sequence off after
 # its first token) or takes over prefilled sequences and decodes them.
@@ -158,6 +160,8 @@ class EngineConfig:
     def _hybrid(self) -> None:
         """--gpus: attention, KV cache and dense layers on the device (torch + Triton attention), routed
         experts in the expert process. attn_device="cpu" plays the GPU's role on the CPU, same code path."""
+        import torch
+
         if not self.gpus or any(g < 0 for g in self.gpus):
             raise ConfigError(f"gpus must list CUDA device indices, got {self.gpus}")
         if len(set(self.gpus)) != len(self.gpus):
@@ -190,7 +194,7 @@ class EngineConfig:
         return self.gpus is not None
 
     def torch_dtype(self, model: ModelConfig) -> torch.dtype:
-        return model.checkpoint_dtype if self.dtype == "auto" else DTYPES[self.dtype]
+        return model.checkpoint_dtype if self.dtype == "auto" else torch_dtype(self.dtype)
 
     def resolve(self, model: ModelConfig, kv_bytes_per_token: int) -> tuple[int, int]:
         """Returns (max_model_len, num_kv_blocks), checking that one full-length sequence fits the pool. The pool

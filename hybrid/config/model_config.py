@@ -6,18 +6,31 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 SUPPORTED_ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 
+# The embedded model every command runs when none is named.
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[1] / "default_model"
+
 # model_type values of checkpoints whose architecture we run under another name (Kimi-K2 is DeepSeek-V3's).
 MODEL_TYPE_ALIASES = {"kimi_k2": "deepseek_v3"}
 
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+# Compute dtypes by name. torch is imported where a dtype is asked for, not with this module: the supervisor, the
+# api process and `hybridd stop` / `status` read configs and would otherwise each spend ~2 s importing it.
+DTYPES = ("bfloat16", "float32", "float16")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    import torch
+
+    return getattr(torch, name)
 
 
 class ConfigError(ValueError):
@@ -213,10 +226,12 @@ def _rope(hf, rotary_dim: int, interleave: bool) -> RopeConfig:
 
 
 def _dtype(hf) -> torch.dtype:
+    import torch
+
     dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None) or torch.bfloat16
     if isinstance(dtype, str):
-        dtype = DTYPES.get(dtype, torch.bfloat16)
-    return dtype if dtype in DTYPES.values() else torch.bfloat16
+        dtype = torch_dtype(dtype) if dtype in DTYPES else torch.bfloat16
+    return dtype if str(dtype).removeprefix("torch.") in DTYPES else torch.bfloat16
 
 
 def _parse(model_dir: Path, model_type: str, hf) -> ModelConfig:

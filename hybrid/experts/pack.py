@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from hybrid.checkpoint.errors import PackError
 from hybrid.checkpoint.reader import CheckpointReader
 from hybrid.config import ModelConfig
 from hybrid.config.home import hybridd_home, make_private_dir, open_private, write_private
@@ -36,10 +37,6 @@ ALIGN = 64
 FIELDS = ("w13_data", "w2_data", "w13_scales", "w2_scales", "w13_comp", "w2_comp", "w13_flags",
           "w2_flags")
 DTYPES = {"uint8": torch.uint8, "float32": torch.float32, "int32": torch.int32}
-
-
-class PackError(ValueError):
-    """A pack directory that is missing, incomplete, corrupt or made for something else."""
 
 
 def model_fingerprint(model_dir: str | Path, times: bool = True) -> str:

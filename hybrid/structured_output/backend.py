@@ -14,9 +14,12 @@ closing once its remaining max_tokens come down to that distance (masks.py), so 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 
 class GrammarError(ValueError):
@@ -65,6 +68,8 @@ def closing_rank(text: str, added_tokens: set[str]) -> int:
 def closing_ranks(token_texts: list[str], added_tokens: set[str], eos_token_ids: list[int],
                   vocab_size: int) -> torch.Tensor:
     """closing_rank() per token id, EOS above all."""
+    import torch  # here, not above: the api process checks grammars' errors through this module without torch
+
     ranks = torch.zeros(vocab_size, dtype=torch.int8)
     for i, text in enumerate(token_texts[:vocab_size]):
         ranks[i] = closing_rank(text, added_tokens)
@@ -114,10 +119,14 @@ class GrammarBackend(ABC):
 
     def allowed(self, matchers: list[GrammarMatcher]) -> torch.Tensor:
         """A [len(matchers), vocab_size] bool tensor, True where a matcher allows the token next."""
+        import torch
+
         return torch.from_numpy(unpack_bits(self.bitmask(matchers), self.vocab_size)).bool()
 
     def closing(self, allowed: torch.Tensor) -> torch.Tensor:
         """Of each row's allowed tokens, those of the highest closing rank present."""
+        import torch
+
         ranks = self.closing_rank.to(torch.int16).expand_as(allowed).masked_fill(~allowed, -1)
         return ranks == ranks.max(dim=-1, keepdim=True).values
 
