@@ -27,17 +27,20 @@ def greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     return [o.token_ids for o in outs]
 
 
-MODES = pytest.mark.parametrize("overlap,eager", [(True, False), (False, False), (True, True)],
-                                ids=["overlap", "no-overlap", "overlap-eager"])
+MODES = [(True, False), (False, False), (True, True)]
+MODE_IDS = ["overlap", "no-overlap", "overlap-eager"]
 
 
-@MODES
+# The default run checks graphs with overlap against transformers; test_segments.py checks that every path (eager,
+# graphs, each with and without overlap) gives the same tokens, so the other two modes run here with -m slow.
+@pytest.mark.parametrize("overlap,eager", [pytest.param(*m, marks=pytest.mark.slow) if m != MODES[0] else m
+                                           for m in MODES], ids=MODE_IDS)
 def test_hybrid_matches_transformers_and_cpu_only(device_path_model, overlap, eager):
     check_hybrid(device_path_model, "cpu", overlap, eager)
 
 
 @pytest.mark.gpu
-@MODES
+@pytest.mark.parametrize("overlap,eager", MODES, ids=MODE_IDS)
 def test_hybrid_on_cuda_matches_cpu_only(any_model, overlap, eager):
     """The same on a real GPU: compiled Triton kernels, CUDA graphs, pinned staging to the expert process.
     Checked against CPU-only mode, which the test above checks against transformers: on a CUDA machine
