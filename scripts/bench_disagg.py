@@ -2,17 +2,18 @@
 
 Starts the daemon colocated and with --disagg in turn (same HYBRIDD_HOME, so the experts are packed once; never
 both at once), and in each: `--chats` streaming chats start, and once they are decoding `--long` long prompts
-arrive together. Measured from the client side: first the chats' time per output
-token with nothing else running, then the gaps between a chat's streamed tokens while the long prompts are
-prefilled (p50 / p90 / p99 / max, and p90 over the TPOT alone), the chats' tokens/s, their time to first token and
-from their first to their second token (where a split daemon hands the sequence over), and the long prompts' time
-to first token. Rounds alternate
-colocated and disaggregated so that bandwidth drift hits both alike; the last column is disagg over colocated
-(issue 31: decode latency within 15 % of an idle engine's while throughput rises).
+arrive together (with --long-every, again every so many seconds until the chats end). Measured from the client
+side: first the chats' time per output token with nothing else running, then the gaps between a chat's streamed
+tokens while the long prompts are prefilled (p50 / p90 / p99 / max, and p90 over the TPOT alone), the chats'
+tokens/s, their time to first token and from their first to their second token (where a split daemon hands the
+sequence over), and the long prompts' time to first token; a split daemon's time per hand-off on each side comes
+from /metrics. Rounds alternate colocated and disaggregated so that bandwidth drift hits both alike; the last
+column is disagg over colocated (issue 31: decode latency within 15 % of an idle engine's while throughput rises).
 
     python scripts/bench_disagg.py
     python scripts/bench_disagg.py --model bench_models/qwen3-30b-a3b-L4 --long-tokens 3000 --chat-tokens 96
     python scripts/bench_disagg.py --model bench_models/qwen3-30b-a3b-L4 --daemon-args="--gpus 0"   # on a GPU
+    python scripts/bench_disagg.py --long 1 --long-every 1.0   # long prompts keep arriving (the paper's load)
 """
 
 from __future__ import annotations
@@ -93,13 +94,29 @@ async def round_trip(url: str, a: argparse.Namespace) -> dict:
                                       for i in range(a.chats)))
         chats = [asyncio.create_task(stream(client, model, tokens(a.chat_prompt, i), a.chat_tokens))
                  for i in range(a.chats)]
-        await asyncio.sleep(a.long_after)
-        t_long = time.perf_counter()
-        longs = await asyncio.gather(*(stream(client, model, tokens(a.long_tokens, 100 + i), 4)
-                                       for i in range(a.long)))
-        long_done = time.perf_counter()
+        long_tasks: list[asyncio.Task] = []
+
+        async def arrive() -> None:
+            """--long prompts at --long-after, then again every --long-every seconds while the chats run."""
+            await asyncio.sleep(a.long_after)
+            while True:
+                n = len(long_tasks)
+                long_tasks.extend(asyncio.create_task(stream(client, model, tokens(a.long_tokens, 100 + n + i), 4))
+                                  for i in range(a.long))
+                if a.long_every <= 0:
+                    return
+                await asyncio.sleep(a.long_every)
+
+        arrivals = asyncio.create_task(arrive())
         chat_times = await asyncio.gather(*chats)
-        slp = streamed((await client.get("/metrics")).text)
+        arrivals.cancel()
+        longs = await asyncio.gather(*long_tasks)
+        if not longs:
+            raise SystemExit("the chats ended before the long prompts arrived: raise --chat-tokens or lower "
+                             "--long-after")
+        t_long, long_done = min(t[0] for t in longs), max(t[-1] for t in longs)
+        metrics = (await client.get("/metrics")).text
+        slp, handoff = streamed(metrics), handoff_ms(metrics)
     # every gap that overlaps the long prompts' prefill, the one that spans its end included
     gaps = [b - a_ for t in chat_times for a_, b in zip(t[1:], t[2:]) if a_ < long_done and b > t_long]
     if not gaps:
@@ -108,7 +125,8 @@ async def round_trip(url: str, a: argparse.Namespace) -> dict:
     idle_tpot = statistics.median((t[-1] - t[1]) / (len(t) - 2) for t in idle)
     span = max(t[-1] - t[0] for t in chat_times)
     return {"idle_tpot": idle_tpot, "gaps": gaps, "tok_s": sum(len(t) - 1 for t in chat_times) / span,
-            "long_ttft": statistics.median(t[1] - t[0] for t in longs), "slp": slp,
+            "long_ttft": statistics.median(t[1] - t[0] for t in longs), "slp": slp, "handoff": handoff,
+            "long_prompts": len(longs),
             "chat_ttft": statistics.median(t[1] - t[0] for t in chat_times),
             "second_token": statistics.median(t[2] - t[1] for t in chat_times)}
 
@@ -125,6 +143,19 @@ def streamed(metrics: str) -> tuple[float, float]:
     return totals["hybridd_slp_passes"], totals["hybridd_slp_streamed_bytes"]
 
 
+def handoff_ms(metrics: str) -> dict[str, float]:
+    """Mean milliseconds per hand-off on each side of a split daemon (prefill: putting the KV into the transport;
+    decode: getting it and adopting the sequence), over every hand-off since it started; empty when colocated."""
+    count: dict[str, float] = {}
+    seconds: dict[str, float] = {}
+    for family in text_string_to_metric_families(metrics):
+        for sample in family.samples:
+            if sample.name in ("hybridd_kv_handoffs", "hybridd_kv_handoff_seconds"):
+                into = count if sample.name == "hybridd_kv_handoffs" else seconds
+                into[sample.labels["role"]] = sample.value
+    return {role: seconds.get(role, 0.0) * 1e3 / n for role, n in count.items() if n}
+
+
 def summarize(runs: list[dict]) -> dict[str, float]:
     gaps = sorted(g for r in runs for g in r["gaps"])
     pick = lambda q: gaps[min(len(gaps) - 1, int(q * len(gaps)))]  # noqa: E731
@@ -135,7 +166,8 @@ def summarize(runs: list[dict]) -> dict[str, float]:
             "chat tok/s": statistics.median(r["tok_s"] for r in runs),
             "chat TTFT ms": statistics.median(r["chat_ttft"] for r in runs) * 1e3,
             "chat 1st -> 2nd token ms (the hand-off, split)": statistics.median(r["second_token"] for r in runs) * 1e3,
-            "long TTFT s": statistics.median(r["long_ttft"] for r in runs)}
+            "long TTFT s": statistics.median(r["long_ttft"] for r in runs),
+            "long prompts served": statistics.median(r["long_prompts"] for r in runs)}
 
 
 def main() -> None:
@@ -147,6 +179,8 @@ def main() -> None:
     ap.add_argument("--long", type=int, default=2)
     ap.add_argument("--long-tokens", type=int, default=3000)
     ap.add_argument("--long-after", type=float, default=0.2, help="seconds after the chats start")
+    ap.add_argument("--long-every", type=float, default=0.0, help="seconds between further arrivals of --long "
+                    "prompts while the chats run (0: they arrive once; the paper's load keeps them coming)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--port", type=int, default=18931)
     ap.add_argument("--home", help="HYBRIDD_HOME for the runs (default: a temporary directory)")
@@ -168,12 +202,16 @@ def main() -> None:
     console.print(f"model {Path(a.model).name if a.model else 'default'}, kernel path {kernel_isa_name()}, "
                   f"{os.cpu_count()} cores, daemon flags {' '.join(common) or '(none)'}; {a.chats} chats of "
                   f"{a.chat_tokens} tokens, {a.long} prompts of "
-                  f"{a.long_tokens} tokens arriving {a.long_after}s in; {a.rounds} alternating rounds")
+                  f"{a.long_tokens} tokens arriving {a.long_after}s in"
+                  + (f" and every {a.long_every}s after" if a.long_every > 0 else "")
+                  + f"; {a.rounds} alternating rounds")
     colocated, disagg = summarize(results["colocated"]), summarize(results["disagg"])
     table = Table("measure", "colocated", "disagg", "disagg / colocated")
     for key in colocated:
         table.add_row(key, f"{colocated[key]:.3f}", f"{disagg[key]:.3f}", f"{disagg[key] / colocated[key]:.2f}x")
     console.print(table)
+    for role, ms in results["disagg"][-1]["handoff"].items():
+        console.print(f"disagg: {ms:.1f} ms per hand-off on the {role} side (last round, warm-up included)")
     for mode, runs in results.items():
         passes, nbytes = runs[-1]["slp"]
         console.print(f"{mode}: {passes:.0f} prefill passes streamed {nbytes / 1e9:.2f} GB of experts to the device "

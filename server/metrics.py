@@ -40,6 +40,12 @@ class Metrics:
                              registry=self.registry)
         self.handoffs = Gauge("hybridd_num_requests_handing_off", "Prefilled requests between the prefill and "
                               "the decode engine (counted by each side)", by_role, registry=self.registry)
+        self.handoffs_moved = Gauge("hybridd_kv_handoffs", "Sequences handed from the prefill to the decode engine "
+                                    "since it started: put by the prefill side, taken over by the decode side",
+                                    by_role, registry=self.registry)
+        self.handoff_seconds = Gauge("hybridd_kv_handoff_seconds", "Time those hand-offs took on each side (prefill: "
+                                     "gathering and putting the KV; decode: getting it and adopting the sequence)",
+                                     by_role, registry=self.registry)
         self.kv_usage = Gauge("hybridd_kv_cache_usage_ratio", "Share of KV-cache blocks in use", by_role,
                               registry=self.registry)
         self.slp_passes = Gauge("hybridd_slp_passes", "Prefill passes that streamed their experts to the device",
@@ -63,6 +69,9 @@ class Metrics:
                 self.running.labels(self.model, role).set(stats.running)
                 self.waiting.labels(self.model, role).set(stats.waiting)
                 self.handoffs.labels(self.model, role).set(stats.handoffs)
+                if role in ("prefill", "decode"):
+                    self.handoffs_moved.labels(self.model, role).set(stats.handoffs_moved)
+                    self.handoff_seconds.labels(self.model, role).set(stats.handoff_seconds)
                 self.kv_usage.labels(self.model, role).set(stats.kv_blocks_used / max(stats.kv_blocks_total, 1))
                 if stats.slp is not None:
                     self.slp_passes.labels(self.model, role).set(stats.slp["passes"])

@@ -94,13 +94,28 @@ def test_stream_and_whole_reply_agree(client):
     assert whole == streamed
 
 
-def test_status_and_metrics_name_each_engine(pair):
+def test_status_and_metrics_name_each_engine(pair, client):
     r = pair.cli("status")
     assert r.returncode == 0 and "prefill" in r.stdout and "decode" in r.stdout
-    import httpx
-
     body = httpx.get(f"{pair.url}/metrics").text
     assert 'role="prefill"' in body and 'role="decode"' in body
+    client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, extra_body={"ignore_eos": True})
+    deadline = time.monotonic() + 10
+    while True:  # each side counts its hand-offs and their time; its stats reach the api every 0.25 s
+        moved = {role: handoff_metrics(pair, role) for role in ("prefill", "decode")}
+        if all(n >= 1 for n, _ in moved.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert all(n >= 1 and 0 < seconds < 10 * n for n, seconds in moved.values()), moved
+
+
+def handoff_metrics(pair: Daemon, role: str) -> tuple[float, float]:
+    """(hand-offs, seconds they took) on one side, from /metrics."""
+    values = {}
+    for line in httpx.get(f"{pair.url}/metrics").text.splitlines():
+        if line.startswith(("hybridd_kv_handoffs{", "hybridd_kv_handoff_seconds{")) and f'role="{role}"' in line:
+            values[line.split("{")[0]] = float(line.split()[-1])
+    return values.get("hybridd_kv_handoffs", 0.0), values.get("hybridd_kv_handoff_seconds", 0.0)
 
 
 def wait_replaced(pair: Daemon, role: str, old: int) -> None:

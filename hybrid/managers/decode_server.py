@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections import deque
 
 from hybrid.disaggregation.engine_handoff import take_over
@@ -61,6 +62,7 @@ class DecodeServer(PairedEngineServer):
     def before_step(self) -> None:
         while self.waiting and not self.stopping:
             handoff = self.waiting[0]
+            start = time.perf_counter()
             try:
                 if not take_over(self.engine, handoff, self.transport):
                     if self.blocked != handoff.request_id:
@@ -75,6 +77,8 @@ class DecodeServer(PairedEngineServer):
                 self.send(RequestFailed(handoff.request_id, 500, f"the hand-off to the decode engine failed: {e}"))
                 self.send_peer(HandoffDone(handoff.request_id, False, str(e)))
                 continue
+            self.handoffs_moved += 1
+            self.handoff_seconds += time.perf_counter() - start
             self.waiting.popleft()
             self.seen.append(handoff.request_id)
             self.in_flight.add(handoff.request_id)

@@ -74,6 +74,7 @@ class EngineServer:
         self.in_flight: set[str] = set()  # request ids from the api that have not finished
         self.stopping = False
         self.handoffs_waited = 0
+        self.handoffs_moved, self.handoff_seconds = 0, 0.0
         self._generated: deque[tuple[float, int]] = deque()
         self._last_stats = 0.0
 
@@ -177,7 +178,8 @@ class EngineServer:
                            expert_pid=self.expert_pid(), kv_blocks_cached=bm.num_cached,
                            prefix_cache=bm.cache is not None, prefix_queried_tokens=e.scheduler.queried_tokens,
                            prefix_hit_tokens=e.scheduler.hit_tokens, role=self.role, handoffs=self.handoffs(),
-                           handoffs_waited=self.handoffs_waited,
+                           handoffs_waited=self.handoffs_waited, handoffs_moved=self.handoffs_moved,
+                           handoff_seconds=self.handoff_seconds,
                            slp=self.slp())
 
     def slp(self) -> dict | None:

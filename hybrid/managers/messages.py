@@ -130,6 +130,8 @@ class EngineStats(msgspec.Struct, tag="stats"):
     role: str = "engine"  # engine (both phases), prefill or decode
     handoffs: int = 0  # prefill: sequences waiting for the decode engine; decode: hand-offs waiting for a slot
     handoffs_waited: int = 0  # decode: hand-offs since start that found no free slot and waited for one
+    handoffs_moved: int = 0  # since start: prefill, sequences whose KV it put into the transport; decode, taken over
+    handoff_seconds: float = 0.0  # the time those took here (prefill: gather and put; decode: get and adopt)
     slp: dict | None = None  # streamed prefill: threshold, passes, tokens, streamed_bytes, seconds, gb_per_s
 
 

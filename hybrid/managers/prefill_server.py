@@ -9,6 +9,7 @@ DecodeReady and is offered again everything not yet taken.
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -40,11 +41,14 @@ class PrefillServer(PairedEngineServer):
             if rid not in self.in_flight:  # dropped by the api meanwhile
                 self.engine.abort(rid)
                 continue
+            start = time.perf_counter()
             try:
                 handoff = export(self.engine, rid, self.transport)
             except (OSError, KVTransferError, torch.OutOfMemoryError) as e:  # /dev/shm or the device too small
                 self.fail(rid, 503, f"the prefilled KV could not be handed to the decode engine: {e}")
                 continue
+            self.handoffs_moved += 1
+            self.handoff_seconds += time.perf_counter() - start
             self.offered[rid] = handoff
             self.send_peer(handoff)
 
