@@ -231,7 +231,7 @@ def _dtype(hf) -> torch.dtype:
     dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None) or torch.bfloat16
     if isinstance(dtype, str):
         dtype = torch_dtype(dtype) if dtype in DTYPES else torch.bfloat16
-    return dtype if str(dtype).removeprefix("torch.") in DTYPES else torch.bfloat16
+    return dtype if dtype in [torch_dtype(name) for name in DTYPES] else torch.bfloat16
 
 
 def _parse(model_dir: Path, model_type: str, hf) -> ModelConfig:
