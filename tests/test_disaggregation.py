@@ -180,6 +180,7 @@ def test_a_handoff_that_finds_no_device_memory_fails_that_request_alone(model_di
     server.engine = LLM(model_dirs["tiny-qwen3-moe"], role="prefill").engine
     server.transport = SharedMemoryKVTransport(tmp_path)
     server.in_flight, server.offered = {"a", "b"}, {}
+    server.handoffs_moved, server.handoff_seconds = 0, 0.0
     sent, offered = [], []
     server.send, server.send_peer = sent.append, offered.append
     real_export = prefill_server.export
@@ -198,6 +199,7 @@ def test_a_handoff_that_finds_no_device_memory_fails_that_request_alone(model_di
     assert [(m.request_id, m.status) for m in sent] == [("a", 503)] and "out of memory" in sent[0].message
     assert [h.request_id for h in offered] == ["b"] and list(server.engine.prefilled) == ["b"]
     assert server.in_flight == {"b"}
+    assert server.handoffs_moved == 1 and server.handoff_seconds > 0  # the failed export is not counted
     server.transport.drop(offered[0].kv)
     server.transport.close()
     server.engine.close()
