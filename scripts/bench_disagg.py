@@ -131,29 +131,26 @@ async def round_trip(url: str, a: argparse.Namespace) -> dict:
             "second_token": statistics.median(t[2] - t[1] for t in chat_times)}
 
 
+def by_role(metrics: str, name: str) -> dict[str, float]:
+    """One gauge of /metrics, per engine role."""
+    return {sample.labels["role"]: sample.value for family in text_string_to_metric_families(metrics)
+            for sample in family.samples if sample.name == name}
+
+
 def streamed(metrics: str) -> tuple[float, float]:
     """Prefill passes that streamed their experts to the device, and the bytes they streamed, over all engines
     since the daemon started (the warm-up prompt included): whether `--slp-threshold` sent the long prompts to the
     GPU or left their experts to the CPU."""
-    totals = {"hybridd_slp_passes": 0.0, "hybridd_slp_streamed_bytes": 0.0}
-    for family in text_string_to_metric_families(metrics):
-        for sample in family.samples:
-            if sample.name in totals:
-                totals[sample.name] += sample.value
-    return totals["hybridd_slp_passes"], totals["hybridd_slp_streamed_bytes"]
+    return (sum(by_role(metrics, "hybridd_slp_passes").values()),
+            sum(by_role(metrics, "hybridd_slp_streamed_bytes").values()))
 
 
 def handoff_ms(metrics: str) -> dict[str, float]:
     """Mean milliseconds per hand-off on each side of a split daemon (prefill: putting the KV into the transport;
     decode: getting it and adopting the sequence), over every hand-off since it started; empty when colocated."""
-    count: dict[str, float] = {}
-    seconds: dict[str, float] = {}
-    for family in text_string_to_metric_families(metrics):
-        for sample in family.samples:
-            if sample.name in ("hybridd_kv_handoffs", "hybridd_kv_handoff_seconds"):
-                into = count if sample.name == "hybridd_kv_handoffs" else seconds
-                into[sample.labels["role"]] = sample.value
-    return {role: seconds.get(role, 0.0) * 1e3 / n for role, n in count.items() if n}
+    seconds = by_role(metrics, "hybridd_kv_handoff_seconds")
+    return {role: seconds.get(role, 0.0) * 1e3 / n for role, n in by_role(metrics, "hybridd_kv_handoffs").items()
+            if n}
 
 
 def summarize(runs: list[dict]) -> dict[str, float]:
