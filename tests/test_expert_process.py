@@ -48,6 +48,14 @@ def test_process_and_inline_give_the_same_tokens(model_dirs, preset):
         llm.close()
 
 
+def test_a_pack_of_another_checkpoint_is_refused_with_its_reason(served, model_dirs, capfd):
+    # The expert process checks the pack against the checkpoint's fingerprint, not its parsed config.
+    _, pack, _ = served
+    with pytest.raises(ExpertServerError, match="before it was ready"):
+        ExpertServerProcess.spawn(model_dirs["tiny-qwen3-moe"], pack)
+    assert "packed from" in capfd.readouterr().err
+
+
 def test_two_calls_in_flight_and_errors_are_reported(served):
     model, pack, proc = served
     config = ModelConfig.from_dir(model)

@@ -83,13 +83,19 @@ def read_index(pack_dir: str | Path) -> dict:
         raise PackError(f"{index}: unreadable pack index ({e})") from e
 
 
-def check_index(index: dict, pack_dir: Path, config: ModelConfig, fmt: str | None) -> None:
-    """Refuses a pack made by another pack version, for another model, or in another format."""
+def check_source(index: dict, pack_dir: Path, model_dir: str | Path) -> None:
+    """Refuses a pack made by another pack version or from another checkpoint. The fingerprint covers config.json,
+    so a pack that passes was made for this model's shapes: checkable without parsing the config."""
     if index.get("version") != PACK_VERSION:
         raise PackError(f"{pack_dir}: pack version {index.get('version')} is not {PACK_VERSION}; re-run hybridd pack")
-    if index.get("model_fingerprint") != model_fingerprint(config.model_dir):
-        raise PackError(f"{pack_dir}: packed from {index.get('model_dir')!r}, not from {str(config.model_dir)!r} "
+    if index.get("model_fingerprint") != model_fingerprint(model_dir):
+        raise PackError(f"{pack_dir}: packed from {index.get('model_dir')!r}, not from {str(model_dir)!r} "
                         "(or that checkpoint changed); re-run hybridd pack")
+
+
+def check_index(index: dict, pack_dir: Path, config: ModelConfig, fmt: str | None) -> None:
+    """Refuses a pack made by another pack version, for another model, or in another format."""
+    check_source(index, pack_dir, config.model_dir)
     if fmt is not None and index.get("format") != fmt:
         raise PackError(f"{pack_dir}: experts are packed as {index.get('format')}, not {fmt}")
     if sorted(int(k) for k in index["layers"]) != sorted(config.moe_layers):
@@ -223,12 +229,25 @@ def _tensor(mm: np.memmap, spec: dict) -> torch.Tensor:
 
 def load_pack(pack_dir: str | Path, config: ModelConfig, fmt: str | None = None) -> dict:
     """Maps the pack shared and read-only; returns {layer: PackedExperts} whose tensors are views of the file."""
-    from cpu_kernels.moe import PackedExperts
-    from cpu_kernels.pack import Format
-
     pack_dir = Path(pack_dir)
     index = read_index(pack_dir)
     check_index(index, pack_dir, config, fmt)
+    return _map_layers(pack_dir, index)
+
+
+def load_pack_of(pack_dir: str | Path, model_dir: str | Path) -> dict:
+    """`load_pack` for a process that never parses the model's config (the expert process: transformers' config
+    classes take seconds to import), checking the pack's version and source checkpoint only."""
+    pack_dir = Path(pack_dir)
+    index = read_index(pack_dir)
+    check_source(index, pack_dir, model_dir)
+    return _map_layers(pack_dir, index)
+
+
+def _map_layers(pack_dir: Path, index: dict) -> dict:
+    from cpu_kernels.moe import PackedExperts
+    from cpu_kernels.pack import Format
+
     mm = _mapped(pack_dir)
     layers = {}
     for layer, entry in index["layers"].items():

@@ -24,9 +24,8 @@ from pathlib import Path
 import torch
 import zmq
 
-from hybrid.config import ModelConfig
 from hybrid.experts.kernel_experts import KernelExperts
-from hybrid.experts.pack import load_pack
+from hybrid.experts.pack import load_pack_of
 from hybrid.experts.process.slots import SPIN_US, ExpertSlots, SlotLayout
 from hybrid.parent_watch import watch_parent
 from hybrid.shm_orphans import create_owned, owned_name, remove_orphans
@@ -140,15 +139,18 @@ def main(argv: list[str] | None = None) -> int:
         watch_parent(a.parent_pid)
     torch.set_num_threads(1)
     set_pool_spin(SHARED_CORE_SPIN_US)  # the engines it serves compute on these cores between its calls
-    config = ModelConfig.from_dir(a.model)
-    experts = KernelExperts(load_pack(a.pack, config), a.threads)
+    model_dir = Path(a.model)
+    layers = load_pack_of(a.pack, model_dir)
+    if not layers:
+        raise SystemExit(f"{a.pack}: the pack holds no MoE layer")
+    experts = KernelExperts(layers, a.threads)
     # Named after this process, so that the directory of one that was killed is swept by the next
     run_dir = create_owned(f"{RUN_DIR_PREFIX}{os.getuid()}-", Path(tempfile.gettempdir()), is_dir=True)
     control = a.control or f"ipc://{run_dir}/control"
-    server = ExpertServer(experts, config.hidden_size)
+    server = ExpertServer(experts, next(iter(layers.values())).hidden)
     print(json.dumps({"ready": True, "control": control, "pid": os.getpid()}), flush=True)
     try:
-        serve(server, control, {"model": str(config.model_dir), "layers": sorted(experts.layers)})
+        serve(server, control, {"model": str(model_dir), "layers": sorted(experts.layers)})
     finally:
         server.close()
         for p in run_dir.iterdir():
