@@ -12,6 +12,7 @@ import uvicorn
 from hybrid.managers.daemon_config import DaemonConfig
 from hybrid.managers.engine_client import EngineClient
 from hybrid.parent_watch import watch_parent
+from hybrid.process_exit import exit_after
 from hybrid.tokenizer import MissingTokenizer, Tokenizer
 from server.app import build_app
 
@@ -39,4 +40,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_after(main)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 
 from hybrid.config import EngineConfig, ModelConfig
+from hybrid.process_exit import exit_after
 
 
 def follow(config: EngineConfig) -> None:
@@ -26,4 +27,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    exit_after(main)

@@ -32,6 +32,7 @@ from hybrid.experts.small_ep import (
     unpack_layer,
 )
 from hybrid.parent_watch import watch_parent
+from hybrid.process_exit import exit_after
 from hybrid.triton_env import prepare_triton
 
 log = logging.getLogger("hybridd.expert_rank")
@@ -107,4 +108,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_after(main)

@@ -51,6 +51,7 @@ from hybrid.managers.messages import (
     to_engine_decoder,
 )
 from hybrid.parent_watch import watch_parent
+from hybrid.process_exit import exit_after
 
 log = logging.getLogger("hybridd.engine")
 
@@ -398,4 +399,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_after(main)

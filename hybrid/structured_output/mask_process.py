@@ -22,6 +22,7 @@ import numpy as np
 
 from hybrid.distributed.shm_channel import ShmChannel
 from hybrid.parent_watch import watch_parent
+from hybrid.process_exit import exit_after
 from hybrid.structured_output.backend import GrammarBackend, GrammarMatcher, bitmask_words
 from hybrid.structured_output.mask_messages import (
     Advance,
@@ -122,4 +123,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    exit_after(main)

@@ -28,6 +28,7 @@ from hybrid.experts.kernel_experts import KernelExperts
 from hybrid.experts.pack import load_pack_of
 from hybrid.experts.process.slots import SPIN_US, ExpertSlots, SlotLayout
 from hybrid.parent_watch import watch_parent
+from hybrid.process_exit import exit_after
 from hybrid.shm_orphans import create_owned, owned_name, remove_orphans
 
 RUN_DIR_PREFIX = "hybridd-experts-"  # the temporary directory holding an expert process's ipc socket
@@ -160,4 +161,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_after(main)
