@@ -237,8 +237,9 @@ def probe_rates(cpu: Experts, stream: ExpertStream, hidden: int, top_k: int, lay
     used = sorted(set(ids.flatten().tolist()) & set(owned))
     buf = stream.start(Piece(layer, used[:stream.piece_experts], 0))
     w = stream.ready(buf)
-    fused_moe(w, dx, di, dw)  # compiles (or, interpreted, warms) the kernels
-    sync()
+    if stream.cuda:  # compiles the kernels; Triton's interpreter has nothing to compile, and a call costs seconds
+        fused_moe(w, dx, di, dw)
+        sync()
     start = time.perf_counter()
     fused_moe(w, dx, di, dw)
     sync()
