@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -428,6 +429,39 @@ def test_corrupt_checkpoint_is_a_clear_start_error(tmp_path):
     assert r.returncode == 2 and "no config.json" in r.stderr
 
 
+def test_a_config_transformers_refuses_fails_the_start_and_leaves_nothing_running(tmp_path):
+    # The full parse of config.json runs while the daemon's processes start: its failure stops what was launched.
+    import shutil
+
+    from hybrid.llm import DEFAULT_MODEL_DIR
+
+    model = tmp_path / "model"
+    shutil.copytree(DEFAULT_MODEL_DIR, model)
+    raw = json.loads((model / "config.json").read_text())
+    raw["num_experts_per_tok"] = 0
+    (model / "config.json").write_text(json.dumps(raw))
+    d = Daemon(tmp_path / "home", free_port())
+    r = d.cli("start", "--model", str(model), "--port", str(d.port))
+    assert r.returncode == 2 and "num_experts_per_tok" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not (d.home / "hybridd.pid").exists()
+    deadline = time.monotonic() + 10
+    while processes_of(d.home) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not processes_of(d.home)
+
+
+def processes_of(home: Path) -> list[psutil.Process]:
+    """This user's processes started with HYBRIDD_HOME=home."""
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get("HYBRIDD_HOME") == str(home):
+                found.append(p)
+        except psutil.Error:
+            pass
+    return found
+
+
 def test_doctor_reports_machine_and_fit(tmp_path):
     d = Daemon(tmp_path / "home", free_port())
     r = d.cli("doctor")
@@ -561,7 +595,8 @@ def test_an_api_that_cannot_start_fails_the_start_at_once(tmp_path):
     start = time.monotonic()
     r = subprocess.run([sys.executable, "-m", "hybrid.cli.main", "start", "--port", str(d.port), "--timeout", "120"],
                        env=env, capture_output=True, text=True, timeout=180)
-    assert r.returncode == 2 and "the api process exited 2 times while starting" in r.stderr, r.stderr
+    # at the second exit, or later where the model's checks were still running; the supervisor may have given up
+    assert r.returncode == 2 and re.search(r"the api process exited [2-9] times while starting", r.stderr), r.stderr
     assert "opentelemetry" in r.stderr.split("where each process was:")[1], r.stderr
     assert time.monotonic() - start < 60
     assert not (d.home / "hybridd.pid").exists()

@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -131,11 +132,11 @@ def _wait_ready(config, proc, timeout_s: float, logs_before: dict[Path, int]) ->
             if proc.poll() == ALREADY_RUNNING_EXIT:
                 raise DaemonError(f"hybridd is already running with HYBRIDD_HOME={config.paths.home}; "
                                   "`hybridd stop` stops it")
-            if proc.poll() is not None:
-                raise give_up(f"the daemon exited with code {proc.returncode} while starting")
-            looping = crash_loop(config.paths, proc.pid)
+            looping = crash_loop(config.paths, proc.pid)  # first: a supervisor that gave up has exited too
             if looping is not None:
                 raise give_up(looping)
+            if proc.poll() is not None:
+                raise give_up(f"the daemon exited with code {proc.returncode} while starting")
             try:
                 r = httpx.get(f"{config.url}/health", timeout=2.0)
             except httpx.HTTPError:
@@ -191,13 +192,40 @@ def gpu_memory(index: int) -> int | None:
     return int(out) if r.returncode == 0 and out.isdigit() else None
 
 
+def check_model(model: str, chat_template: str | None) -> None:
+    """What the engines would refuse in the model directory: its config, read by transformers' classes, and its
+    tokenizer (which may be missing unless a chat template is given to render with it)."""
+    from hybrid.config import ModelConfig
+    from hybrid.tokenizer import MissingTokenizer, Tokenizer
+
+    ModelConfig.from_dir(model)
+    try:
+        Tokenizer(model)
+    except MissingTokenizer:
+        if chat_template is not None:
+            raise
+
+
+def abandon(proc: subprocess.Popen) -> None:
+    """Stops the supervisor this command launched: itself, not whichever daemon the pid file names, which may be
+    another start's that won the home's lock."""
+    from hybrid.managers.supervisor import API_STOP_S, ENGINE_STOP_S
+
+    proc.terminate()
+    try:
+        proc.wait(API_STOP_S + ENGINE_STOP_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # its own session (launch): the supervisor and what it started
+        proc.wait()
+
+
 def cmd_start(a: argparse.Namespace) -> int:
     from hybrid.config import ModelConfig
     from hybrid.config.home import PRIVATE_UMASK
-    from hybrid.config.model_config import DEFAULT_MODEL_DIR
+    from hybrid.config.model_config import DEFAULT_MODEL_DIR, read_config
     from hybrid.managers.daemon_config import DaemonConfig
     from hybrid.managers.supervisor import Supervisor, check_port_free, core_split, launch, running_daemon
-    from hybrid.tokenizer import MissingTokenizer, Tokenizer, load_chat_template
+    from hybrid.tokenizer import load_chat_template
 
     model = str(Path(a.model).resolve()) if a.model else str(DEFAULT_MODEL_DIR)
     # The daemon's experts run in the expert process, except that tensor-parallel / pipeline ranks each compute
@@ -205,16 +233,11 @@ def cmd_start(a: argparse.Namespace) -> int:
     a.experts = a.experts or ("inline" if a.tp * a.pp > 1 or (a.backend == "torch" and not a.gpus) else "process")
     if follow_if_not_rank0(a, model):
         return 0
-    from hybrid.distributed.launcher import under_torchrun
+    from hybrid.distributed.torchrun import under_torchrun
 
     a.foreground = a.foreground or under_torchrun()  # torchrun keeps the ranks' lifetimes together
-    ModelConfig.from_dir(model)
+    read_config(Path(model))  # a wrong directory or architecture is refused before anything starts
     chat_template = load_chat_template(a.chat_template) if a.chat_template else None
-    try:
-        Tokenizer(model)
-    except MissingTokenizer:
-        if chat_template is not None:
-            raise
     config = DaemonConfig(model=model, host=a.host, port=a.port, api_key=a.api_key,
                           served_model_name=a.served_model_name, chat_template=chat_template,
                           max_queue=a.max_queue, max_body_mb=a.max_body_mb,
@@ -234,12 +257,19 @@ def cmd_start(a: argparse.Namespace) -> int:
                           "`hybridd stop` stops it")
     check_port_free(a.host, a.port)
     if a.foreground:
+        check_model(model, chat_template)
         os.umask(PRIVATE_UMASK)
         print(f"hybridd: serving {config.model_name} at {config.url} (Ctrl-C stops)", file=sys.stderr)
         return Supervisor(config).run()
     config.paths.make()
     logs_before = log_sizes(config.paths.log_dir)
-    _wait_ready(config, launch(config), a.timeout, logs_before)
+    proc = launch(config)
+    try:  # transformers' checks take seconds to import: made while the daemon's processes import too
+        check_model(model, chat_template)
+    except BaseException:
+        abandon(proc)
+        raise
+    _wait_ready(config, proc, a.timeout, logs_before)
     print(f"hybridd is serving {config.model_name} at {config.url}\n"
           f"  chat page: {config.url}/   OpenAI API: {config.url}/v1   stop: hybridd stop")
     return 0

@@ -108,7 +108,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict:
 def follow_if_not_rank0(a: argparse.Namespace, model) -> bool:
     """Under torchrun, a rank other than the driving one (rank 0) runs the driver's steps here until it stops,
     instead of the command; True when it did."""
-    from hybrid.distributed.launcher import under_torchrun
+    from hybrid.distributed.torchrun import under_torchrun
 
     if not under_torchrun() or int(os.environ["RANK"]) == 0:
         return False

@@ -159,20 +159,26 @@ class ModelConfig:
         """Parses config.json through transformers' own config class for the architecture (which knows every
         renamed field and old spelling), then validates the numbers into this dataclass."""
         model_dir = Path(model_dir)
-        path = model_dir / "config.json"
-        if not path.is_file():
-            raise ConfigError(f"{model_dir}: no config.json (is this a Hugging Face model directory?)")
-        try:
-            raw = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ConfigError(f"{path}: not valid JSON ({e})") from e
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path}: not a JSON object")
-        model_type = _model_type(path, raw)
+        model_type, raw = read_config(model_dir)
         try:
             return _parse(model_dir, model_type, _hf_config(model_type, raw))
         except ConfigError as e:
-            raise ConfigError(f"{path}: {e}") from None
+            raise ConfigError(f"{model_dir / 'config.json'}: {e}") from None
+
+
+def read_config(model_dir: Path) -> tuple[str, dict]:
+    """config.json's architecture and fields, checked as far as can be without transformers (whose config classes
+    take seconds to import): the file exists, is a JSON object and names an architecture hybridd runs."""
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"{model_dir}: no config.json (is this a Hugging Face model directory?)")
+    try:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from e
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: not a JSON object")
+    return _model_type(path, raw), raw
 
 
 def _model_type(path: Path, raw: dict) -> str:

@@ -15,10 +15,7 @@ import torch.distributed as dist
 from hybrid.config import EngineConfig
 from hybrid.distributed.parallel_state import JOIN_TIMEOUT, ParallelState
 from hybrid.distributed.placement import rank_cpus
-
-
-def under_torchrun() -> bool:
-    return "WORLD_SIZE" in os.environ and "RANK" in os.environ
+from hybrid.distributed.torchrun import under_torchrun
 
 
 def engine_config_json(config: EngineConfig) -> str:

@@ -179,7 +179,8 @@ class Supervisor:
                 if child.proc is not None and child.proc.poll() is None:
                     child.proc.kill()
             self.paths.pid_file.unlink(missing_ok=True)
-            self.paths.exits_file.unlink(missing_ok=True)
+            if not self.gave_up:  # kept, it says why to a `hybridd start` that reads it after this exits
+                self.paths.exits_file.unlink(missing_ok=True)
         log.info("stopped")
         return 1 if self.gave_up else 0
 
