@@ -13,7 +13,7 @@ from pathlib import Path
 import openai
 import pytest
 import torch
-from conftest import TINY_PRESETS, prompt_ids
+from conftest import DEVICE_PATH_PRESETS, TINY_PRESETS, prompt_ids
 from daemon_harness import Daemon, free_port, openai_client
 from test_models_vs_transformers import reference
 
@@ -131,8 +131,14 @@ def test_pp2_runs_micro_batches_and_gives_transformers_greedy_tokens(model_dirs,
     assert [o.token_ids for o in out] == expected
 
 
-@pytest.mark.parametrize("tp,pp", [(1, 2), (2, 2)])
-@pytest.mark.parametrize("preset", TINY_PRESETS)
+# Four ranks (tp 2 x pp 2) on every model; two ranks (pp 2 alone, a path the four-rank runs also take) on a GQA
+# bf16 and an MLA fp8 model, the other three with -m slow: each launch spends 5-8 s importing torch on 2 cores.
+TORCHRUN_CASES = [pytest.param(name, 2, 2, id=f"{name}-2-2") for name in TINY_PRESETS] + [
+    pytest.param(name, 1, 2, id=f"{name}-1-2", marks=() if name in DEVICE_PATH_PRESETS else pytest.mark.slow)
+    for name in TINY_PRESETS]
+
+
+@pytest.mark.parametrize("preset,tp,pp", TORCHRUN_CASES)
 def test_generate_under_torchrun_gives_transformers_greedy_tokens(model_dirs, preset, tp, pp):
     ids = prompt_ids(23, seed=7)
     (expected,) = greedy_reference(model_dirs[preset], [ids])
