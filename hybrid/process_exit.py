@@ -20,9 +20,7 @@ def exit_after(main: Callable[[], int | None]) -> None:
     if isinstance(code, str):
         print(code, file=sys.stderr)
         code = 1
-    for t in threading.enumerate():
-        if t is not threading.main_thread() and not t.daemon:
-            t.join()
+    threading._shutdown()  # the interpreter's own first step: wakes idle executor workers, joins non-daemon threads
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()

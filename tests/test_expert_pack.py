@@ -105,6 +105,21 @@ def test_a_disk_too_small_for_the_pack_is_named_after_the_first_layer(model_dirs
     assert not any((tmp_path / "pack").glob("experts.*"))
 
 
+def test_a_pack_stopped_part_way_leaves_no_partial_file(model_dirs, tmp_path, monkeypatch):
+    """As when an engine packing its first start's experts gets SIGTERM (a SystemExit) or the user presses Ctrl-C."""
+    real = expert_pack.pack_layer
+
+    def stopped_after_one(reader, config, layer, *args):
+        if layer != config.moe_layers[0]:
+            raise KeyboardInterrupt
+        return real(reader, config, layer, *args)
+
+    monkeypatch.setattr(expert_pack, "pack_layer", stopped_after_one)
+    with pytest.raises(KeyboardInterrupt):
+        write_pack(model_dirs["tiny-deepseek-v3"], tmp_path / "pack")
+    assert not any((tmp_path / "pack").glob("experts.*"))
+
+
 def test_corruption_and_truncation_are_caught(model_dirs, tmp_path):
     model = model_dirs["tiny-qwen3-moe"]
     write_pack(model, tmp_path)

@@ -213,7 +213,7 @@ def abandon(proc: subprocess.Popen) -> None:
 
     proc.terminate()
     try:
-        proc.wait(API_STOP_S + ENGINE_STOP_S)
+        proc.wait(API_STOP_S + ENGINE_STOP_S + 5)  # past the supervisor's own limits, so it cleans up after itself
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)  # its own session (launch): the supervisor and what it started
         proc.wait()

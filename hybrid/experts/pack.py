@@ -164,7 +164,7 @@ def _write(pack_dir: Path, config: ModelConfig, fmt: str, progress: Callable[[in
     layers: dict[str, dict] = {}
     try:
         _write_experts(partial, reader, config, fmt, layers, progress)
-    except (PackError, OSError):  # no room (found ahead, or met): the partial file would only hold the disk
+    except BaseException:  # no room, or stopped (SIGTERM, Ctrl-C): the partial file would only hold the disk
         partial.unlink(missing_ok=True)
         raise
     os.replace(partial, pack_dir / EXPERTS_FILE)
