@@ -2,7 +2,8 @@
 share of every MoE layer's experts, fed from the pack rank 0 maps. It does what rank 0's headers say
 (hybrid/experts/small_ep.py) until STOP, or until rank 0 is gone (its sockets close).
 
-`python -m hybrid.experts.expert_rank '<json: engine config, rank, world, store port, device>'`, started by rank 0.
+`python -m hybrid.experts.expert_rank '<json: engine config, pack, shapes, rank, world, store port, device>'`, started
+by rank 0, which passes what it read from the model's config: a rank never imports transformers' config classes.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from hybrid.config import EngineConfig, ModelConfig
+from hybrid.config import EngineConfig
+from hybrid.config.model_config import torch_dtype
 from hybrid.experts.small_ep import (
     END,
     HEADER,
@@ -38,20 +40,17 @@ from hybrid.triton_env import prepare_triton
 log = logging.getLogger("hybridd.expert_rank")
 
 
-def build(engine: EngineConfig, rank: int, world: int, device: torch.device):
+def build(engine: EngineConfig, pack_dir: str, top_k: int, rank: int, world: int, device: torch.device):
     """This rank's StreamedExperts over its share of the mapped pack (it streams every pass it is told of)."""
     prepare_triton(device)
-    from hybrid.experts.pack import engine_pack, load_pack
+    from hybrid.experts.pack import load_pack_of
     from hybrid.experts.slp_policy import SlpPolicy
     from hybrid.experts.streamed_experts import StreamedExperts, share_stream
 
-    model = ModelConfig.from_dir(engine.model)
-    fmt, pack_dir = engine_pack(model, engine.expert_format, engine.expert_pack)
-    pack = load_pack(pack_dir, model, fmt)
-    owned = expert_share(model.num_experts, world, rank)
+    pack = load_pack_of(pack_dir, engine.model)
+    owned = expert_share(next(iter(pack.values())).num_experts, world, rank)
     stream = share_stream(pack, device, owned, engine.slp_copy)
-    experts = StreamedExperts(None, stream, SlpPolicy(1), model.moe_layers, model.num_experts_per_tok, owned)
-    return experts, model
+    return StreamedExperts(None, stream, SlpPolicy(1), sorted(pack), top_k, owned)
 
 
 def serve(experts, groups: PeerGroups, hidden: int, top_k: int, dtype: torch.dtype) -> None:
@@ -91,13 +90,13 @@ def main() -> int:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     store = dist.TCPStore("127.0.0.1", args["port"], world, False, timeout=JOIN_TIMEOUT)
-    experts, model = build(engine, rank, world, device)
+    experts = build(engine, args["pack"], args["top_k"], rank, world, device)
     store.set(ready_key(rank), "1")
     groups = PeerGroups(store, rank, world, device, IDLE_TIMEOUT)
     log.info("SmallEP rank %d of %d on %s: experts %d..%d of every MoE layer", rank, world, device,
              experts.owned[0], experts.owned[-1])
     try:
-        serve(experts, groups, model.hidden_size, model.num_experts_per_tok, engine.torch_dtype(model))
+        serve(experts, groups, args["hidden"], args["top_k"], torch_dtype(args["dtype"]))
     except Exception as e:  # rank 0 is gone (its sockets closed), or this rank failed: rank 0 carries on alone
         log.warning("SmallEP rank %d stops: %s: %s", rank, type(e).__name__, e)
         groups.abort()

@@ -24,6 +24,7 @@ import subprocess
 import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -247,8 +248,10 @@ def _wait_ready(store: dist.Store, processes: list[subprocess.Popen]) -> None:
         time.sleep(0.05)
 
 
-def start_expert_ranks(engine: EngineConfig, hidden: int, top_k: int, dtype: torch.dtype) -> ExpertPeers:
-    """Starts an expert rank per GPU after the first (`python -m hybrid.experts.expert_rank`) and joins them."""
+def start_expert_ranks(engine: EngineConfig, pack_dir: Path, hidden: int, top_k: int,
+                       dtype: torch.dtype) -> ExpertPeers:
+    """Starts an expert rank per GPU after the first (`python -m hybrid.experts.expert_rank`) over `pack_dir`, the
+    pack this rank checked, and joins them."""
     from cpu_kernels.thread_pool import unpin_child
     from hybrid.distributed.launcher import engine_config_json
 
@@ -258,8 +261,9 @@ def start_expert_ranks(engine: EngineConfig, hidden: int, top_k: int, dtype: tor
     config = json.loads(engine_config_json(engine))
     processes = []
     for rank in range(1, world):
-        arg = json.dumps({"engine": config, "rank": rank, "world": world, "port": store.port,
-                          "device": str(devices[rank]), "parent": os.getpid()})
+        arg = json.dumps({"engine": config, "pack": str(pack_dir), "hidden": hidden, "top_k": top_k,
+                          "dtype": str(dtype).removeprefix("torch."), "rank": rank, "world": world,
+                          "port": store.port, "device": str(devices[rank]), "parent": os.getpid()})
         # unpin_child: a thread the kernel pool pinned would hand its one core down
         processes.append(subprocess.Popen([sys.executable, "-m", "hybrid.experts.expert_rank", arg],
                                           preexec_fn=unpin_child))

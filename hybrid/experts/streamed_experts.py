@@ -327,7 +327,7 @@ def streamed_experts(engine, model, cpu: Experts, dtype: torch.dtype, device: to
     peers = None
     try:
         if ranks > 1:
-            peers = start_expert_ranks(engine, model.hidden_size, model.num_experts_per_tok, dtype)
+            peers = start_expert_ranks(engine, pack_dir, model.hidden_size, model.num_experts_per_tok, dtype)
         if policy.threshold == "auto":
             policy.rates = probe_rates(cpu, stream, model.hidden_size, model.num_experts_per_tok,
                                        model.moe_layers[0], dtype, owned, peers)
