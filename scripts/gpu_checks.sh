@@ -90,13 +90,13 @@ step prefill 150 $PY scripts/bench_prefill.py --shape deepseek-v3 --layers "$pac
 rm -rf "$pack_dir/slp_pack"
 # Built after the prefill step, not beside it: building reads and writes gigabytes, which would slow the CPU experts
 # that step measures.
-if wants overlap disagg decode tp doctor; then
+if wants overlap disagg disagg_pool decode tp doctor; then
     mkdir -p "$models"
     # Only the models the chosen steps read: each costs tens of seconds of the lent minutes.
     {
         ! wants decode tp || $PY scripts/make_tiny_model.py $models/qwen3-30b-a3b-L4-fp8 --preset qwen3-30b-a3b \
             --layers 4 --fp8
-        ! wants overlap disagg || $PY scripts/make_tiny_model.py $models/qwen3-30b-a3b-L4 --preset qwen3-30b-a3b \
+        ! wants overlap disagg disagg_pool || $PY scripts/make_tiny_model.py $models/qwen3-30b-a3b-L4 --preset qwen3-30b-a3b \
             --layers 4
         ! wants doctor || $PY scripts/make_tiny_model.py $models/deepseek-v3-full-shapes --preset deepseek-v3 \
             --layers 61 --experts 256 --fp8 --shapes-only
@@ -112,6 +112,12 @@ disagg_home=/tmp/gpu_checks_disagg
 step disagg 200 $PY scripts/bench_disagg.py --model "$models/qwen3-30b-a3b-L4" --daemon-args="--gpus 0" \
     --chats 2 --chat-tokens 300 --long 1 --long-every 1.0 --long-tokens 3000 --rounds 1 --home "$disagg_home" \
     --start-timeout 120
+HYBRIDD_HOME="$disagg_home" timeout 60 $PY -m hybrid.cli stop >/dev/null 2>&1
+# The same load with the prefill engine's pool mapped once by the decode engine instead of a packed copy shared per
+# hand-off (whose segment the receiver opens and closes each time): compare ms per hand-off and the chats' gaps.
+step disagg_pool 200 env HYBRIDD_KV_TRANSPORT=cuda-ipc-pool $PY scripts/bench_disagg.py \
+    --model "$models/qwen3-30b-a3b-L4" --daemon-args="--gpus 0" --chats 2 --chat-tokens 300 --long 1 \
+    --long-every 1.0 --long-tokens 3000 --rounds 1 --home "$disagg_home" --start-timeout 120
 HYBRIDD_HOME="$disagg_home" timeout 60 $PY -m hybrid.cli stop >/dev/null 2>&1
 # -v: each result is in the log as it comes, so a run cut off by its limit still says what passed and failed.
 # The 33 tests took more than 200 s on 4 workers (H100 host, 16 cores); 8 workers gave two failures not yet read.

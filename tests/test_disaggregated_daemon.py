@@ -203,9 +203,11 @@ def test_the_pair_and_its_expert_processes_hold_the_experts_once(tmp_path):
 
 
 @pytest.mark.gpu
-def test_a_pair_on_one_gpu_hands_kv_over_by_cuda_ipc(tmp_path):
-    """Both engines' KV pools on GPU 0: the KV passes by CUDA IPC (device to device), and the streams carry one
-    engine's tokens."""
+@pytest.mark.parametrize("transport", ["cuda-ipc", "cuda-ipc-pool"])
+def test_a_pair_on_one_gpu_hands_kv_over_by_cuda_ipc(tmp_path, monkeypatch, transport):
+    """Both engines' KV pools on GPU 0: the KV passes by CUDA IPC (device to device), a packed copy per hand-off or
+    read from the prefill engine's pool mapped once, and the streams carry one engine's tokens."""
+    monkeypatch.setenv("HYBRIDD_KV_TRANSPORT", transport)
     d = Daemon(tmp_path / "home", free_port())
     d.start("--disagg", "--gpus", "0", "--dtype", "float32", "--max-num-seqs", "2")
     try:
@@ -218,7 +220,7 @@ def test_a_pair_on_one_gpu_hands_kv_over_by_cuda_ipc(tmp_path):
         want = [llm.chat([{"role": "user", "content": p}], params)[0].text for p in PROMPTS[:3]]
         llm.close()
         assert texts == want
-        assert "KV hand-off by cuda-ipc" in (d.home / "logs" / "prefill.log").read_text()
+        assert f"KV hand-off by {transport}\n" in (d.home / "logs" / "prefill.log").read_text()
     finally:
         d.stop()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import deque
 
+import msgspec
 import pytest
 import torch
 from conftest import prompt_ids
@@ -14,6 +15,7 @@ from hybrid import LLM, SamplingParams
 from hybrid.disaggregation.engine_handoff import export, take_over
 from hybrid.disaggregation.handoff import SequenceHandoff
 from hybrid.disaggregation.kv_transport import KVTransferError, LocalKVTransport
+from hybrid.disaggregation.shared_pool_transport import SharedPoolKVTransport
 from hybrid.disaggregation.shm_kv_transport import PREFIX, SharedMemoryKVTransport
 from hybrid.engine.outputs import RequestOutput
 from hybrid.shm_orphans import remove_orphans
@@ -71,7 +73,32 @@ class Pair:
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
-@pytest.mark.parametrize("transport", [LocalKVTransport, SharedMemoryKVTransport])
+class InProcessPoolTransport(SharedPoolKVTransport):
+    """The shared-pool transport's logic with "sharing" inside one process: CUDA IPC's stand-in on the CPU."""
+
+    name = "in-process-pool"
+    registry: dict[bytes, torch.Tensor] = {}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.opened = 0
+
+    def share(self, flat: torch.Tensor) -> bytes:
+        handle = str(len(self.registry)).encode()
+        self.registry[handle] = flat
+        return handle
+
+    def open(self, handle: bytes) -> torch.Tensor:
+        self.opened += 1
+        if handle not in self.registry:
+            raise RuntimeError("no such shared tensor")
+        return self.registry[handle]
+
+    def publish(self, pool) -> None:
+        pass
+
+
+@pytest.mark.parametrize("transport", [LocalKVTransport, SharedMemoryKVTransport, InProcessPoolTransport])
 def test_handed_off_sequences_decode_as_in_one_engine_and_as_transformers(any_model, transport):
     """Staggered arrivals, prompts longer than one prefill chunk, and a decode engine with two slots so that
     later hand-offs wait for one (their KV held by the prefill engine, not recomputed)."""
@@ -83,7 +110,7 @@ def test_handed_off_sequences_decode_as_in_one_engine_and_as_transformers(any_mo
     one.close()
     pair = Pair(any_model, transport(), decode_seqs=2, **kw)
     outs = pair.run(arrivals)
-    assert pair.max_waiting >= 1 and not pair.transport.held
+    assert pair.max_waiting >= 1 and not getattr(pair.transport, "held", None)  # a pool's blocks are not held
     assert [o.token_ids for o in outs] == [o.token_ids for o in colocated]
     assert all(pair.tokens[o.request_id] == o.token_ids for o in outs)  # streamed once each, in order
     assert [o.text for o in outs] == [o.text for o in colocated]
@@ -215,6 +242,53 @@ def test_the_transport_follows_the_pool_device():
     cpu_pool = KVPool([(2, 4)], 1, 4, 8, torch.float32, torch.device("cpu"))
     with pytest.raises(KVTransferError, match="CUDA"):
         CudaIpcKVTransport().put(cpu_pool, [0, 1])
+
+
+def test_a_shared_pool_is_mapped_once_per_sender_and_read_in_place():
+    from hybrid.mem_cache.kv_pool import KVPool
+
+    def pool(blocks: int, fill: bool) -> KVPool:
+        p = KVPool([(2, 4), (2, 4)], 2, blocks, 8, torch.bfloat16, torch.device("cpu"), extra_blocks=1)
+        for layer in p.caches:
+            for t in layer:
+                t.copy_(torch.randn(t.shape)) if fill else t.zero_()
+        return p
+
+    sender, receiver = InProcessPoolTransport(), InProcessPoolTransport()
+    src, dst = pool(12, True), pool(6, False)
+    for blocks, into in (([3, 7], [0, 5]), ([11], [2]), ([0, 1, 2], [1, 3, 4])):
+        receiver.get(sender.put(src, blocks), dst, into)
+        for s_layer, d_layer in zip(src.caches, dst.caches):
+            for s, d in zip(s_layer, d_layer):
+                assert torch.equal(d[into], s[blocks])
+    assert receiver.opened == 4  # the pool's four cache tensors, opened with the first ticket only
+    restarted = InProcessPoolTransport()  # a new prefill process: another sender, whose pool is mapped anew
+    receiver.get(restarted.put(pool(12, True), [4]), dst, [0])
+    assert receiver.opened == 8
+    ticket = sender.put(src, [5])
+    with pytest.raises(KVTransferError, match="not 1 of the sender's"):
+        receiver.get(type(ticket)(**{**msgspec.structs.asdict(ticket), "handle": msgspec.msgpack.encode(
+            msgspec.msgpack.decode(ticket.handle, type=list)[:3] + [[99]])}), dst, [0])
+    with pytest.raises(KVTransferError, match="malformed"):
+        receiver.get(type(ticket)(**{**msgspec.structs.asdict(ticket), "handle": b"junk"}), dst, [0])
+    with pytest.raises(KVTransferError, match="another cache layout"):
+        receiver.get(ticket, KVPool([(2, 8)], 2, 6, 8, torch.bfloat16, torch.device("cpu")), [0])
+
+
+def test_the_cuda_transport_is_chosen_by_name_and_refuses_a_cpu_pool(monkeypatch):
+    from hybrid.config import ConfigError
+    from hybrid.disaggregation.kv_transport import transport_for
+    from hybrid.disaggregation.shared_pool_transport import CudaIpcPoolKVTransport
+    from hybrid.mem_cache.kv_pool import KVPool
+
+    monkeypatch.setenv("HYBRIDD_KV_TRANSPORT", "cuda-ipc-pool")
+    assert isinstance(transport_for(torch.device("cuda", 0)), CudaIpcPoolKVTransport)
+    assert isinstance(transport_for(torch.device("cpu")), SharedMemoryKVTransport)
+    with pytest.raises(KVTransferError, match="CUDA"):
+        CudaIpcPoolKVTransport().put(KVPool([(2, 4)], 1, 4, 8, torch.float32, torch.device("cpu")), [0])
+    monkeypatch.setenv("HYBRIDD_KV_TRANSPORT", "carrier-pigeon")
+    with pytest.raises(ConfigError, match="HYBRIDD_KV_TRANSPORT='carrier-pigeon'"):
+        transport_for(torch.device("cuda", 0))
 
 
 def test_files_of_a_dead_sender_are_removed(tmp_path):

@@ -9,10 +9,12 @@ same layout (model, dtype, block size): the ticket carries it and `get` refuses 
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 
 import torch
 
+from hybrid.config import ConfigError
 from hybrid.disaggregation.handoff import KVTicket
 from hybrid.mem_cache.kv_pool import KVPool
 
@@ -122,10 +124,21 @@ class LocalKVTransport(KVTransport):
         self.held.clear()
 
 
+CUDA_TRANSPORTS = ("cuda-ipc", "cuda-ipc-pool")
+
+
 def transport_for(device: torch.device) -> KVTransport:
     """The transport between two engine processes whose pools are on `device`'s kind: shared memory for the CPU,
-    CUDA IPC for GPUs."""
+    CUDA IPC for GPUs: a packed copy per hand-off, or with HYBRIDD_KV_TRANSPORT=cuda-ipc-pool the sender's pool
+    mapped once (shared_pool_transport.py; not yet measured on a GPU, so not the default)."""
     if device.type == "cuda":
+        kind = os.environ.get("HYBRIDD_KV_TRANSPORT", "cuda-ipc")
+        if kind not in CUDA_TRANSPORTS:
+            raise ConfigError(f"HYBRIDD_KV_TRANSPORT={kind!r}: the CUDA transports are {', '.join(CUDA_TRANSPORTS)}")
+        if kind == "cuda-ipc-pool":
+            from hybrid.disaggregation.shared_pool_transport import CudaIpcPoolKVTransport
+
+            return CudaIpcPoolKVTransport()
         from hybrid.disaggregation.cuda_ipc_transport import CudaIpcKVTransport
 
         return CudaIpcKVTransport()
