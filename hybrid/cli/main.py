@@ -13,6 +13,7 @@ from hybrid.cli import daemon_commands, doctor, generate, pack
 from hybrid.cli.sse_client import StreamError
 from hybrid.config import ConfigError
 from hybrid.managers.supervisor import DaemonError
+from hybrid.process_exit import exit_after
 from hybrid.tokenizer import TokenizerError
 
 USER_ERRORS = (ConfigError, CheckpointError, PackError, TokenizerError, ValueError, FileNotFoundError, DaemonError,
@@ -66,5 +67,11 @@ def _error_message(response: httpx.Response) -> str:
         return response.reason_phrase
 
 
+def run() -> None:
+    """The `hybridd` command: main's exit code, without the interpreter's module teardown (hybrid/process_exit.py),
+    which takes half a second once torch is loaded."""
+    exit_after(main)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()
