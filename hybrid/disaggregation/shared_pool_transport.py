@@ -3,9 +3,9 @@
 The per-hand-off CUDA IPC transport (cuda_ipc_transport.py) allocates a buffer, packs the blocks into it and
 shares it, and the receiver opens the buffer's allocator segment and closes it again. Other projects measured that
 open and close at milliseconds to hundreds of milliseconds, and the decode engine waits for them. Here every
-cache tensor of the sender's pool is shared once, with the pool's first ticket. The receiver maps them once per
-sender and keeps them mapped. A hand-off then carries block ids, and the receiver copies those blocks from the
-mapped pool into its own on the device.
+cache tensor of the sender's pool is shared once; the handles travel with every ticket, so a restarted decode
+engine finds them too. The receiver maps them once per sender and keeps them mapped. A hand-off then carries block
+ids, and the receiver copies those blocks from the mapped pool into its own on the device.
 
 This is safe because the prefill engine keeps a handed-off sequence's blocks parked until the decode engine
 answers (HandoffDone), so the blocks are read in place. A ticket from another sender (a restarted prefill process)
