@@ -1,7 +1,7 @@
-"""Ends a server process once its `main` has returned: non-daemon threads are joined and exit handlers run, as the
-interpreter would do, then the process exits without the interpreter's teardown of every module, as
-multiprocessing's children do. With torch loaded that teardown takes about half a second, which every stop and
-every restart of the process would wait for."""
+"""Ends a process (the daemon's servers, the `hybridd` command) once its `main` has returned: non-daemon threads are
+joined and exit handlers run, as the interpreter would do, then the process exits without the interpreter's teardown
+of every module, as multiprocessing's children do. With torch loaded that teardown takes about half a second, which
+every stop and every restart of a process would wait for."""
 
 from __future__ import annotations
 

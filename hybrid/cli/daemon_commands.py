@@ -112,15 +112,11 @@ def _wait_ready(config, proc, timeout_s: float, logs_before: dict[Path, int]) ->
     import httpx
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    from hybrid.managers.supervisor import ALREADY_RUNNING_EXIT, stop_daemon
+    from hybrid.managers.supervisor import ALREADY_RUNNING_EXIT
 
     def give_up(reason: str) -> DaemonError:
         where = last_log_lines(config.paths.log_dir, logs_before)  # before stopping, which logs its own lines
-        if proc.poll() is None:
-            try:
-                stop_daemon(config.paths)
-            except DaemonError:
-                proc.kill()
+        abandon(proc)
         return DaemonError(f"{reason} (logs in {config.paths.log_dir}); where each process was:{where}")
 
     deadline = time.monotonic() + timeout_s
