@@ -63,6 +63,32 @@ def test_a_tensor_of_a_type_hybridd_cannot_read_is_named(broken, name, dtype):
         LLM(broken)
 
 
+@pytest.mark.parametrize("name", [TENSOR, EXPERT])
+@pytest.mark.parametrize("value", [float("nan"), float("-inf")], ids=["nan", "inf"])
+def test_a_tensor_holding_nan_or_infinity_is_named_at_load(broken, name, value):
+    """A corrupt value made every request fail at its first token ("logits that are not numbers"), naming no
+    tensor; the expert's is found where the experts are packed."""
+    path = shard_of(broken, name)
+    tensors = load_file(path)
+    tensors[name][1, 2] = value
+    save_file(tensors, path)
+    with pytest.raises(CheckpointError, match=rf"{path.name}: tensor '{name}' holds NaN or infinite values"):
+        LLM(broken)
+
+
+@pytest.mark.parametrize("code", [0x7F, 0xFF])
+def test_an_fp8_nan_code_is_named_at_load(broken_fp8, code):
+    name = "model.layers.2.mlp.experts.3.down_proj.weight"
+    path = shard_of(broken_fp8, name)
+    tensors = load_file(path)
+    raw = tensors[name].view(torch.uint8).clone()
+    raw[0, 5] = code
+    tensors[name] = raw.view(torch.float8_e4m3fn)
+    save_file(tensors, path)
+    with pytest.raises(CheckpointError, match=rf"{path.name}: tensor '{name}' holds NaN"):
+        LLM(broken_fp8)
+
+
 def test_truncated_shard_names_the_file(broken):
     path = shard_of(broken, TENSOR)
     data = path.read_bytes()
