@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,7 +15,18 @@ import httpx
 import openai
 
 MODEL = "default_model"  # the served name of the embedded default model
-LONG = {"max_tokens": 3000, "ignore_eos": True}  # a stream that outlives what a test does meanwhile
+LONG = {"max_tokens": 3000, "ignore_eos": True}  # a stream that outlives what a test does meanwhile (see mid_stream)
+
+
+def mid_stream(attempt: Callable[[], bool], tries: int = 3) -> None:
+    """Runs `attempt` (which interrupts a LONG stream and says whether the interruption found it still running)
+    until one does. The default model decodes LONG in ~3 s, and the api forwards tokens behind the engine: on a
+    loaded machine a test can read a stream's first token when the engine has made its last. Such an attempt proves
+    nothing either way."""
+    for _ in range(tries):
+        if attempt():
+            return
+    raise AssertionError(f"{tries} streams all ended before the test could interrupt them")
 
 
 def free_port() -> int:

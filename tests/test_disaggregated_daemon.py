@@ -15,7 +15,7 @@ import httpx
 import openai
 import psutil
 import pytest
-from daemon_harness import MODEL, Daemon, free_port, openai_client
+from daemon_harness import MODEL, Daemon, free_port, mid_stream, openai_client
 
 from hybrid import LLM, SamplingParams
 
@@ -147,19 +147,26 @@ def test_prefill_death_leaves_decoding_requests_running(pair, client):
 
 
 def test_decode_death_fails_its_requests_then_recovers(pair, client):
-    old = pair.status()["engines"]["decode"]["pid"]
-    stream = client.completions.create(model=MODEL, prompt="Tell a long story", stream=True, max_tokens=4000,
-                                       extra_body={"ignore_eos": True})
-    it = iter(stream)
-    for _ in range(3):  # the second token onwards come from the decode engine
-        next(it)
-    os.kill(old, signal.SIGKILL)
-    start = time.monotonic()
-    with pytest.raises(openai.APIError):
-        for _ in it:
-            pass
-    assert time.monotonic() - start < 10
-    wait_replaced(pair, "decode", old)
+    def attempt() -> bool:
+        old = pair.status()["engines"]["decode"]["pid"]
+        stream = client.completions.create(model=MODEL, prompt="Tell a long story", stream=True, max_tokens=4000,
+                                           extra_body={"ignore_eos": True})
+        it = iter(stream)
+        for _ in range(3):  # the second token onwards come from the decode engine
+            next(it)
+        os.kill(old, signal.SIGKILL)
+        start = time.monotonic()
+        try:
+            rest = list(it)
+        except openai.APIError:
+            assert time.monotonic() - start < 10
+            return True
+        finally:
+            wait_replaced(pair, "decode", old)
+        assert rest[-1].choices[0].finish_reason == "length"
+        return False
+
+    mid_stream(attempt)
     assert psutil.pid_exists(pair.status()["engines"]["decode"]["pid"])
     r = client.completions.create(model=MODEL, prompt="back", max_tokens=4, temperature=0)
     assert r.usage.completion_tokens == 4

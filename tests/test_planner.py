@@ -117,7 +117,8 @@ def test_doctor_predicts_from_probes(model_dirs, gpus):
     assert r.returncode == 0, r.stderr
     p = json.loads(r.stdout)
     assert p["model"] == "tiny-qwen3-moe" and set(p["ttft_s"]) == {"1024", "8192", "32768"}
-    assert all(v > 0 for v in p["cpu"].values())
+    # the fixed cost of an expert call is the intercept of a fit over noisy timings: 0 where noise hides it
+    assert p["cpu"].pop("expert_call_s") >= 0 and all(v > 0 for v in p["cpu"].values())
     for row in p["ttft_s"].values():
         assert row["picked"] in (row.get("cpu"), row.get("slp"), row.get("smallep"))
     assert p["tpot_s"]["8"]["1024"] > p["tpot_s"]["1"]["1024"] > p["tpot_bound_s"]
