@@ -25,7 +25,29 @@ ISAS = [isa for isa in (ISA_GENERIC, ISA_AVX2, ISA_AVX512, ISA_AVX512_BF16, ISA_
 TINY_PRESETS = ["tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-deepseek-v3-noqlora", "tiny-deepseek-v3-fp8",
                 "tiny-qwen3-moe-fp8"]
 
-torch.set_num_threads(2)
+
+def _spread_over_the_cores() -> None:
+    """Under pytest-xdist (`-n 2`) each worker's kernel pool, and those of the processes it starts, put their
+    calling thread on another core (it is pinned to the first core of HYBRIDD_NUMA_NODES): else every worker's
+    Python thread would share the first core while the others wait. Workers poll for kernel calls as briefly as
+    the engine and its expert process do when they share cores, and each runs torch on one thread."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker is None:
+        torch.set_num_threads(2)
+        return
+    from cpu_kernels.moe import set_pool_spin
+    from cpu_kernels.thread_pool import SHARED_CORE_SPIN_US, numa_nodes
+
+    torch.set_num_threads(1)
+    os.environ.setdefault("HYBRIDD_POOL_SPIN_US", str(SHARED_CORE_SPIN_US))
+    set_pool_spin(int(os.environ["HYBRIDD_POOL_SPIN_US"]))
+    nodes = numa_nodes()
+    if "HYBRIDD_NUMA_NODES" not in os.environ and len(nodes) == 1:
+        cpus, k = nodes[0], int(worker.removeprefix("gw")) % len(nodes[0])
+        os.environ["HYBRIDD_NUMA_NODES"] = ",".join(map(str, cpus[k:] + cpus[:k]))
+
+
+_spread_over_the_cores()
 
 
 @pytest.fixture(scope="session", autouse=True)
