@@ -75,7 +75,10 @@ def test_staggered_streams_match_one_engine(pair, client):
         time.sleep(0.05)
     for t in threads:
         t.join()
-    assert [texts[i] for i in range(len(PROMPTS))] == one_engine_texts(max_tokens)
+    got, want = [texts[i] for i in range(len(PROMPTS))], one_engine_texts(max_tokens)
+    # where each differing stream parts from one engine's text, of how many characters: a late or an early divergence
+    assert got == want, [(i, next((k for k, (a, b) in enumerate(zip(g, w)) if a != b), min(len(g), len(w))), len(g),
+                          len(w)) for i, (g, w) in enumerate(zip(got, want)) if g != w]
     assert all(finish[i] == "length" for i in range(len(PROMPTS)))
     status = pair.status()
     assert set(status["engines"]) == {"prefill", "decode"}
