@@ -403,13 +403,23 @@ def test_api_key_and_bounded_queue(tmp_path):
         assert c.models.list().data[0].id == MODEL
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"{d.url}/v1", api_key="wrong", max_retries=0).models.list()
-        streams = [c.completions.create(model=MODEL, prompt="x", stream=True, max_tokens=2000,
-                                        extra_body={"ignore_eos": True}) for _ in range(2)]
-        r = httpx.post(f"{d.url}/v1/completions", headers=d.headers, json={"model": MODEL, "prompt": "x"})
-        assert r.status_code == 503 and "busy" in r.json()["error"]["message"] and r.headers["retry-after"]
-        for s in streams:
-            s.close()
-        wait_idle(d)
+
+        def attempt() -> bool:
+            """One stream running, one queued: a third request is refused. A 200 comes only after the second
+            stream ran (one sequence at a time), so the first had ended before the third came."""
+            streams = [c.completions.create(model=MODEL, prompt="x", stream=True, max_tokens=LONG["max_tokens"],
+                                            extra_body={"ignore_eos": True}) for _ in range(2)]
+            r = httpx.post(f"{d.url}/v1/completions", headers=d.headers, json={"model": MODEL, "prompt": "x"},
+                           timeout=60)
+            for s in streams:
+                s.close()
+            wait_idle(d)
+            if r.status_code == 200:
+                return False
+            assert r.status_code == 503 and "busy" in r.json()["error"]["message"] and r.headers["retry-after"]
+            return True
+
+        mid_stream(attempt)
         assert c.completions.create(model=MODEL, prompt="x", max_tokens=2).usage.completion_tokens >= 1
     finally:
         d.stop()
