@@ -72,8 +72,7 @@ def with_body(**extra):
 
 
 def test_streams_a_reply_with_stats(page):
-    # 1000 tokens: a loaded machine read 200 (0.2 s of decode) in three pieces
-    page.route("**/v1/chat/completions", with_body(max_tokens=1000, ignore_eos=True))
+    page.route("**/v1/chat/completions", with_body(max_tokens=200, ignore_eos=True))
     page.evaluate("""() => { window.updates = 0; new MutationObserver(() => window.updates++)
         .observe(document.getElementById('log'), {childList: true, subtree: true, characterData: true}); }""")
     send(page, "Hello, who are you?")
