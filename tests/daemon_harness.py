@@ -29,6 +29,19 @@ def mid_stream(attempt: Callable[[], bool], tries: int = 3) -> None:
     raise AssertionError(f"{tries} streams all ended before the test could interrupt them")
 
 
+def wait_replaced(daemon: "Daemon", pid_of: Callable[[dict], int | None], old: int, timeout_s: float = 120) -> None:
+    """Waits until the process `pid_of(status)` names is another than `old` and the daemon is healthy."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if pid_of(daemon.status()) not in (None, old) and daemon.health().status_code == 200:
+                return
+        except Exception:
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"pid {old} was not replaced:\n{daemon.logs()}")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -18,7 +17,7 @@ import httpx
 import openai
 import psutil
 import pytest
-from daemon_harness import LONG, MODEL, Daemon, free_port, mid_stream
+from daemon_harness import LONG, MODEL, Daemon, free_port, mid_stream, wait_replaced
 
 from cpu_kernels.moe import kernel_isa_name
 from hybrid import LLM, SamplingParams
@@ -300,13 +299,8 @@ def kill_mid_stream(daemon: Daemon, client: openai.OpenAI, pid_of: Callable[[dic
             result["s"] = time.monotonic() - start
             return True
         assert rest[-1].choices[0].finish_reason == "length"
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            with contextlib.suppress(httpx.HTTPError, KeyError, TypeError):
-                if pid_of(daemon.status()) not in (None, pid) and daemon.health().status_code == 200:
-                    return False
-            time.sleep(0.2)
-        raise AssertionError(f"pid {pid} was not replaced:\n{daemon.logs()}")
+        wait_replaced(daemon, pid_of, pid)
+        return False
 
     mid_stream(attempt)
     return result["pid"], result["s"]

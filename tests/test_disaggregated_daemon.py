@@ -10,12 +10,13 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 
 import httpx
 import openai
 import psutil
 import pytest
-from daemon_harness import MODEL, Daemon, free_port, mid_stream, openai_client
+from daemon_harness import MODEL, Daemon, free_port, mid_stream, openai_client, wait_replaced
 
 from hybrid import LLM, SamplingParams
 
@@ -121,17 +122,9 @@ def handoff_metrics(pair: Daemon, role: str) -> tuple[float, float]:
     return values.get("hybridd_kv_handoffs", 0.0), values.get("hybridd_kv_handoff_seconds", 0.0)
 
 
-def wait_replaced(pair: Daemon, role: str, old: int) -> None:
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            e = pair.status()["engines"][role]
-            if e["pid"] not in (None, old) and e["status"] == "ready" and pair.health().status_code == 200:
-                return
-        except Exception:
-            pass
-        time.sleep(0.2)
-    raise AssertionError(f"the {role} engine was not replaced:\n{pair.logs()}")
+def engine_pid(role: str) -> Callable[[dict], int | None]:
+    """The pid of the `role` engine in a status, once that engine is ready."""
+    return lambda status: status["engines"][role]["pid"] if status["engines"][role]["status"] == "ready" else None
 
 
 def test_prefill_death_leaves_decoding_requests_running(pair, client):
@@ -144,7 +137,7 @@ def test_prefill_death_leaves_decoding_requests_running(pair, client):
     os.kill(old, signal.SIGKILL)
     rest = list(it)
     assert rest[-1].choices[0].finish_reason == "length"
-    wait_replaced(pair, "prefill", old)
+    wait_replaced(pair, engine_pid("prefill"), old)
     r = client.completions.create(model=MODEL, prompt="again", max_tokens=4, temperature=0)
     assert r.usage.completion_tokens == 4
 
@@ -165,7 +158,7 @@ def test_decode_death_fails_its_requests_then_recovers(pair, client):
             assert time.monotonic() - start < 10
             return True
         finally:
-            wait_replaced(pair, "decode", old)
+            wait_replaced(pair, engine_pid("decode"), old)
         assert rest[-1].choices[0].finish_reason == "length"
         return False
 
