@@ -210,7 +210,9 @@ def test_nonstreaming_disconnect_aborts(daemon):
     outcomes = ("abort", "length", "stop", "error")
     before = {o: metric(daemon, "hybridd_requests_total", f'outcome="{o}"') for o in outcomes}
     generated = metric(daemon, "hybridd_generation_tokens_total")
-    choices = 8  # 24,000 tokens: seconds of work even where one 3,000-token choice takes a fraction of a second
+    # 48,000 tokens, ~10 s of work on a 2-core machine. Idle, the engine stops ~1,000 tokens after the client left;
+    # CI once, with a busy neighbour, only after 12,000. An abort that never reached the engine makes all of them.
+    choices = 16
     try:
         r = httpx.post(f"{daemon.url}/v1/completions", json={"model": MODEL, "prompt": "Again", "n": choices, **LONG},
                        timeout=0.3)
@@ -221,7 +223,8 @@ def test_nonstreaming_disconnect_aborts(daemon):
     wait_idle(daemon)
     after = {o: metric(daemon, "hybridd_requests_total", f'outcome="{o}"') for o in outcomes}
     assert {o: after[o] - before[o] for o in outcomes} == {"abort": 1, "length": 0, "stop": 0, "error": 0}
-    assert metric(daemon, "hybridd_generation_tokens_total") - generated < choices * LONG["max_tokens"] / 2
+    made = metric(daemon, "hybridd_generation_tokens_total") - generated
+    assert made < choices * LONG["max_tokens"] * 3 / 4, f"{made:.0f} tokens made: the engine did not stop"
 
 
 def test_prefix_cache_reports_cached_tokens(daemon, client):
