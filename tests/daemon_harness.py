@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -40,6 +41,22 @@ def wait_replaced(daemon: "Daemon", pid_of: Callable[[dict], int | None], old: i
             pass
         time.sleep(0.2)
     raise AssertionError(f"pid {old} was not replaced:\n{daemon.logs()}")
+
+
+def metric(daemon: Daemon, name: str, labels: str = "") -> float:
+    text = httpx.get(f"{daemon.url}/metrics", headers=daemon.headers).text
+    m = re.search(rf"^{re.escape(name)}\{{[^}}]*{re.escape(labels)}[^}}]*\}} (\S+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def wait_idle(daemon: Daemon, timeout_s: float = 10) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        stats = daemon.status()["stats"]
+        if stats["running"] == 0 and stats["waiting"] == 0 and stats["kv_blocks_used"] == 0:
+            return stats
+        time.sleep(0.1)
+    raise AssertionError(f"engine still busy: {daemon.status()}")
 
 
 def free_port() -> int:

@@ -17,16 +17,10 @@ import httpx
 import openai
 import psutil
 import pytest
-from daemon_harness import LONG, MODEL, Daemon, free_port, mid_stream, wait_replaced
+from daemon_harness import LONG, MODEL, Daemon, free_port, metric, mid_stream, wait_idle, wait_replaced
 
 from cpu_kernels.moe import kernel_isa_name
 from hybrid import LLM, SamplingParams
-
-
-def metric(daemon: Daemon, name: str, labels: str = "") -> float:
-    text = httpx.get(f"{daemon.url}/metrics", headers=daemon.headers).text
-    m = re.search(rf"^{re.escape(name)}\{{[^}}]*{re.escape(labels)}[^}}]*\}} (\S+)$", text, re.M)
-    return float(m.group(1)) if m else 0.0
 
 
 def test_chat_nonstreaming_and_streaming_agree(client):
@@ -177,16 +171,6 @@ def test_daemon_serves_after_bad_input(daemon, client):
     assert daemon.health().status_code == 200
     r = client.completions.create(model=MODEL, prompt="hi", max_tokens=3, temperature=0)
     assert r.usage.completion_tokens >= 1
-
-
-def wait_idle(daemon: Daemon, timeout_s: float = 10) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        stats = daemon.status()["stats"]
-        if stats["running"] == 0 and stats["waiting"] == 0 and stats["kv_blocks_used"] == 0:
-            return stats
-        time.sleep(0.1)
-    raise AssertionError(f"engine still busy: {daemon.status()}")
 
 
 def test_disconnect_mid_stream_aborts_and_frees_kv(daemon):
