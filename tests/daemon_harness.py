@@ -59,6 +59,20 @@ def wait_idle(daemon: Daemon, timeout_s: float = 10) -> dict:
     raise AssertionError(f"engine still busy: {daemon.status()}")
 
 
+def outcomes(daemon: Daemon, names: tuple[str, ...] = ("abort", "length")) -> dict[str, float]:
+    """How many requests have ended with each of these outcomes, read off /metrics."""
+    return {o: metric(daemon, "hybridd_requests_total", f'outcome="{o}"') for o in names}
+
+
+def ended_by_abort(daemon: Daemon, before: dict[str, float]) -> bool:
+    """Once the engine is idle: exactly one request ended since `before` (abort and length counts); was it aborted,
+    or had it already ended by its length, which is what a stream interrupted too late shows?"""
+    wait_idle(daemon)
+    after = outcomes(daemon)
+    assert after["abort"] + after["length"] == before["abort"] + before["length"] + 1, (before, after)
+    return after["abort"] == before["abort"] + 1
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -9,7 +9,7 @@ import re
 
 import httpx
 import pytest
-from daemon_harness import LONG, MODEL, metric, mid_stream, wait_idle
+from daemon_harness import LONG, MODEL, ended_by_abort, mid_stream, outcomes
 
 STATIC = ("/static/chat.js", "/static/chat.css", "/static/vendor/marked.umd.js", "/static/vendor/purify.min.js")
 CHROMIUM = "/usr/bin/chromium"
@@ -124,7 +124,7 @@ def test_stop_aborts_the_request_on_the_server(page, daemon):
     page.route("**/v1/chat/completions", with_body(**LONG))
 
     def attempt() -> bool:
-        before = {o: metric(daemon, "hybridd_requests_total", f'outcome="{o}"') for o in ("abort", "length")}
+        before = outcomes(daemon)
         page.click("#new-chat")
         send(page, "Tell me everything.")
         page.wait_for_function(f"{STREAMING_LENGTH} > 20", timeout=60_000)
@@ -135,10 +135,7 @@ def test_stop_aborts_the_request_on_the_server(page, daemon):
             return False
         page.wait_for_selector(".assistant[data-state=done]")
         assert "stopped" in page.locator(".stats").last.inner_text() and page.is_visible("#send")
-        wait_idle(daemon)
-        after = {o: metric(daemon, "hybridd_requests_total", f'outcome="{o}"') for o in ("abort", "length")}
-        assert after["abort"] + after["length"] == before["abort"] + before["length"] + 1
-        return after["abort"] == before["abort"] + 1
+        return ended_by_abort(daemon, before)
 
     mid_stream(attempt)
 

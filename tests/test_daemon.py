@@ -17,7 +17,18 @@ import httpx
 import openai
 import psutil
 import pytest
-from daemon_harness import LONG, MODEL, Daemon, free_port, metric, mid_stream, wait_idle, wait_replaced
+from daemon_harness import (
+    LONG,
+    MODEL,
+    Daemon,
+    ended_by_abort,
+    free_port,
+    metric,
+    mid_stream,
+    outcomes,
+    wait_idle,
+    wait_replaced,
+)
 
 from cpu_kernels.moe import kernel_isa_name
 from hybrid import LLM, SamplingParams
@@ -175,15 +186,12 @@ def test_daemon_serves_after_bad_input(daemon, client):
 
 def test_disconnect_mid_stream_aborts_and_frees_kv(daemon):
     def attempt() -> bool:
-        before = {o: metric(daemon, "hybridd_requests_total", f'outcome="{o}"') for o in ("abort", "length")}
+        before = outcomes(daemon)
         with httpx.stream("POST", f"{daemon.url}/v1/completions", timeout=30,
                           json={"model": MODEL, "prompt": "A long story", "stream": True, **LONG}) as r:
             lines = r.iter_lines()
             assert next(line for line in lines if line.startswith("data: "))
-        wait_idle(daemon)
-        after = {o: metric(daemon, "hybridd_requests_total", f'outcome="{o}"') for o in ("abort", "length")}
-        assert after["abort"] + after["length"] == before["abort"] + before["length"] + 1
-        return after["abort"] == before["abort"] + 1
+        return ended_by_abort(daemon, before)
 
     mid_stream(attempt)
 
@@ -191,8 +199,8 @@ def test_disconnect_mid_stream_aborts_and_frees_kv(daemon):
 def test_nonstreaming_disconnect_aborts(daemon):
     """A client that leaves a whole-body request gets it aborted in the engine (the api polls for the disconnect
     every DISCONNECT_POLL_S), counted as an abort, not as finished by its length."""
-    outcomes = ("abort", "length", "stop", "error")
-    before = {o: metric(daemon, "hybridd_requests_total", f'outcome="{o}"') for o in outcomes}
+    names = ("abort", "length", "stop", "error")
+    before = outcomes(daemon, names)
     generated = metric(daemon, "hybridd_generation_tokens_total")
     # 48,000 tokens, ~10 s of work on a 2-core machine. Idle, the engine stops ~1,000 tokens after the client left;
     # CI once, with a busy neighbour, only after 12,000. An abort that never reached the engine makes all of them.
@@ -205,8 +213,8 @@ def test_nonstreaming_disconnect_aborts(daemon):
     else:
         pytest.fail(f"the request ended before the client left: {r.status_code} {r.text[:300]}")
     wait_idle(daemon)
-    after = {o: metric(daemon, "hybridd_requests_total", f'outcome="{o}"') for o in outcomes}
-    assert {o: after[o] - before[o] for o in outcomes} == {"abort": 1, "length": 0, "stop": 0, "error": 0}
+    after = outcomes(daemon, names)
+    assert {o: after[o] - before[o] for o in names} == {"abort": 1, "length": 0, "stop": 0, "error": 0}
     made = metric(daemon, "hybridd_generation_tokens_total") - generated
     assert made < choices * LONG["max_tokens"] * 3 / 4, f"{made:.0f} tokens made: the engine did not stop"
 
