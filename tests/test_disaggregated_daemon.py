@@ -6,7 +6,6 @@ living in it, and the next request works once the supervisor has restarted it.""
 
 from __future__ import annotations
 
-import bisect
 import os
 import signal
 import threading
@@ -22,6 +21,7 @@ from daemon_harness import MODEL, Daemon, free_port, mid_stream, openai_client, 
 
 from hybrid import LLM, SamplingParams
 from hybrid.engine.outputs import RequestOutput
+from hybrid.tokenizer import Tokenizer
 
 PROMPTS = ["Tell me about the sea.", "Count to ten.", "What is a monad?", "Write a haiku.", "Name three rivers."]
 
@@ -44,34 +44,37 @@ def client(pair) -> openai.OpenAI:
 TIE_LOGPROB = 1e-4
 
 
+def first_difference(got: str, want: str) -> int | None:
+    """The first character at which two texts differ; None where one is a prefix of the other."""
+    return next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), None)
+
+
 @dataclass
 class Reference:
-    """One engine's greedy reply to a prompt alone, with each token's top two and where each token's text ends."""
+    """One engine's greedy reply to a prompt alone, with each token's top two, and the tokenizer that spells it."""
 
     output: RequestOutput
-    ends: list[int]
+    tokenizer: Tokenizer
 
     def parts_at_a_tie(self, got: str) -> str | None:
         """Why `got`, which differs from this reply, does so legitimately (None: it does not): it leaves the reply at
         a token whose top two log-probabilities are within TIE_LOGPROB."""
-        want = self.output.text
-        at = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), None)
-        if at is None:  # one is a prefix of the other: tokens lost or added, never a tie
+        at = first_difference(got, self.output.text)
+        if at is None:  # tokens lost or added, never a tie
             return None
-        k = bisect.bisect_right(self.ends, at)  # the token whose text holds the first differing character
+        ids = self.output.token_ids
+        k = next(k for k in range(len(ids)) if len(self.tokenizer.decode(ids[:k + 1])) > at)  # holds character `at`
         top = self.output.logprobs[k].top
         margin = top[0][1] - top[1][1]
-        return f"token {k} of {len(self.ends)}: top two {margin:.1e} apart" if margin < TIE_LOGPROB else None
+        return f"token {k} of {len(ids)}: top two {margin:.1e} apart" if margin < TIE_LOGPROB else None
 
 
 def one_engine(max_tokens: list[int]) -> list[Reference]:
     llm = LLM(experts="inline", dtype="float32")
-    refs = []
-    for prompt, n in zip(PROMPTS, max_tokens):
-        out = llm.chat([{"role": "user", "content": prompt}],
-                       SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=2))[0]
-        ends = [len(llm.tokenizer.decode(out.token_ids[:k + 1])) for k in range(len(out.token_ids))]
-        refs.append(Reference(out, ends))
+    refs = [Reference(llm.chat([{"role": "user", "content": prompt}],
+                               SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=2))[0],
+                      llm.tokenizer)
+            for prompt, n in zip(PROMPTS, max_tokens)]
     llm.close()
     return refs
 
@@ -112,8 +115,8 @@ def test_staggered_streams_match_one_engine(pair, client):
     differing = [i for i, ref in enumerate(refs) if texts[i] != ref.output.text]
     ties = {i: refs[i].parts_at_a_tie(texts[i]) for i in differing}
     # where each differing stream parts from one engine's text, of how many characters: a late or an early divergence
-    assert all(ties.values()), [(i, next((k for k, (a, b) in enumerate(zip(texts[i], refs[i].output.text)) if a != b),
-                                         None), len(texts[i]), len(refs[i].output.text)) for i in differing]
+    assert all(ties.values()), [(i, first_difference(texts[i], refs[i].output.text), len(texts[i]),
+                                 len(refs[i].output.text)) for i in differing]
     assert all(finish[i] == "length" for i in range(len(PROMPTS)))
     status = pair.status()
     assert set(status["engines"]) == {"prefill", "decode"}
