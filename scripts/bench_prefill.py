@@ -32,7 +32,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -44,6 +43,7 @@ from cpu_kernels.moe import PackedExperts, kernel_isa_name, pack_experts  # noqa
 from cpu_kernels.moe import fused_moe as cpu_fused_moe  # noqa: E402
 from cpu_kernels.thread_pool import unpin_child  # noqa: E402
 from gpu.fused_moe import fused_moe, tile_shape  # noqa: E402
+from hybrid.distributed.local_store import LocalStore, open_local_store  # noqa: E402
 from hybrid.experts.expert_rank import serve  # noqa: E402
 from hybrid.experts.expert_stream import ExpertStream, device_expert_bytes  # noqa: E402
 from hybrid.experts.kernel_experts import KernelExperts  # noqa: E402
@@ -207,7 +207,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=3, help="MoE layers in the synthetic pack")
     ap.add_argument("--tokens", type=int, help="tokens of the prefill pass (default: 8192 on a GPU, 64 here)")
     ap.add_argument("--dir", help="where to write the synthetic pack (default: a temporary directory)")
-    for hidden in ("--serve-rank", "--world", "--port"):  # an expert rank of the SmallEP pass (started by it)
+    for hidden in ("--serve-rank", "--world"):  # an expert rank of the SmallEP pass (started by it)
         ap.add_argument(hidden, type=int, help=argparse.SUPPRESS)
     ap.add_argument("--pack-file", help=argparse.SUPPRESS)
     ap.add_argument("--device", help=argparse.SUPPRESS)
@@ -343,12 +343,13 @@ def small_ep_pass(path: Path, a, pack, cpu_experts, batch, devices) -> tuple[flo
     (after a warm-up pass), seconds of one exchange of the pass's tokens, bytes streamed by all devices."""
     s = SHAPES[a.shape]
     world = len(devices)
-    store = dist.TCPStore("127.0.0.1", 0, world, True, timeout=JOIN_TIMEOUT, wait_for_workers=False)
+    local = LocalStore(world, JOIN_TIMEOUT)  # kept until the end: NCCL connects, through it, at the first pass
     procs = [subprocess.Popen([sys.executable, __file__, "--shape", a.shape, "--layers", str(a.layers),
-                               "--serve-rank", str(r), "--world", str(world), "--port", str(store.port),
-                               "--pack-file", str(path), "--device", str(devices[r])], preexec_fn=unpin_child)
+                               "--serve-rank", str(r), "--world", str(world),
+                               "--pack-file", str(path), "--device", str(devices[r])],
+                              env=dict(os.environ, **local.child_env()), preexec_fn=unpin_child)
              for r in range(1, world)]  # unpin_child: the CPU kernels pinned this thread to one core
-    peers = ExpertPeers(PeerGroups(store, 0, world, devices[0], PEER_TIMEOUT), procs, s.hidden, s.top_k)
+    peers = ExpertPeers(PeerGroups(local.store, 0, world, devices[0], PEER_TIMEOUT), procs, s.hidden, s.top_k)
     share = expert_share(s.experts, world, 0)
     stream = share_stream(pack, devices[0], share)
     sep = StreamedExperts(cpu_experts, stream, SlpPolicy(1), list(pack), s.top_k, share, peers=peers)
@@ -371,6 +372,7 @@ def small_ep_pass(path: Path, a, pack, cpu_experts, batch, devices) -> tuple[flo
         exchange_s = time.perf_counter() - start
     finally:
         sep.close()
+        local.close()
     return times[-1], exchange_s, moved
 
 
@@ -382,7 +384,7 @@ def serve_rank(a) -> None:
     share = expert_share(s.experts, a.world, a.serve_rank)
     stream = share_stream(pack, device, share)
     experts = StreamedExperts(None, stream, SlpPolicy(1), list(pack), s.top_k, share)
-    store = dist.TCPStore("127.0.0.1", a.port, a.world, False, timeout=JOIN_TIMEOUT)
+    store = open_local_store(a.world, JOIN_TIMEOUT)
     serve(experts, PeerGroups(store, a.serve_rank, a.world, device, IDLE_TIMEOUT), s.hidden, s.top_k, torch.bfloat16)
     experts.close()
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 from conftest import DEVICE_PATH_PRESETS, TINY_PRESETS, prompt_ids
 from daemon_harness import Daemon, free_port, openai_client
+from listening_sockets import listening, off_loopback
 from test_models_vs_transformers import reference
 
 from cpu_kernels.thread_pool import unpin_child
@@ -95,6 +96,9 @@ def test_tp2_over_gloo_gives_the_same_tokens(model_dirs, two_nodes):
     llm = LLM(model_dirs["tiny-deepseek-v3"], dtype="float32", tp=2, all_reduce="gloo", max_num_batched_tokens=32)
     try:
         assert llm.engine.runner.parallel.state.tp_comm.name == "gloo"
+        ranks = [os.getpid()] + [f.pid for f in llm.engine.runner.parallel.followers]
+        assert listening(ranks), "no gloo socket seen: the check below would prove nothing"
+        assert off_loopback(ranks) == [], "a rank can be reached from another machine"
         out = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
         # gloo's all-reduce is no kernel: its steps cannot be recorded, and run eagerly
         assert "c10d.allreduce_" in llm.engine.runner.graphs.refused
@@ -194,6 +198,10 @@ def test_start_with_tp2_runs_its_follower_and_stops_it(tmp_path, monkeypatch):
         client = openai_client(d)
         reply = client.completions.create(model="default_model", prompt="hi", max_tokens=8, temperature=0)
         assert reply.usage.completion_tokens == 8
+        supervisor = engine.parent()
+        tree = [supervisor.pid] + [p.pid for p in supervisor.children(recursive=True)]
+        assert any(port == d.port for _, _, port in listening(tree))
+        assert off_loopback(tree) == [], "a process of the daemon can be reached from another machine"
         # A follower that dies fails the next request at once (not at the collectives' 300 s timeout), and the
         # supervisor restarts the engine with a new one.
         follower.kill()  # the engine's child: a zombie until the engine reaps it

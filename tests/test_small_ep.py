@@ -18,6 +18,7 @@ import pytest
 import torch
 from conftest import prompt_ids
 from daemon_harness import MODEL, Daemon, free_port, openai_client
+from listening_sockets import listening, off_loopback
 from test_streamed_prefill import count_mixed_steps, expected, greedy
 
 from hybrid import LLM, SamplingParams
@@ -64,6 +65,9 @@ def test_each_rank_streams_its_half(model_dirs):
     llm = small_ep(model, slp_max_tokens=None, max_num_batched_tokens=64)
     experts = llm.engine.runner.experts
     try:
+        ranks = [os.getpid()] + [p.pid for p in experts.peers.processes]
+        assert listening(ranks), "no gloo socket seen: the check below would prove nothing"
+        assert off_loopback(ranks) == [], "a rank can be reached from another machine"
         out, = greedy(llm, [prompt_ids(60, seed=11)])
     finally:
         llm.close()

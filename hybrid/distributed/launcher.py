@@ -10,9 +10,8 @@ import os
 import subprocess
 import sys
 
-import torch.distributed as dist
-
 from hybrid.config import EngineConfig
+from hybrid.distributed.local_store import LocalStore
 from hybrid.distributed.parallel_state import JOIN_TIMEOUT, ParallelState
 from hybrid.distributed.placement import rank_cpus
 from hybrid.distributed.torchrun import under_torchrun
@@ -33,8 +32,8 @@ def _confine(local_rank: int, local_world: int) -> None:
 class ParallelRun:
     """This process's ParallelState, and the follower processes it started (driver of a local run)."""
 
-    def __init__(self, state: ParallelState, followers: list[subprocess.Popen]):
-        self.state, self.followers = state, followers
+    def __init__(self, state: ParallelState, followers: list[subprocess.Popen], store: LocalStore | None = None):
+        self.state, self.followers, self.store = state, followers, store
 
     @classmethod
     def join(cls, config: EngineConfig) -> "ParallelRun":
@@ -42,22 +41,23 @@ class ParallelRun:
         if under_torchrun():
             _confine(int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", world)))
             return cls(ParallelState.join(config.tp, config.pp, config.all_reduce), [])
-        # Bound before the followers start, so no other process can take the port between its choice and its use.
-        store = dist.TCPStore("127.0.0.1", 0, world, True, timeout=JOIN_TIMEOUT, wait_for_workers=False)
-        followers = [cls._spawn(config, rank, world, store.port) for rank in range(1, world)]
+        store = LocalStore(world, JOIN_TIMEOUT)
+        followers = []
         try:
+            followers = [cls._spawn(config, rank, world, store) for rank in range(1, world)]
             _confine(0, world)
-            state = ParallelState.join(config.tp, config.pp, config.all_reduce, store)
+            state = ParallelState.join(config.tp, config.pp, config.all_reduce, store.store)
         except BaseException:
             for p in followers:
                 p.kill()
+            store.close()
             raise
-        return cls(state, followers)
+        return cls(state, followers, store)
 
     @staticmethod
-    def _spawn(config: EngineConfig, rank: int, world: int, port: int) -> subprocess.Popen:
+    def _spawn(config: EngineConfig, rank: int, world: int, store: LocalStore) -> subprocess.Popen:
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                   LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                   LOCAL_WORLD_SIZE=str(world), **store.child_env())
         from cpu_kernels.thread_pool import unpin_child
 
         # unpin_child: a thread the kernel pool pinned would hand its one core down to the follower
@@ -69,10 +69,12 @@ class ParallelRun:
         for p in self.followers:
             p.kill()
             p.wait()
-        self.state.close()
+        self.close()
 
     def close(self) -> None:
         self.state.close()
+        if self.store is not None:
+            self.store.close()
         for p in self.followers:
             try:
                 p.wait(timeout=30)

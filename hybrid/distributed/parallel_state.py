@@ -3,14 +3,16 @@
 Ranks are numbered stage-major: rank = pipeline stage * tp + tensor-parallel rank; rank 0 drives (scheduler,
 sampling, the API). Every rank joins torch.distributed (gloo) from the environment torchrun sets (RANK,
 WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK, LOCAL_WORLD_SIZE), or, when an engine starts its own
-followers on one machine, from a local TCP store. Each stage's tensor-parallel group sums over shared memory when
-its ranks share a machine, over gloo otherwise (or when asked); stages pass hidden states point to point.
+followers on one machine, through a private store, over loopback (hybrid/distributed/local_store.py). Each
+stage's tensor-parallel group sums over shared memory when its ranks share a machine, over gloo otherwise (or when
+asked); stages pass hidden states point to point.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -18,6 +20,7 @@ import torch.distributed as dist
 
 from hybrid.config.model_config import ConfigError
 from hybrid.distributed.communicator import Communicator, GlooCommunicator
+from hybrid.distributed.local_store import on_loopback, open_local_store, started_locally
 from hybrid.distributed.tensor_parallel import ModelShard, TensorParallel
 
 # Ranks meet within this time or the run fails to start (a follower that died while importing, say).
@@ -77,28 +80,30 @@ class ParallelState:
 
     @classmethod
     def join(cls, tp: int, pp: int, all_reduce: str = "auto", store: dist.Store | None = None) -> "ParallelState":
-        """Joins the run: from torchrun's environment, or as rank 0 through `store` (the driver of a local run
-        serves it, so no port is picked before it is bound)."""
+        """Joins the run: from torchrun's environment; or, in a run an engine started on this machine, through its
+        private store (the driver, rank 0, passes `store`; the followers it started open it from their
+        environment), every gloo group on loopback."""
         world = tp * pp
-        if not dist.is_initialized():
-            if store is not None:
-                # The followers join by env://, whose store init_process_group prefixes with "default_pg/"; a
-                # store passed in is used bare, so it gets the same prefix or the ranks never meet.
-                dist.init_process_group("gloo", store=dist.PrefixStore("default_pg", store), rank=0,
-                                        world_size=world, timeout=JOIN_TIMEOUT)
-            else:
-                env_world = int(os.environ.get("WORLD_SIZE", world))
-                if env_world != world:
-                    raise ConfigError(f"--tp {tp} x --pp {pp} = {world} ranks, but torchrun started {env_world}")
-                dist.init_process_group("gloo", init_method="env://", timeout=JOIN_TIMEOUT)
-        info = RankInfo(dist.get_rank(), tp, pp)
-        world_group = dist.new_group(list(range(world)), timeout=IDLE_TIMEOUT)
-        comm = None
-        for stage in range(pp):  # every rank creates every group, in the same order
-            ranks = list(range(stage * tp, (stage + 1) * tp))
-            group = dist.new_group(ranks, timeout=IDLE_TIMEOUT) if tp > 1 else None
-            if stage == info.stage and tp > 1:
-                comm = _tp_communicator(group, ranks, all_reduce)
+        local = store is not None or started_locally()
+        with on_loopback() if local else nullcontext():
+            if not dist.is_initialized():
+                if local:
+                    rank = 0 if store is not None else int(os.environ["RANK"])
+                    dist.init_process_group("gloo", store=store or open_local_store(world, JOIN_TIMEOUT), rank=rank,
+                                            world_size=world, timeout=JOIN_TIMEOUT)
+                else:
+                    env_world = int(os.environ.get("WORLD_SIZE", world))
+                    if env_world != world:
+                        raise ConfigError(f"--tp {tp} x --pp {pp} = {world} ranks, but torchrun started {env_world}")
+                    dist.init_process_group("gloo", init_method="env://", timeout=JOIN_TIMEOUT)
+            info = RankInfo(dist.get_rank(), tp, pp)
+            world_group = dist.new_group(list(range(world)), timeout=IDLE_TIMEOUT)
+            comm = None
+            for stage in range(pp):  # every rank creates every group, in the same order
+                ranks = list(range(stage * tp, (stage + 1) * tp))
+                group = dist.new_group(ranks, timeout=IDLE_TIMEOUT) if tp > 1 else None
+                if stage == info.stage and tp > 1:
+                    comm = _tp_communicator(group, ranks, all_reduce)
         return cls(info, world_group, comm)
 
     def model_shard(self, num_layers: int) -> ModelShard:

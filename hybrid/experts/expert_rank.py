@@ -2,7 +2,7 @@
 share of every MoE layer's experts, fed from the pack rank 0 maps. It does what rank 0's headers say
 (hybrid/experts/small_ep.py) until STOP, or until rank 0 is gone (its sockets close).
 
-`python -m hybrid.experts.expert_rank '<json: engine config, pack, shapes, rank, world, store port, device>'`, started
+`python -m hybrid.experts.expert_rank '<json: engine config, pack, shapes, rank, world, device>'`, started
 by rank 0, which passes what it read from the model's config: a rank never imports transformers' config classes.
 """
 
@@ -14,10 +14,10 @@ import signal
 import sys
 
 import torch
-import torch.distributed as dist
 
 from hybrid.config import EngineConfig
 from hybrid.config.model_config import torch_dtype
+from hybrid.distributed.local_store import open_local_store
 from hybrid.experts.small_ep import (
     END,
     HEADER,
@@ -89,7 +89,7 @@ def main() -> int:
     rank, world, device = args["rank"], args["world"], torch.device(args["device"])
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    store = dist.TCPStore("127.0.0.1", args["port"], world, False, timeout=JOIN_TIMEOUT)
+    store = open_local_store(world, JOIN_TIMEOUT)
     experts = build(engine, args["pack"], args["top_k"], rank, world, device)
     store.set(ready_key(rank), "1")
     groups = PeerGroups(store, rank, world, device, IDLE_TIMEOUT)

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from hybrid.config import EngineConfig
 from hybrid.distributed.communicator import CommunicationError
+from hybrid.distributed.local_store import NCCL_LOOPBACK, LocalStore, on_loopback
 
 log = logging.getLogger(__name__)
 
@@ -102,19 +103,22 @@ class PeerGroups:
 
     def __init__(self, store: dist.Store, rank: int, world: int, device: torch.device, timeout: timedelta,
                  control_timeout: timedelta | None = None):
-        self.rank, self.world, self.device, self.store = rank, world, device, store
-        self.control = dist.ProcessGroupGloo(dist.PrefixStore("control/", store), rank, world,
-                                             control_timeout or timeout)
+        self.rank, self.world, self.device = rank, world, device
+        with on_loopback():
+            self.control = dist.ProcessGroupGloo(dist.PrefixStore("control/", store), rank, world,
+                                                 control_timeout or timeout)
         if device.type == "cuda":
             # a failed collective aborts the communicator and leaves this process alive (the default tears it
             # down): rank 0 then carries on without the expert ranks
             os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+            os.environ.update(NCCL_LOOPBACK)  # its bootstrap sockets: the ranks share this machine
             options = dist.ProcessGroupNCCL.Options()
             options.is_high_priority_stream = False
             options._timeout = timeout * 2  # rank 0's own deadline (finish) comes first
             self.data = dist.ProcessGroupNCCL(dist.PrefixStore("data/", store), rank, world, options)
         else:
-            self.data = dist.ProcessGroupGloo(dist.PrefixStore("data/", store), rank, world, timeout)
+            with on_loopback():
+                self.data = dist.ProcessGroupGloo(dist.PrefixStore("data/", store), rank, world, timeout)
 
     def header(self, t: torch.Tensor) -> dist.Work:
         """Rank 0's int64 [HEADER] header, on every rank once the work is done."""
@@ -257,28 +261,31 @@ def start_expert_ranks(engine: EngineConfig, pack_dir: Path, hidden: int, top_k:
 
     devices = rank_devices(engine.device, engine.gpus)
     world = len(devices)
-    store = dist.TCPStore("127.0.0.1", 0, world, True, timeout=JOIN_TIMEOUT, wait_for_workers=False)
+    local = LocalStore(world, JOIN_TIMEOUT)
     config = json.loads(engine_config_json(engine))
     processes = []
-    for rank in range(1, world):
-        arg = json.dumps({"engine": config, "pack": str(pack_dir), "hidden": hidden, "top_k": top_k,
-                          "dtype": str(dtype).removeprefix("torch."), "rank": rank, "world": world,
-                          "port": store.port, "device": str(devices[rank]), "parent": os.getpid()})
-        # unpin_child: a thread the kernel pool pinned would hand its one core down
-        processes.append(subprocess.Popen([sys.executable, "-m", "hybrid.experts.expert_rank", arg],
-                                          preexec_fn=unpin_child))
     try:
-        _wait_ready(store, processes)
-        groups = PeerGroups(store, 0, world, devices[0], PEER_TIMEOUT, CONTROL_TIMEOUT)
-    except (RuntimeError, CommunicationError) as e:
-        _kill(processes)
-        raise CommunicationError(f"SmallEP: the expert ranks did not join: {e}") from e
-    peers = ExpertPeers(groups, processes, hidden, top_k)
-    try:
-        peers.probe(1, dtype, devices[0])  # NCCL connects lazily: now, not in the first pass
-    except CommunicationError:
-        peers.abandon()
-        raise
+        for rank in range(1, world):
+            arg = json.dumps({"engine": config, "pack": str(pack_dir), "hidden": hidden, "top_k": top_k,
+                              "dtype": str(dtype).removeprefix("torch."), "rank": rank, "world": world,
+                              "device": str(devices[rank]), "parent": os.getpid()})
+            # unpin_child: a thread the kernel pool pinned would hand its one core down
+            processes.append(subprocess.Popen([sys.executable, "-m", "hybrid.experts.expert_rank", arg],
+                                              env=dict(os.environ, **local.child_env()), preexec_fn=unpin_child))
+        try:
+            _wait_ready(local.store, processes)
+            groups = PeerGroups(local.store, 0, world, devices[0], PEER_TIMEOUT, CONTROL_TIMEOUT)
+        except (RuntimeError, CommunicationError) as e:
+            _kill(processes)
+            raise CommunicationError(f"SmallEP: the expert ranks did not join: {e}") from e
+        peers = ExpertPeers(groups, processes, hidden, top_k)
+        try:
+            peers.probe(1, dtype, devices[0])  # NCCL connects lazily, through the store: now, not in the first pass
+        except CommunicationError:
+            peers.abandon()
+            raise
+    finally:
+        local.close()
     log.info("SmallEP: %d ranks (%s), each streaming its share of every layer's experts",
              world, ", ".join(map(str, devices)))
     return peers
