@@ -538,11 +538,15 @@ def test_exits_of_another_supervisor_or_long_ago_are_no_crash_loop(tmp_path, mon
 
     exits("api", 1, 1000.0)
     exits("api", 1, 1001.0)
-    assert crash_loop(s.paths, os.getpid() + 1) is None
-    assert crash_loop(s.paths, os.getpid()) == "the api process exited 2 times while starting (exit codes [1, 1])"
+    created = psutil.Process().create_time()
+    assert crash_loop(s.paths, os.getpid() + 1, created) is None
+    # the same pid, reused by a later supervisor: the record is an earlier one's
+    assert crash_loop(s.paths, os.getpid(), created + 5) is None
+    assert crash_loop(s.paths, os.getpid(), created) == \
+        "the api process exited 2 times while starting (exit codes [1, 1])"
     exits("engine", 9, 2000.0)
     exits("engine", 1, 2000.0 + supervisor.RESTART_WINDOW_S + 1)
-    assert crash_loop(s.paths, os.getpid()) is None
+    assert crash_loop(s.paths, os.getpid(), created) is None
 
 
 def test_a_process_that_keeps_dying_at_start_stops_the_daemon(tmp_path, monkeypatch):

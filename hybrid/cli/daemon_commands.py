@@ -90,13 +90,14 @@ def last_log_lines(log_dir: Path, before: dict[Path, int]) -> str:
     return "".join(lines)
 
 
-def crash_loop(paths, supervisor_pid: int) -> str | None:
+def crash_loop(paths, supervisor_pid: int, supervisor_created: float) -> str | None:
     """What is wrong if a process of the starting daemon keeps exiting (the supervisor restarts it, and an api
     that cannot start would leave /health silent until the timeout); None while none does. Only this
-    supervisor's record counts; it holds the exits within its restart window."""
+    supervisor's record counts (its pid and start time: an earlier supervisor's record, left until the new one
+    removes it, may carry the same pid); it holds the exits within its restart window."""
     try:
         record = json.loads(paths.exits_file.read_text())
-        if record["supervisor"] != supervisor_pid:
+        if record["supervisor"] != supervisor_pid or abs(record["create_time"] - supervisor_created) >= 0.01:
             return None
         exits = record["exits"]
     except (OSError, ValueError, KeyError, TypeError):
@@ -110,9 +111,12 @@ def crash_loop(paths, supervisor_pid: int) -> str | None:
 def _wait_ready(config, proc, timeout_s: float, logs_before: dict[Path, int]) -> None:
     """Shows packing/loading progress until /health answers ok; stops the daemon if it cannot start."""
     import httpx
+    import psutil
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from hybrid.managers.supervisor import ALREADY_RUNNING_EXIT
+
+    created = psutil.Process(proc.pid).create_time()  # readable until reaped, even once it has exited
 
     def give_up(reason: str) -> DaemonError:
         where = last_log_lines(config.paths.log_dir, logs_before)  # before stopping, which logs its own lines
@@ -128,7 +132,7 @@ def _wait_ready(config, proc, timeout_s: float, logs_before: dict[Path, int]) ->
             if proc.poll() == ALREADY_RUNNING_EXIT:
                 raise DaemonError(f"hybridd is already running with HYBRIDD_HOME={config.paths.home}; "
                                   "`hybridd stop` stops it")
-            looping = crash_loop(config.paths, proc.pid)  # first: a supervisor that gave up has exited too
+            looping = crash_loop(config.paths, proc.pid, created)  # first: one that gave up has exited too
             if looping is not None:
                 raise give_up(looping)
             if proc.poll() is not None:

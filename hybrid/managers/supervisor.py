@@ -143,7 +143,9 @@ class Supervisor:
     def record_exits(self, now: float) -> None:
         """Each role's exit codes within the restart window, for a starting `hybridd start` to read."""
         exits = {c.role: [code for t, code in c.exits if now - t < RESTART_WINDOW_S] for c in self.children.values()}
-        write_private(self.paths.exits_file, json.dumps({"supervisor": os.getpid(), "exits": exits}))
+        write_private(self.paths.exits_file, json.dumps({"supervisor": os.getpid(),
+                                                         "create_time": psutil.Process().create_time(),
+                                                         "exits": exits}))
 
     def run(self) -> int:
         """Serves until SIGTERM/SIGINT; raises DaemonError if another supervisor holds this home's lock."""
