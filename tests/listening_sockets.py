@@ -38,7 +38,11 @@ def listening(pids: list[int]) -> list[tuple[int, str, int]]:
     inodes = _listening_inodes()
     out = []
     for pid in pids:
-        for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            fds = list(Path(f"/proc/{pid}/fd").iterdir())
+        except FileNotFoundError:  # it exited since it was listed: it listens on nothing
+            continue
+        for fd in fds:
             try:
                 target = os.readlink(fd)
             except OSError:
