@@ -509,10 +509,50 @@ def test_a_start_that_times_out_says_where_each_process_was(tmp_path):
     d = Daemon(tmp_path / "home", free_port())
     (d.home / "logs").mkdir(parents=True)
     (d.home / "logs" / "engine.log").write_text("a line of an earlier run\n")
-    r = d.cli("start", "--port", str(d.port), "--timeout", "1", timeout=120)
-    assert r.returncode == 2 and "not healthy after 1s" in r.stderr, r.stderr
-    # Only this run's lines: the supervisor may not have logged yet a second in, but no earlier run shows.
+    # 0.2 s: less than any start takes (a fast machine serves the default model a second after `start`)
+    r = d.cli("start", "--port", str(d.port), "--timeout", "0.2", timeout=120)
+    assert r.returncode == 2 and "not healthy after 0.2s" in r.stderr, r.stderr
+    # Only this run's lines: the supervisor may not have logged yet, but no earlier run shows.
     assert "where each process was:" in r.stderr and "earlier run" not in r.stderr, r.stderr
+    assert not (d.home / "hybridd.pid").exists()
+
+
+def test_a_server_that_takes_the_port_during_the_start_is_not_taken_for_the_daemon(tmp_path):
+    """start checks the port is free, then launches; a server that binds the port in between answers /health
+    before this daemon's api can bind: start must say so, not report that it serves."""
+    import http.server
+
+    d = Daemon(tmp_path / "home", free_port())
+
+    class Healthy(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            body = b'{"status": "ok", "model": "someone else"}'
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    servers = []
+
+    def take_port_once_launched():
+        deadline = time.monotonic() + 60
+        while not list((d.home / "run").glob("start-*.json")) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        servers.append(http.server.HTTPServer(("127.0.0.1", d.port), Healthy))
+        servers[0].serve_forever()
+
+    threading.Thread(target=take_port_once_launched, daemon=True).start()
+    try:
+        r = d.cli("start", "--port", str(d.port), "--timeout", "120", timeout=180)
+    finally:
+        if servers:
+            servers[0].shutdown()
+    assert servers, "the launch was never seen"
+    assert r.returncode == 2 and f"another server took port {d.port}" in r.stderr, (r.stdout, r.stderr)
     assert not (d.home / "hybridd.pid").exists()
 
 

@@ -108,6 +108,23 @@ def crash_loop(paths, supervisor_pid: int, supervisor_created: float) -> str | N
     return None
 
 
+def listens_on(pid: int, port: int) -> bool:
+    """Whether process `pid` or one of its descendants listens on TCP `port`: the server answering there is
+    this daemon's, not one that took the port after start checked it was free."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        tree = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return False
+    for p in tree:
+        with contextlib.suppress(psutil.Error):
+            if any(c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in p.net_connections("tcp")):
+                return True
+    return False
+
+
 def _wait_ready(config, proc, timeout_s: float, logs_before: dict[Path, int]) -> None:
     """Shows packing/loading progress until /health answers ok; stops the daemon if it cannot start."""
     import httpx
@@ -142,6 +159,9 @@ def _wait_ready(config, proc, timeout_s: float, logs_before: dict[Path, int]) ->
             except httpx.HTTPError:
                 r = None
             if r is not None and r.status_code == 200:
+                if not listens_on(proc.pid, config.port):
+                    raise give_up(f"another server took port {config.port} while this daemon started, and answers "
+                                  f"at {config.url}; choose another --port")
                 return
             if r is not None and r.headers.get("content-type", "").startswith("application/json"):
                 body = r.json()
@@ -151,7 +171,7 @@ def _wait_ready(config, proc, timeout_s: float, logs_before: dict[Path, int]) ->
                 bar.update(task, description=prog.get("phase", body.get("status", "starting")),
                            completed=prog.get("done", 0), total=prog.get("total"))
             if time.monotonic() > deadline:
-                raise give_up(f"not healthy after {timeout_s:.0f}s")
+                raise give_up(f"not healthy after {timeout_s:g}s")
             time.sleep(0.25)
 
 
