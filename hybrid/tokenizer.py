@@ -87,15 +87,19 @@ class Tokenizer:
     def eos_token_id(self) -> int | None:
         return self.hf.eos_token_id
 
-    def encode(self, text: str) -> list[int]:
-        return self.hf.encode(text, add_special_tokens=True)
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """The text's ids; `add_special_tokens` adds what the tokenizer puts around a text (BOS, say)."""
+        return self.hf.encode(text, add_special_tokens=add_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
-                            template_kwargs: dict | None = None) -> list[int]:
+                            template_kwargs: dict | None = None, add_generation_prompt: bool = True,
+                            continue_final_message: bool = False) -> list[int]:
         """Renders the conversation (and the tools offered, in the template's own tool section); the template's
         own markers become special tokens, while a marker a user typed (`<|im_end|>` in a message) stays text,
         so nobody can forge a turn boundary. `template_kwargs` are variables for the template (Qwen3's
-        `enable_thinking`, say); they may not name the rendering's own arguments."""
+        `enable_thinking`, say); they may not name the rendering's own arguments. `continue_final_message`
+        leaves the last message open (no end-of-turn marker after it), so the model continues it: a reply the
+        client has begun."""
         if not getattr(self.hf, "chat_template", None):
             raise TokenizerError("this model's tokenizer has no chat_template")
         if self.hf.chat_template is not self._checked_template:  # parsed once, not per conversation
@@ -120,10 +124,13 @@ class Tokenizer:
         import jinja2
 
         try:
-            text = self.hf.apply_chat_template(slotted, tools=tools, tokenize=False, add_generation_prompt=True,
-                                               **template_kwargs)
+            text = self.hf.apply_chat_template(slotted, tools=tools, tokenize=False,
+                                               add_generation_prompt=add_generation_prompt,
+                                               continue_final_message=continue_final_message, **template_kwargs)
         except jinja2.TemplateError as e:  # raise_exception() in the template, or what it reads is not there
             raise TokenizerError(f"the chat template failed on this conversation: {e}") from None
+        except ValueError as e:  # continue_final_message: the template does not render the last message as sent
+            raise TokenizerError(str(e)) from None
         ids: list[int] = []
         for piece in _SLOT_RE.split(text):
             if piece in typed:

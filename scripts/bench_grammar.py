@@ -8,13 +8,15 @@ advancing the matchers, sending the next masks' work to the mask process), set a
 the constrained-minus-free step time is shown too: it also holds what the mask process's work on the other core
 costs the model's forward pass, and is noisier (bandwidth drifts between runs). Steps are split into the steady
 phase and the last CLOSING_HORIZON tokens of each request, where the masks' maker also counts the tokens needed
-to close the grammar. Target (issue 34): the steady mask cost under 5 % of a decode step on the default model.
+to close the grammar. `--constraint regex` times a regex constraint instead of the schema. Target (issue 34):
+the steady mask cost under 5 % of a decode step on the default model.
 
 `--compare-libraries` instead times llguidance against xgrammar (pip install xgrammar) on the model's tokenizer:
 tokenizer setup, grammar compile, and the mask of each token along a random walk through three schemas.
 
     python scripts/bench_grammar.py
     python scripts/bench_grammar.py --model bench_models/qwen3-30b-a3b-L4 --batch 1 16
+    python scripts/bench_grammar.py --constraint regex
     python scripts/bench_grammar.py --compare-libraries --model bench_models/qwen3-30b-a3b-L4
 """
 
@@ -38,12 +40,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cpu_kernels.moe import kernel_isa_name  # noqa: E402
 from hybrid import LLM, SamplingParams  # noqa: E402
 from hybrid.engine.sampler import Sampler  # noqa: E402
-from hybrid.structured_output.grammars import json_schema_grammar  # noqa: E402
+from hybrid.structured_output.grammars import json_schema_grammar, regex_grammar  # noqa: E402
 from hybrid.structured_output.masks import CLOSING_HORIZON  # noqa: E402
 
 TARGET = 0.05
 # Short strings keep the structure busy (quotes, commas); minItems keeps every request open for the whole run.
 SCHEMA = {"type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 1000}
+# A regex (guided_regex, structured_outputs.regex) that, like the schema, stays open for the whole run.
+REGEX = "[a-z ]{4000}"
 
 
 class GrammarClock:
@@ -160,6 +164,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="alternating free/constrained runs per batch size")
     ap.add_argument("--threads", type=int)
     ap.add_argument("--grammar-masks", default="process", choices=["process", "inline"])
+    ap.add_argument("--constraint", default="json", choices=["json", "regex"],
+                    help=f"json: the schema above; regex: {REGEX!r}")
     ap.add_argument("--compare-libraries", action="store_true")
     a = ap.parse_args()
     if a.compare_libraries:
@@ -169,13 +175,14 @@ def main() -> None:
         return
     llm = LLM(a.model, num_threads=a.threads, max_num_seqs=max(a.batch), enable_prefix_caching=False,
               grammar_masks=a.grammar_masks)
-    grammar = json_schema_grammar(SCHEMA)
+    grammar = json_schema_grammar(SCHEMA) if a.constraint == "json" else regex_grammar(REGEX)
     step_times(llm, 1, 8, grammar, 0.0)  # builds the grammar backend, starts the mask process, warms the caches
     while llm.engine.config.grammar_masks == "process" and not llm.engine.sampler.masks.process_ready:
         step_times(llm, 1, 8, grammar, 0.0)
     console = Console()
     console.print(f"model {llm.engine.model_config.model_dir.name}, vocab {llm.engine.model_config.vocab_size}, "
-                  f"kernel path {kernel_isa_name()}, grammar backend llguidance, masks {a.grammar_masks}")
+                  f"kernel path {kernel_isa_name()}, grammar backend llguidance, masks {a.grammar_masks}, "
+                  f"constraint {a.constraint}")
     table = Table("sampling", "batch", "free step ms", "grammar ms/step", "mask cost", "vs target",
                   "constrained step ms", "closing grammar ms/step", "closing cost")
     for (mode, temperature), batch in itertools.product((("greedy", 0.0), ("T=1", 1.0)), a.batch):

@@ -37,19 +37,24 @@ from hybrid.structured_output.grammar_checker import GrammarChecker
 from hybrid.structured_output.grammars import check_schema
 from hybrid.structured_output.tool_formats import format_for
 from hybrid.tokenizer import Tokenizer, TokenizerError
+from server.api_error import ApiError, error_response
+from server.chat_prompt import chat_prompt_ids
 from server.guard import RequestGuard
 from server.metrics import Metrics
 from server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     ModelCard,
     ModelList,
     SamplingFields,
+    TokenizeRequest,
     error_body,
     now,
     usage,
 )
 from server.responses import ChatShape, CompletionShape, ResponseShape, TokenText
+from server.tokenize_routes import tokenize_router
 
 STATIC_DIR = Path(__file__).parent / "static"
 # The page runs only its own scripts: even HTML that got past the sanitizer cannot run inline script.
@@ -58,17 +63,6 @@ PAGE_CSP = ("default-src 'self'; script-src 'self'; style-src 'self'; img-src 's
 RETRY_AFTER_S = 2
 DISCONNECT_POLL_S = 0.25
 log = logging.getLogger(__name__)
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
-
-
-def _error_response(e: ApiError) -> JSONResponse:
-    return JSONResponse(error_body(e.message, e.status, e.param, e.code), status_code=e.status, headers=e.headers)
 
 
 # Parts of a validation error's location that name a branch of a union (`str`, `list[dict[any,any]]`), not a field.
@@ -203,22 +197,22 @@ def build_app(config: DaemonConfig, client: EngineClient, tokenizer: Tokenizer |
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, e: ApiError):
-        return _error_response(e)
+        return error_response(e)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, e: RequestValidationError):
-        return _error_response(_validation_error(e.errors()[0]))
+        return error_response(_validation_error(e.errors()[0]))
 
     @app.exception_handler(Exception)
     async def _failed(_: Request, e: Exception):  # uvicorn logs the traceback
-        return _error_response(ApiError(500, f"the server failed on this request ({type(e).__name__}); it goes on "
+        return error_response(ApiError(500, f"the server failed on this request ({type(e).__name__}); it goes on "
                                         "serving others, and its log has the details"))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, e: StarletteHTTPException):
-        return _error_response(ApiError(e.status_code, str(e.detail)))
+        return error_response(ApiError(e.status_code, str(e.detail)))
 
-    def check_model(req: SamplingFields) -> None:
+    def check_model(req: SamplingFields | TokenizeRequest | DetokenizeRequest) -> None:
         if req.model is not None and req.model != name:
             raise ApiError(404, f"the model {req.model!r} does not exist; this daemon serves {name!r}",
                            param="model", code="model_not_found")
@@ -250,7 +244,7 @@ def build_app(config: DaemonConfig, client: EngineClient, tokenizer: Tokenizer |
         try:
             await asyncio.to_thread(grammars.check, grammar)
         except GrammarError as e:
-            raise ApiError(400, f"{param}: the schema cannot be enforced: {e}", param=param) from None
+            raise ApiError(400, f"{param}: cannot be enforced: {e}", param=param) from None
 
     def admit(req: SamplingFields, prompts: list[list[int]], prompt_field: str,
               grammar: str | None = None) -> tuple[list[list[int]], list[SamplingParams], RequestStats]:
@@ -396,25 +390,17 @@ def build_app(config: DaemonConfig, client: EngineClient, tokenizer: Tokenizer |
                            "(Hermes/Qwen3 <tool_call> or DeepSeek-V3)", param="tools")
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.calls_tools else None
         await check_schemas(req)
-        grammar, param = req.grammar, "response_format"
+        grammar, param = req.constraint or (None, "")
         if (forced := req.forced_functions) is not None:
             grammar, param = tool_format.grammar(forced, req.parallel_tool_calls), "tools"
         await check_grammar(grammar, param)
-        try:
-            tok.check_template_kwargs(req.chat_template_kwargs or {})
-        except TokenizerError as e:
-            raise ApiError(400, f"chat_template_kwargs: {e}", param="chat_template_kwargs") from None
-        try:
-            messages = [m.rendered() for m in req.messages]
-            prompt_ids = await asyncio.to_thread(tok.apply_chat_template, messages, tools, req.chat_template_kwargs)
-        except (ValueError, TokenizerError) as e:
-            raise ApiError(400, f"messages: {e}", param="messages") from None
-        except Exception as e:  # a chat template raising on an odd conversation is the caller's error
-            raise ApiError(400, f"messages: the chat template rejected them: {e}", param="messages") from None
+        prompt_ids = await chat_prompt_ids(tok, req.messages, tools, req.chat_template_kwargs,
+                                           req.add_generation_prompt, req.continue_final_message)
         prompts, params, stats = admit(req, [prompt_ids], "messages", grammar)
         rid, created = uuid.uuid4().hex, now()
         shapes = [ChatShape(rid, name, created, token_text, params[0].logprobs is not None,
-                            tool_format if req.calls_tools else None, req.parallel_tool_calls) for _ in params]
+                            tool_format if req.calls_tools else None, req.parallel_tool_calls, req.echoed)
+                  for _ in params]
         return await run(request, req.stream, prompts, params, stats, shapes, req.include_usage)
 
     @app.post("/v1/completions")
@@ -427,8 +413,9 @@ def build_app(config: DaemonConfig, client: EngineClient, tokenizer: Tokenizer |
         except TokenizerError as e:
             raise ApiError(400, str(e), param="prompt") from None
         await check_schemas(req)
-        await check_grammar(req.grammar, "response_format")
-        prompts, params, stats = admit(req, encoded, "prompt", req.grammar)
+        grammar, param = req.constraint or (None, "")
+        await check_grammar(grammar, param)
+        prompts, params, stats = admit(req, encoded, "prompt", grammar)
         echoes: list[str | None] = [None] * len(texts)
         if req.echo:
             echoes = [p if isinstance(p, str) else "" for p in texts]
@@ -438,6 +425,9 @@ def build_app(config: DaemonConfig, client: EngineClient, tokenizer: Tokenizer |
         shapes = [CompletionShape(rid, name, created, token_text, params[0].logprobs is not None, echo, ids)
                   for ids, echo in zip(encoded, echoes) for _ in range(req.n)]  # admit's order of choices
         return await run(request, req.stream, prompts, params, stats, shapes, req.include_usage)
+
+    app.include_router(tokenize_router(tokenizer, check_model,
+                                       lambda: client.state.info.max_model_len if client.state.info else None))
 
     @app.get("/v1/models")
     async def models():

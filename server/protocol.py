@@ -18,8 +18,9 @@ from hybrid.sampling_params import (
     SamplingParams,
 )
 from hybrid.structured_output.backend import GrammarError
-from hybrid.structured_output.grammars import check_schema_shape, json_object_grammar, json_schema_grammar
+from hybrid.structured_output.grammars import check_schema_shape
 from hybrid.structured_output.tool_formats import Function
+from server.output_constraints import ConstraintFields, unsupported_field
 
 MAX_STOP_SEQUENCES = 16
 MAX_STOP_CHARS = 512  # a stream holds back the longest stop string's length, and every step searches that much text
@@ -30,8 +31,7 @@ UNSUPPORTED = {
     "functions": (None, []), "function_call": (None, "none"), "best_of": (None, 1),
     "suffix": (None, ""), "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
     "web_search_options": (None,),
-    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
-    "structured_outputs": (None,), "grammar": (None, ""), "json_schema": (None,), "use_beam_search": (None, False),
+    "guided_whitespace_pattern": (None,), "use_beam_search": (None, False),
     "length_penalty": (None, 1, 1.0), "allowed_token_ids": (None,), "bad_words": (None, []),
 "logits_processors": (None, []), "repeat_penalty": (None, 1, 1.0),
     "typical_p": (None, 1, 1.0), "mirostat": (None, 0), "tfs_z": (None, 1, 1.0), "n_predict": (None,),
@@ -41,7 +41,8 @@ MAX_CHOICES = 16  # `n`: each choice is a sequence of its own in the engine
 MAX_PROMPTS = 64  # a completions request's batch of prompts
 NULL_MEANS_DEFAULT = {"temperature", "top_p", "top_k", "presence_penalty", "frequency_penalty", "repetition_penalty",
                       "min_p", "min_tokens", "include_stop_str_in_output", "stop_token_ids", "ignore_eos",
-                      "skip_special_tokens", "stream", "n"}
+                      "skip_special_tokens", "stream", "n", "add_generation_prompt", "continue_final_message",
+                      "echo"}
 log = logging.getLogger(__name__)
 # Unknown fields are logged once per name, names cut short and at most this many: a client cannot fill the log.
 WARNED_FIELDS = 256
@@ -57,43 +58,6 @@ def _warn_ignored(names) -> None:
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
-
-
-class JsonSchemaFormat(BaseModel):
-    model_config = ConfigDict(populate_by_name=True)
-
-    name: str = Field(default="response", max_length=64)
-    description: str | None = None
-    json_schema: dict = Field(alias="schema")
-    strict: bool | None = None
-
-    @field_validator("json_schema")
-    @classmethod
-    def _valid(cls, v: dict) -> dict:
-        try:
-            return check_schema_shape(v, "schema")
-        except GrammarError as e:
-            raise ValueError(str(e)) from None
-
-
-class ResponseFormat(BaseModel):
-    """`json_object`: any JSON object; `json_schema`: a JSON value valid against the given schema."""
-
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
-
-    @model_validator(mode="after")
-    def _schema_given(self):
-        if self.type == "json_schema" and self.json_schema is None:
-            raise ValueError("type json_schema needs a json_schema object with a schema")
-        return self
-
-    def grammar(self) -> str | None:
-        if self.type == "json_object":
-            return json_object_grammar()
-        if self.type == "json_schema":
-            return json_schema_grammar(self.json_schema.json_schema)
-        return None
 
 
 class FunctionDefinition(BaseModel):
@@ -140,7 +104,7 @@ class ToolCallIn(BaseModel):
     function: ToolCallFunction
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(ConstraintFields):
     """Fields shared by both completion routes. A field that would change the output and is not implemented is
     refused (UNSUPPORTED); any other unknown field is ignored with a warning in the log, as vLLM does. `model` may
     be left out (the daemon serves one)."""
@@ -160,7 +124,6 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     user: str | None = None
-    response_format: ResponseFormat | None = None
     stop_token_ids: list[int] = Field(default_factory=list, max_length=MAX_STOP_SEQUENCES)
     skip_special_tokens: bool = True
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
@@ -177,10 +140,8 @@ class SamplingFields(BaseModel):
         if isinstance(data, dict):
             # OpenAI's spec lets these be null, meaning the default (clients built on it send them so).
             data = {k: v for k, v in data.items() if not (v is None and k in NULL_MEANS_DEFAULT)}
-            for name, neutral in UNSUPPORTED.items():
-                if name in data and not any(data[name] == v and type(data[name]) is type(v) for v in neutral):
-                    raise PydanticCustomError("unsupported", "hybridd does not support this field yet",
-                                              {"param": name})
+            if (name := unsupported_field(data, UNSUPPORTED)) is not None:
+                raise PydanticCustomError("unsupported", "hybridd does not support this field yet", {"param": name})
             known = {f.alias or n for n, f in cls.model_fields.items()} | set(cls.model_fields) | set(UNSUPPORTED)
             _warn_ignored(k for k in data if k not in known)
         return data
@@ -233,18 +194,6 @@ class SamplingFields(BaseModel):
         return None
 
     @property
-    def grammar(self) -> str | None:
-        """The grammar `response_format` asks for (None: free text)."""
-        return self.response_format.grammar() if self.response_format else None
-
-    def schemas(self) -> list[tuple[str, str, dict]]:
-        """(field, name, schema) of every JSON schema in the request, for the full check the api runs off its event
-        loop (parsing checks only their shape)."""
-        if self.response_format is not None and self.response_format.json_schema is not None:
-            return [("response_format.json_schema.schema", "schema", self.response_format.json_schema.json_schema)]
-        return []
-
-    @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
@@ -287,6 +236,13 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
+def _check_opening(add_generation_prompt: bool, continue_final_message: bool) -> None:
+    if continue_final_message and add_generation_prompt:
+        raise PydanticCustomError("opening", "continues the last message, while add_generation_prompt (true by "
+                                  "default) opens a new one: set add_generation_prompt to false",
+                                  {"param": "continue_final_message"})
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
@@ -295,6 +251,9 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    echo: bool = False
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self):
@@ -302,6 +261,17 @@ class ChatCompletionRequest(SamplingFields):
             raise PydanticCustomError("logprobs", "top_logprobs needs logprobs: true",
                                       {"param": "top_logprobs"})
         return self
+
+    @model_validator(mode="after")
+    def _one_opening(self):
+        _check_opening(self.add_generation_prompt, self.continue_final_message)
+        return self
+
+    @property
+    def echoed(self) -> str:
+        """With `echo`, the text the reply starts with: the last message's, when it is the assistant's own."""
+        last = self.messages[-1]
+        return last.text() if self.echo and last.role == "assistant" else ""
 
     @model_validator(mode="after")
     def _tool_choice_fits(self):
@@ -316,10 +286,9 @@ class ChatCompletionRequest(SamplingFields):
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
             raise PydanticCustomError("tool_choice", "tool_choice names {name}, which is not among the tools",
                                       {"param": "tool_choice", "name": repr(choice.function.name)})
-        if self.calls_tools and self.response_format is not None and self.response_format.type != "text":
-            raise PydanticCustomError("response_format", "response_format {kind} cannot be combined with tools "
-                                      "unless tool_choice is none", {"param": "response_format",
-                                                                     "kind": self.response_format.type})
+        if self.calls_tools and (given := self._given()):
+            raise PydanticCustomError("constraint", "{field} cannot be combined with tools unless tool_choice is "
+                                      "none", {"param": given[0][0], "field": given[0][0]})
         return self
 
     def schemas(self) -> list[tuple[str, str, dict]]:
@@ -385,6 +354,61 @@ class CompletionRequest(SamplingFields):
 def _as_batch(prompt) -> list:
     """A completions prompt as a list of prompts: a text or a token-id list is one, a list of either is a batch."""
     return list(prompt) if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
+
+
+class TokenizeRequest(BaseModel):
+    """/tokenize: vLLM's shape (a `prompt`, or chat `messages` rendered by the template) or llama-server's
+    (`content`, `add_special`, `with_pieces`). Special tokens around the text are added by default for a
+    prompt, not for content (llama-server's default) nor for messages (the template writes its own)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = None
+    content: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_special_tokens: bool | None = None
+    add_special: bool | None = None
+    return_token_strs: bool = False
+    with_pieces: bool = False
+    tools: list[Tool] | None = None
+    chat_template_kwargs: dict | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        given = [f for f in ("prompt", "content", "messages") if getattr(self, f) is not None]
+        if len(given) != 1:
+            raise PydanticCustomError("input", "give exactly one of prompt, content and messages, got {given}",
+                                      {"param": "prompt", "given": ", ".join(given) or "none"})
+        if self.messages is None and (self.tools or self.chat_template_kwargs):
+            raise PydanticCustomError("input", "tools and chat_template_kwargs go with messages",
+                                      {"param": "tools" if self.tools else "chat_template_kwargs"})
+        if self.messages is not None and (self.add_special_tokens or self.add_special):
+            raise PydanticCustomError("input", "messages are rendered by the chat template, which writes its own "
+                                      "special tokens: add_special_tokens goes with prompt or content",
+                                      {"param": "add_special_tokens"})
+        _check_opening(self.add_generation_prompt, self.continue_final_message)
+        return self
+
+    @property
+    def text(self) -> str | None:
+        return self.prompt if self.prompt is not None else self.content
+
+    @property
+    def adds_special_tokens(self) -> bool:
+        for flag in (self.add_special_tokens, self.add_special):
+            if flag is not None:
+                return flag
+        return self.prompt is not None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[int] = Field(max_length=1 << 20)
 
 
 class PromptTokensDetails(BaseModel):

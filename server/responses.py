@@ -1,10 +1,8 @@
 """The shapes of OpenAI responses: a chat completion or a text completion, whole or as SSE chunks, with
 `logprobs` in each API's own format (chat: `content` entries with bytes; completions: parallel lists with
-text offsets) and `echo` of the prompt on completions."""
+text offsets), `echo` of the prompt on completions and of the begun reply on chat."""
 
 from __future__ import annotations
-
-import msgspec
 
 from hybrid.engine.outputs import TokenLogprob
 from hybrid.managers.messages import TokenDelta
@@ -27,14 +25,17 @@ class TokenText:
 class ResponseShape:
     """Accumulates one choice's deltas and renders its chunks and final body (under the request's id: a request
     asking for `n` choices has one shape each, told apart by `index`). `chunk` returns None when a delta carries
-    nothing to send (text held back by the stop-string check, and no logprobs)."""
+    nothing to send (text held back by the stop-string check, and no logprobs). `echo_text` (None: no echo)
+    comes before the first delta's text."""
 
     object_name = ""
     chunk_object_name = ""
     id_prefix = ""
 
-    def __init__(self, rid: str, model: str, created: int, token_text: TokenText, logprobs: bool):
+    def __init__(self, rid: str, model: str, created: int, token_text: TokenText, logprobs: bool,
+                 echo_text: str | None = None):
         self.rid, self.model, self.created, self.token_text, self.logprobs = rid, model, created, token_text, logprobs
+        self.echo_text = echo_text
         self.index = 0  # the choice's place among the request's `n`
         self.parts: list[str] = []
         self.entries: list = []
@@ -56,6 +57,8 @@ class ResponseShape:
     def add(self, msg: TokenDelta) -> tuple[str, list]:
         """Records a delta; returns its text and logprob entries."""
         text, entries = msg.text, self.new_entries(msg) if self.logprobs else []
+        if self.echo_text and not self.parts:
+            text = self.echo_text + text
         self.parts.append(text)
         self.entries += entries
         if msg.finished:
@@ -79,15 +82,16 @@ def tool_call_json(call: ToolCall, index: int | None = None) -> dict:
 
 class ChatShape(ResponseShape):
     """With a tool-call format, the reply is split into content and `tool_calls` (streamed as each call
-    completes), and a reply that called tools finishes with "tool_calls"."""
+    completes), and a reply that called tools finishes with "tool_calls". `echo_text` (vLLM's chat `echo`: the
+    reply the client began) comes before the generated text."""
 
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
     id_prefix = "chatcmpl"
 
     def __init__(self, rid: str, model: str, created: int, token_text: TokenText, logprobs: bool,
-                 tool_format: ToolCallFormat | None = None, parallel_tool_calls: bool = True):
-        super().__init__(rid, model, created, token_text, logprobs)
+                 tool_format: ToolCallFormat | None = None, parallel_tool_calls: bool = True, echo_text: str = ""):
+        super().__init__(rid, model, created, token_text, logprobs, echo_text or None)
         self.tools = ToolCallStream(tool_format, parallel_tool_calls) if tool_format is not None else None
 
     def reason(self, finish_reason: str | None) -> str | None:
@@ -142,8 +146,8 @@ class CompletionShape(ResponseShape):
 
     def __init__(self, rid: str, model: str, created: int, token_text: TokenText, logprobs: bool,
                  echo_text: str | None, prompt_ids: list[int]):
-        super().__init__(rid, model, created, token_text, logprobs)
-        self.echo_text, self.first_prompt_id = echo_text, prompt_ids[0]
+        super().__init__(rid, model, created, token_text, logprobs, echo_text)
+        self.first_prompt_id = prompt_ids[0]
         self.offset = 0
 
     def new_entries(self, msg: TokenDelta) -> list:
@@ -153,11 +157,6 @@ class CompletionShape(ResponseShape):
             entries = [(self.first_prompt_id, None, None) if lp is None else (lp.token_id, lp.logprob, lp.top)
                        for lp in msg.prompt_logprobs]
         return entries + [(lp.token_id, lp.logprob, lp.top) for lp in msg.logprobs or []]
-
-    def add(self, msg: TokenDelta) -> tuple[str, list]:
-        if self.echo_text is not None and not self.parts:
-            msg = msgspec.structs.replace(msg, text=self.echo_text + msg.text)
-        return super().add(msg)
 
     def lists(self, entries: list) -> dict:
         """OpenAI's legacy logprobs: parallel lists of tokens, their logprobs, top alternatives, text offsets."""

@@ -50,6 +50,66 @@ def test_chat_nonstreaming_and_streaming_agree(client):
         [full.choices[0].finish_reason]
 
 
+def test_a_begun_reply_is_continued_and_echoed(daemon, client):
+    """vLLM's continue_final_message: the prompt ends inside the assistant's begun reply (no end-of-turn marker
+    after it), so the prompt is exactly the template's rendering without that marker; echo puts the begun text
+    before the continuation, streamed or whole."""
+    begun = [{"role": "user", "content": "Name a river."}, {"role": "assistant", "content": "The river is"}]
+    whole = client.chat.completions.create(model=MODEL, messages=begun, max_tokens=6, temperature=0,
+                                           extra_body={"ignore_eos": True})  # a new assistant turn after it
+    kw = dict(model=MODEL, messages=begun, max_tokens=6, temperature=0,
+              extra_body={"add_generation_prompt": False, "continue_final_message": True, "ignore_eos": True})
+    continued = client.chat.completions.create(**kw)
+    rendered = httpx.post(f"{daemon.url}/tokenize", json={"messages": begun, "return_token_strs": True}).json()
+    open_ = httpx.post(f"{daemon.url}/tokenize", json={"messages": begun, "add_generation_prompt": False,
+                                                       "continue_final_message": True,
+                                                       "return_token_strs": True}).json()
+    assert continued.usage.prompt_tokens == open_["count"] < rendered["count"] == whole.usage.prompt_tokens
+    assert "".join(open_["token_strs"]).endswith("The river is")
+    assert rendered["tokens"][:open_["count"]] == open_["tokens"]
+    echoed = client.chat.completions.create(**{**kw, "extra_body": {**kw["extra_body"], "echo": True}})
+    text = continued.choices[0].message.content
+    assert echoed.choices[0].message.content == "The river is" + text and text
+    chunks = list(client.chat.completions.create(**{**kw, "extra_body": {**kw["extra_body"], "echo": True}},
+                                                 stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "The river is" + text
+    r = httpx.post(f"{daemon.url}/v1/chat/completions", json={"model": MODEL, "messages": begun,
+                                                              "continue_final_message": True})
+    assert r.status_code == 400 and "add_generation_prompt" in r.json()["error"]["message"]
+
+
+def test_tokenize_and_detokenize_in_vllm_and_llama_server_shapes(daemon, client):
+    from hybrid.llm import DEFAULT_MODEL_DIR
+    from hybrid.tokenizer import Tokenizer
+
+    tok = Tokenizer(DEFAULT_MODEL_DIR)
+    post = lambda path, body: httpx.post(f"{daemon.url}{path}", json=body, timeout=30)  # noqa: E731
+    vllm = post("/tokenize", {"model": MODEL, "prompt": "Hello rivers", "return_token_strs": True}).json()
+    assert vllm["tokens"] == tok.encode("Hello rivers") and vllm["count"] == len(vllm["tokens"])
+    assert vllm["max_model_len"] == client.models.list().data[0].max_model_len
+    assert "".join(vllm["token_strs"]) == tok.decode(vllm["tokens"], False)
+    llama = post("/tokenize", {"content": "Hello rivers", "with_pieces": True}).json()
+    assert [t["id"] for t in llama["tokens"]] == tok.encode("Hello rivers", add_special_tokens=False)
+    assert "".join(t["piece"] for t in llama["tokens"]) == "Hello rivers"
+    messages = [{"role": "user", "content": "Tell me about rivers."}]
+    chat = post("/tokenize", {"messages": messages}).json()
+    reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
+    assert chat["count"] == reply.usage.prompt_tokens
+    back = post("/detokenize", {"model": MODEL, "tokens": vllm["tokens"]}).json()
+    assert back["prompt"] == back["content"] == tok.decode(vllm["tokens"], False)
+    assert post("/version", {}).status_code == 405 and httpx.get(f"{daemon.url}/version").json()["version"]
+    for path, body, needle in [("/tokenize", {"prompt": "a", "content": "b"}, "exactly one of prompt"),
+                               ("/tokenize", {}, "got none"),
+                               ("/tokenize", {"messages": messages, "add_special_tokens": True}, "chat template"),
+                               ("/tokenize", {"prompt": "a", "tools": [{"type": "function",
+                                                                        "function": {"name": "f"}}]}, "messages"),
+                               ("/tokenize", {"model": "other", "prompt": "a"}, "does not exist"),
+                               ("/detokenize", {"tokens": [10**9]}, "outside the vocabulary"),
+                               ("/detokenize", {"tokens": "abc"}, "tokens")]:
+        r = post(path, body)
+        assert r.status_code in (400, 404) and needle in r.json()["error"]["message"], (body, r.text)
+
+
 def test_n_choices_sample_apart_and_stream_as_they_answer(client):
     """n=3 seeded: three choices drawn from seeds 7, 8, 9 (the first as a one-choice request with seed 7 draws
     it), usage counting each choice's tokens and the prompt once; streamed, each index's chunks give that

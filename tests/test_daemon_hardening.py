@@ -87,8 +87,9 @@ def test_every_field_is_checked_at_the_api_with_its_name(daemon):
         ("chat/completions", {"top_k": 2**64, "stream": True}, "top_k"),
         ("completions", {"stop": ["x" * 513]}, "stop"),
         ("completions", {"stop_token_ids": [2**40]}, "stop_token_ids"),
-        ("completions", {"guided_json": {"type": "object"}}, "guided_json"),
-        ("chat/completions", {"grammar": "root ::= \"a\""}, "grammar"),
+        ("completions", {"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
+        ("completions", {"guided_json": {"type": "object"}, "grammar": "root ::= \"a\""}, "grammar"),
+        ("chat/completions", {"guided_json": DEEP_SCHEMA}, "guided_json"),
         ("chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"schema": DEEP_SCHEMA}}},
          "response_format.json_schema.schema"),
         ("chat/completions", {"response_format": {"type": "json_schema", "json_schema": {

@@ -1,9 +1,11 @@
 """Structured output and tools: grammars enforced in the sampler (engine), tool-call formats parsed whole and
-streamed, and the OpenAI surface (response_format, tools, tool_choice) through a daemon with the openai client."""
+streamed, and the OpenAI surface (response_format, tools, tool_choice; vLLM's structured_outputs and guided_*
+fields, llama-server's json_schema and grammar) through a daemon with the openai client."""
 
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import httpx
@@ -422,3 +424,78 @@ def test_the_api_compiles_each_grammar_once_and_keeps_a_bounded_cache_of_verdict
         checker.check("bad")
     checker.check("a")
     assert compiled == ["a", "bad", "c", "a"]
+
+
+# ------------------------------------------- vLLM's and llama-server's constraint fields, through the daemon
+
+ITEM_SCHEMA = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 9},
+                                                "tag": {"enum": ["a", "b"]}}, "required": ["id", "tag"]}
+CONSTRAINED = [  # (body fields, check of the reply text)
+    ({"guided_regex": "[0-9]{3}-[a-z]{2}"}, lambda t: re.fullmatch("[0-9]{3}-[a-z]{2}", t)),
+    ({"structured_outputs": {"regex": "(yes|no), [0-9]"}}, lambda t: re.fullmatch("(yes|no), [0-9]", t)),
+    ({"guided_choice": ["red", 'say "hi"', "two\nlines"]}, lambda t: t in ("red", 'say "hi"', "two\nlines")),
+    ({"structured_outputs": {"choice": ["up", "down"]}}, lambda t: t in ("up", "down")),
+    ({"guided_json": ITEM_SCHEMA}, lambda t: jsonschema.validate(json.loads(t), ITEM_SCHEMA) is None),
+    ({"guided_json": json.dumps(ITEM_SCHEMA)}, lambda t: jsonschema.validate(json.loads(t), ITEM_SCHEMA) is None),
+    ({"structured_outputs": {"json": ITEM_SCHEMA}},
+     lambda t: jsonschema.validate(json.loads(t), ITEM_SCHEMA) is None),
+    ({"structured_outputs": {"json_object": True}}, lambda t: isinstance(json.loads(t), dict)),
+    ({"json_schema": ITEM_SCHEMA}, lambda t: jsonschema.validate(json.loads(t), ITEM_SCHEMA) is None),
+    ({"response_format": {"type": "json_object", "schema": {"type": "array", "items": {"type": "boolean"},
+                                                            "minItems": 2, "maxItems": 2}}},
+     lambda t: len(json.loads(t)) == 2 and all(isinstance(x, bool) for x in json.loads(t))),
+    ({"grammar": 'root ::= ("yes" | "no") " " digit digit\ndigit ::= [0-9]'},
+     lambda t: re.fullmatch("(yes|no) [0-9][0-9]", t)),
+    ({"guided_grammar": 'root ::= "SELECT " col " FROM t"\ncol ::= "id" | "name"'},
+     lambda t: t in ("SELECT id FROM t", "SELECT name FROM t")),
+    ({"guided_grammar": 'start: "x=" NUM ";"\nNUM: /[1-9][0-9]?/'}, lambda t: re.fullmatch("x=[1-9][0-9]?;", t)),
+]
+
+
+@pytest.mark.parametrize("fields,check", CONSTRAINED, ids=[next(iter(f)) for f, _ in CONSTRAINED])
+def test_vllm_and_llama_server_constraints_hold_on_chat_stream_and_completions(daemon, client, fields, check):
+    for temperature in (0, 1):
+        out = chat(client, max_tokens=64, temperature=temperature, seed=3, extra_body=fields)
+        text = out.choices[0].message.content
+        assert out.choices[0].finish_reason == "stop" and check(text), (fields, text)
+    content, _, reason = streamed(client, max_tokens=64, temperature=0, seed=3, extra_body=fields)
+    whole = chat(client, max_tokens=64, temperature=0, seed=3, extra_body=fields).choices[0].message.content
+    assert (content, reason) == (whole, "stop")
+    comp = client.completions.create(model=MODEL, prompt="answer:", max_tokens=64, temperature=0, extra_body=fields)
+    assert comp.choices[0].finish_reason == "stop" and check(comp.choices[0].text), comp.choices[0].text
+
+
+@pytest.mark.parametrize("body,needle", [
+    ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_regex and guided_choice each constrain the reply"),
+    ({"response_format": {"type": "json_object"}, "grammar": 'root ::= "a"'}, "response_format and grammar"),
+    ({"guided_regex": "(?=a)b"}, "guided_regex: cannot be enforced: "),
+    ({"guided_regex": "a" * 300_000}, "guided_regex: longer than 256 K characters"),
+    ({"guided_choice": []}, "guided_choice: needs at least one string"),
+    ({"guided_grammar": "root ::= missing"}, "guided_grammar: neither Lark"),
+    ({"guided_grammar": "start: nowhere"}, "guided_grammar: cannot be enforced: "),
+    ({"grammar": "   "}, "grammar: the grammar is empty"),
+    ({"guided_json": "{not json"}, "guided_json: schema is a string but not JSON text"),
+    ({"guided_json": {"type": "integr"}}, "guided_json: schema['type'] is not a valid JSON schema"),
+    ({"json_schema": 7}, "json_schema"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "give exactly one of json, regex"),
+    ({"structured_outputs": {}}, "got none"),
+    ({"structured_outputs": {"json_object": True, "whitespace_pattern": " *"}}, "whitespace_pattern"),
+    ({"structured_outputs": {"regex": "a", "typo": 1}}, "structured_outputs.typo"),
+    ({"guided_whitespace_pattern": " *"}, "guided_whitespace_pattern: hybridd does not support"),
+    ({"response_format": {"type": "json_schema", "schema": {"type": "string"},
+                          "json_schema": {"name": "x", "schema": {}}}}, "json_schema.schema"),
+    ({"tools": API_TOOLS, "guided_choice": ["a"]}, "guided_choice cannot be combined with tools"),
+])
+def test_api_bad_constraints_are_400_naming_the_field(daemon, body, needle):
+    r = httpx.post(f"{daemon.url}/v1/chat/completions", timeout=30,
+                   json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], **body})
+    assert r.status_code == 400, r.text
+    assert needle in r.json()["error"]["message"], r.json()
+
+
+def test_llama_server_empty_grammar_asks_for_nothing(daemon, client):
+    out = client.completions.create(model=MODEL, prompt="x", max_tokens=6, temperature=0,
+                                    extra_body={"grammar": "", "ignore_eos": True})
+    free = client.completions.create(model=MODEL, prompt="x", max_tokens=6, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert out.choices[0].text == free.choices[0].text and out.usage.completion_tokens == 6

@@ -1,5 +1,6 @@
-"""Grammars for structured output: a JSON schema (or any JSON object) as Lark text for the grammar backend, and
-the checks that name what is wrong with a schema before anything is compiled."""
+"""Grammars for structured output as Lark text for the grammar backend: a JSON schema (or any JSON object), a
+regular expression, a choice of strings, a grammar given as Lark or GBNF; and the checks that name what is wrong
+with a schema before anything is compiled."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separat
 # (recursively): deeper nesting would overflow Python's stack, and checking takes time in proportion to the size.
 MAX_SCHEMA_DEPTH = 64
 MAX_SCHEMA_BYTES = 256 * 1024
+MAX_GRAMMAR_CHARS = 256 * 1024  # a regex, a grammar's text, or a choice's strings together
 
 
 def _check_bounds(schema: dict, where: str) -> None:
@@ -82,3 +84,41 @@ def object_schema(parameters: dict | None) -> dict:
     """A function's parameters as the schema of its arguments object (no parameters: an empty object)."""
     return parameters if parameters else {"type": "object", "properties": {}, "additionalProperties": False}
 
+
+
+
+def _check_length(text: str) -> None:
+    if len(text) > MAX_GRAMMAR_CHARS:
+        raise GrammarError(f"longer than {MAX_GRAMMAR_CHARS // 1024} K characters")
+
+
+def regex_grammar(pattern: str) -> str:
+    """The whole output matches `pattern` (Rust regex syntax, which llguidance compiles: no look-around and no
+    backreferences; the compile names what it cannot read)."""
+    from llguidance import regex_to_lark
+
+    _check_length(pattern)
+    return f"start: /{regex_to_lark(pattern)}/"
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """The output is exactly one of `choices`. Lark string literals take JSON's escapes."""
+    if not choices:
+        raise GrammarError("needs at least one string")
+    _check_length("".join(choices))
+    return "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in dict.fromkeys(choices))
+
+
+def text_grammar(text: str) -> str:
+    """A grammar in llguidance's Lark dialect (it has a `start:` rule), or in llama.cpp's GBNF (`root ::= ...`),
+    which is translated to Lark."""
+    from llguidance.gbnf_to_lark import any_to_lark
+
+    _check_length(text)
+    if not text.strip():
+        raise GrammarError("the grammar is empty")
+    try:
+        return any_to_lark(text)
+    except Exception as e:  # the translator raises plain Exceptions naming the rule or position
+        raise GrammarError(f"neither Lark (a `start:` rule) nor GBNF (a `root ::=` rule) that can be read: "
+                           f"{e}") from None
