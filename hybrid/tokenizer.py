@@ -129,8 +129,6 @@ class Tokenizer:
                                                continue_final_message=continue_final_message, **template_kwargs)
         except jinja2.TemplateError as e:  # raise_exception() in the template, or what it reads is not there
             raise TokenizerError(f"the chat template failed on this conversation: {e}") from None
-        except ValueError as e:  # continue_final_message: the template does not render the last message as sent
-            raise TokenizerError(str(e)) from None
         ids: list[int] = []
         for piece in _SLOT_RE.split(text):
             if piece in typed:

@@ -426,21 +426,21 @@ def build_app(config: DaemonConfig, client: EngineClient, tokenizer: Tokenizer |
                   for ids, echo in zip(encoded, echoes) for _ in range(req.n)]  # admit's order of choices
         return await run(request, req.stream, prompts, params, stats, shapes, req.include_usage)
 
-    app.include_router(tokenize_router(tokenizer, check_model,
-                                       lambda: client.state.info.max_model_len if client.state.info else None))
+    def max_model_len() -> int | None:
+        return client.state.info.max_model_len if client.state.info else None
+
+    app.include_router(tokenize_router(need_tokenizer, check_model, max_model_len))
 
     @app.get("/v1/models")
     async def models():
-        max_len = client.state.info.max_model_len if client.state.info else None
-        return ModelList(data=[ModelCard(id=name, max_model_len=max_len)]).model_dump()
+        return ModelList(data=[ModelCard(id=name, max_model_len=max_model_len())]).model_dump()
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
         if model_id != name:
             raise ApiError(404, f"the model {model_id!r} does not exist; this daemon serves {name!r}",
                            param="model", code="model_not_found")
-        max_len = client.state.info.max_model_len if client.state.info else None
-        return ModelCard(id=name, max_model_len=max_len).model_dump()
+        return ModelCard(id=name, max_model_len=max_model_len()).model_dump()
 
     def expert_pid() -> int | None:
         s = client.state

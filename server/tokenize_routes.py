@@ -13,19 +13,14 @@ from hybrid.tokenizer import Tokenizer
 from server.api_error import ApiError
 from server.chat_prompt import chat_prompt_ids
 from server.protocol import DetokenizeRequest, TokenizeRequest
+from server.responses import TokenText
 
 
-def tokenize_router(tokenizer: Tokenizer | None, check_model: Callable[[TokenizeRequest | DetokenizeRequest], None],
+def tokenize_router(need_tokenizer: Callable[[], Tokenizer],
+                    check_model: Callable[[TokenizeRequest | DetokenizeRequest], None],
                     max_model_len: Callable[[], int | None]) -> APIRouter:
+    """The routes; need_tokenizer raises the api's 400 for a model without a tokenizer."""
     router = APIRouter()
-
-    def need_tokenizer() -> Tokenizer:
-        if tokenizer is None:
-            raise ApiError(400, "this model has no tokenizer (no tokenizer.json): it takes and returns token ids")
-        return tokenizer
-
-    def piece(token_id: int) -> str:
-        return tokenizer.decode([token_id], skip_special_tokens=False)
 
     @router.post("/tokenize")
     async def tokenize(req: TokenizeRequest):
@@ -37,9 +32,10 @@ def tokenize_router(tokenizer: Tokenizer | None, check_model: Callable[[Tokenize
                                         req.add_generation_prompt, req.continue_final_message)
         else:
             ids = await asyncio.to_thread(tok.encode, req.text, req.adds_special_tokens)
-        tokens: list = [{"id": t, "piece": piece(t)} for t in ids] if req.with_pieces else ids
+        pieces = list(map(TokenText(tok), ids)) if req.with_pieces or req.return_token_strs else []
+        tokens: list = [{"id": t, "piece": p} for t, p in zip(ids, pieces)] if req.with_pieces else ids
         return {"count": len(ids), "max_model_len": max_model_len(), "tokens": tokens,
-                "token_strs": [piece(t) for t in ids] if req.return_token_strs else None}
+                "token_strs": pieces if req.return_token_strs else None}
 
     @router.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):

@@ -85,8 +85,6 @@ def object_schema(parameters: dict | None) -> dict:
     return parameters if parameters else {"type": "object", "properties": {}, "additionalProperties": False}
 
 
-
-
 def _check_length(text: str) -> None:
     if len(text) > MAX_GRAMMAR_CHARS:
         raise GrammarError(f"longer than {MAX_GRAMMAR_CHARS // 1024} K characters")
