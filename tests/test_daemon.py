@@ -569,7 +569,7 @@ def test_a_start_that_times_out_says_where_each_process_was(tmp_path):
     d = Daemon(tmp_path / "home", free_port())
     (d.home / "logs").mkdir(parents=True)
     (d.home / "logs" / "engine.log").write_text("a line of an earlier run\n")
-    # 0.2 s: less than any start takes (a fast machine serves the default model a second after `start`)
+    # 0.2 s from the launch: less than any start takes (a fast machine serves the default model a second later)
     r = d.cli("start", "--port", str(d.port), "--timeout", "0.2", timeout=120)
     assert r.returncode == 2 and "not healthy after 0.2s" in r.stderr, r.stderr
     # Only this run's lines: the supervisor may not have logged yet, but no earlier run shows.

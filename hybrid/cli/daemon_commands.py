@@ -44,7 +44,8 @@ def register(sub) -> None:
     st.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the running batch; "
                     "past it the API answers 503 with Retry-After")
     st.add_argument("--foreground", action="store_true", help="run in this terminal instead of the background")
-    st.add_argument("--timeout", type=float, default=1800.0, help="seconds to wait for packing and loading")
+    st.add_argument("--timeout", type=float, default=1800.0,
+                    help="seconds from the launch to wait for packing and loading")
     st.set_defaults(func=cmd_start)
     sp = sub.add_parser("stop", help="stop the daemon (in-flight requests finish or are aborted)")
     sp.set_defaults(func=cmd_stop)
@@ -125,8 +126,9 @@ def listens_on(pid: int, port: int) -> bool:
     return False
 
 
-def _wait_ready(config, proc, timeout_s: float, logs_before: dict[Path, int]) -> None:
-    """Shows packing/loading progress until /health answers ok; stops the daemon if it cannot start."""
+def _wait_ready(config, proc, deadline: float, timeout_s: float, logs_before: dict[Path, int]) -> None:
+    """Shows packing/loading progress until /health answers ok; stops the daemon if it is not healthy by
+    `deadline` (time.monotonic(), timeout_s after the launch)."""
     import httpx
     import psutil
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
@@ -140,7 +142,6 @@ def _wait_ready(config, proc, timeout_s: float, logs_before: dict[Path, int]) ->
         abandon(proc)
         return DaemonError(f"{reason} (logs in {config.paths.log_dir}); where each process was:{where}")
 
-    deadline = time.monotonic() + timeout_s
     columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
                TimeElapsedColumn())
     with Progress(*columns, transient=True) as bar:
@@ -154,11 +155,12 @@ def _wait_ready(config, proc, timeout_s: float, logs_before: dict[Path, int]) ->
                 raise give_up(looping)
             if proc.poll() is not None:
                 raise give_up(f"the daemon exited with code {proc.returncode} while starting")
+            asked_in_time = time.monotonic() <= deadline  # a reply to a later question is too late, however good
             try:
                 r = httpx.get(f"{config.url}/health", timeout=2.0)
             except httpx.HTTPError:
                 r = None
-            if r is not None and r.status_code == 200:
+            if r is not None and r.status_code == 200 and asked_in_time:
                 if not listens_on(proc.pid, config.port):
                     raise give_up(f"another server took port {config.port} while this daemon started, and answers "
                                   f"at {config.url}; choose another --port")
@@ -284,12 +286,13 @@ def cmd_start(a: argparse.Namespace) -> int:
     config.paths.make()
     logs_before = log_sizes(config.paths.log_dir)
     proc = launch(config)
+    deadline = time.monotonic() + a.timeout
     try:  # transformers' checks take seconds to import: made while the daemon's processes import too
         check_model(model, chat_template)
     except BaseException:
         abandon(proc)
         raise
-    _wait_ready(config, proc, a.timeout, logs_before)
+    _wait_ready(config, proc, deadline, a.timeout, logs_before)
     print(f"hybridd is serving {config.model_name} at {config.url}\n"
           f"  chat page: {config.url}/   OpenAI API: {config.url}/v1   stop: hybridd stop")
     return 0
