@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hybrid.sampling_params import SamplingParams
+
 
 class InvalidRequest(ValueError):
     """A request no engine of this model can serve; `param` and `code` follow OpenAI's error fields."""
@@ -36,20 +38,16 @@ def check_prompt(prompt_ids: list[int], limits: RequestLimits, param: str = "pro
                              code="context_length_exceeded")
 
 
-def check_stop_token_ids(stop_token_ids: list[int], limits: RequestLimits) -> None:
-    """Refuses stop token ids outside the vocabulary (they could never end the request)."""
-    bad = [t for t in stop_token_ids if not 0 <= t < limits.vocab_size]
-    if bad:
-        raise InvalidRequest(f"stop_token_ids: {bad[:5]} are outside the vocabulary [0, {limits.vocab_size})",
-                             param="stop_token_ids")
-
-
-def check_logit_bias(logit_bias: dict[int, float], limits: RequestLimits) -> None:
-    """Refuses biases of token ids outside the vocabulary."""
-    bad = [t for t in logit_bias if not 0 <= t < limits.vocab_size]
-    if bad:
-        raise InvalidRequest(f"logit_bias: token ids {bad[:5]} are outside the vocabulary [0, {limits.vocab_size})",
-                             param="logit_bias")
+def check_token_ids(params: SamplingParams, limits: RequestLimits) -> None:
+    """Refuses token ids outside the vocabulary in any field of `params` that names tokens."""
+    fields = {"stop_token_ids": params.stop_token_ids, "logit_bias": list(params.logit_bias),
+              "allowed_token_ids": params.allowed_token_ids or [],
+              "bad_words": [t for w in params.bad_words_ids for t in w]}
+    for param, ids in fields.items():
+        bad = [t for t in ids if not 0 <= t < limits.vocab_size]
+        if bad:
+            raise InvalidRequest(f"{param}: token ids {bad[:5]} are outside the vocabulary [0, {limits.vocab_size})",
+                                 param=param)
 
 
 def check_min_tokens(min_tokens: int, max_tokens: int) -> None:

@@ -11,6 +11,9 @@ MAX_TOP_K = 2**31 - 1  # top_k goes over the wire as an int; any k above the voc
 SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed accepts
 MAX_REPETITION_PENALTY = 10.0
 MAX_LOGIT_BIAS = 1024  # tokens one request may bias (OpenAI's own limit is lower)
+MAX_ALLOWED_TOKEN_IDS = 2**18  # more than any vocabulary has
+MAX_BAD_WORDS = 256  # token sequences (a word given to the API becomes one or two)
+MAX_BAD_WORD_TOKENS = 64
 
 
 @dataclass
@@ -20,7 +23,9 @@ class SamplingParams:
     alternatives; prompt_logprobs=k does the same for the prompt's tokens (the first has none). grammar (Lark text, see
     hybrid/structured_output) restricts the completion to what it derives; the request ends when it is complete.
     presence / frequency penalties (OpenAI's), repetition_penalty (HF's and vLLM's, over prompt and completion),
-    logit_bias (token id: bias) and min_tokens (no end of sequence or stop before that many tokens) adjust the
+    logit_bias (token id: bias), min_tokens (no end of sequence or stop before that many tokens),
+    allowed_token_ids (only these may be drawn; None: any) and bad_words_ids (token sequences the completion never
+    ends with: a sequence's last token is barred where the completion ends with the ones before it) adjust the
     logits before drawing (engine/logits_processors.py); min_p drops tokens less likely than min_p times the most
     likely one when sampling. The text ends before the stop string it met, or after it with
     include_stop_str_in_output."""
@@ -44,6 +49,8 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
+    allowed_token_ids: list[int] | None = None
+    bad_words_ids: list[list[int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -78,6 +85,13 @@ class SamplingParams:
             raise ValueError("logit_bias values must be in [-100, 100]")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        if self.allowed_token_ids is not None and not 0 < len(self.allowed_token_ids) <= MAX_ALLOWED_TOKEN_IDS:
+            raise ValueError(f"allowed_token_ids must name 1 to {MAX_ALLOWED_TOKEN_IDS} tokens, got "
+                             f"{len(self.allowed_token_ids)}")
+        if len(self.bad_words_ids) > MAX_BAD_WORDS:
+            raise ValueError(f"bad_words_ids may hold at most {MAX_BAD_WORDS} sequences, got {len(self.bad_words_ids)}")
+        if any(not 0 < len(w) <= MAX_BAD_WORD_TOKENS for w in self.bad_words_ids):
+            raise ValueError(f"bad_words_ids: each sequence must have 1 to {MAX_BAD_WORD_TOKENS} tokens")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(self, name)
             if k is not None and not 0 <= k <= MAX_LOGPROBS:

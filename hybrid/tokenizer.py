@@ -91,6 +91,12 @@ class Tokenizer:
         """The text's ids; `add_special_tokens` adds what the tokenizer puts around a text (BOS, say)."""
         return self.hf.encode(text, add_special_tokens=add_special_tokens)
 
+    def word_ids(self, word: str) -> list[list[int]]:
+        """The word's ids as it tokenizes at the start of a text and after a space (one list where both are the
+        same), without special tokens: vLLM's reading of its bad_words."""
+        variants = [self.encode(text, add_special_tokens=False) for text in (word.lstrip(), " " + word.lstrip())]
+        return [ids for i, ids in enumerate(variants) if ids and ids not in variants[:i]]
+
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
                             template_kwargs: dict | None = None, add_generation_prompt: bool = True,
                             continue_final_message: bool = False) -> list[int]:

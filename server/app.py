@@ -25,13 +25,12 @@ from hybrid.managers.messages import TokenDelta, as_json
 from hybrid.request_checks import (
     InvalidRequest,
     RequestLimits,
-    check_logit_bias,
     check_min_tokens,
     check_prompt,
-    check_stop_token_ids,
+    check_token_ids,
     resolve_max_tokens,
 )
-from hybrid.sampling_params import SamplingParams
+from hybrid.sampling_params import MAX_BAD_WORD_TOKENS, SamplingParams
 from hybrid.structured_output.backend import GrammarError
 from hybrid.structured_output.grammar_checker import GrammarChecker
 from hybrid.structured_output.grammars import check_schema
@@ -246,6 +245,19 @@ def build_app(config: DaemonConfig, client: EngineClient, tokenizer: Tokenizer |
         except GrammarError as e:
             raise ApiError(400, f"{param}: cannot be enforced: {e}", param=param) from None
 
+    def bad_words_ids(words: list[str]) -> list[list[int]]:
+        """The bad words in tokens, each as it reads at the start of a text and after a space."""
+        if words and tokenizer is None:
+            raise ApiError(400, "bad_words: needs the model's tokenizer, and this model has none", param="bad_words")
+        out = []
+        for word in words:
+            for ids in tokenizer.word_ids(word):
+                if len(ids) > MAX_BAD_WORD_TOKENS:
+                    raise ApiError(400, f"bad_words: {word[:32]!r} is {len(ids)} tokens, more than the "
+                                   f"{MAX_BAD_WORD_TOKENS} a bad word may have", param="bad_words")
+                out.append(ids)
+        return out
+
     def admit(req: SamplingFields, prompts: list[list[int]], prompt_field: str,
               grammar: str | None = None) -> tuple[list[list[int]], list[SamplingParams], RequestStats]:
         """The prompt and sampling parameters of each of the request's choices (`n` per prompt, prompt by prompt),
@@ -254,15 +266,16 @@ def build_app(config: DaemonConfig, client: EngineClient, tokenizer: Tokenizer |
         info = client.state.info
         limits = RequestLimits(info.vocab_size, info.max_model_len)
         choices: list[tuple[list[int], SamplingParams]] = []
+        bad_words = bad_words_ids(req.bad_words)
         try:
-            check_stop_token_ids(req.stop_token_ids, limits)
             for prompt_ids in prompts:
                 check_prompt(prompt_ids, limits, prompt_field)
                 max_tokens = resolve_max_tokens(req.requested_max_tokens, len(prompt_ids), limits,
                                                 req.default_max_tokens)
                 check_min_tokens(req.min_tokens, max_tokens)
-                choices += [(prompt_ids, req.sampling_params(max_tokens, grammar, j)) for j in range(req.n)]
-            check_logit_bias(choices[0][1].logit_bias, limits)
+                choices += [(prompt_ids, req.sampling_params(max_tokens, grammar, j, bad_words))
+                            for j in range(req.n)]
+            check_token_ids(choices[0][1], limits)
         except InvalidRequest as e:
             raise ApiError(400, str(e), param=e.param, code=e.code) from None
         except ValueError as e:

@@ -10,6 +10,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic_core import PydanticCustomError
 
 from hybrid.sampling_params import (
+    MAX_ALLOWED_TOKEN_IDS,
+    MAX_BAD_WORDS,
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     MAX_REPETITION_PENALTY,
@@ -32,8 +34,7 @@ UNSUPPORTED = {
     "suffix": (None, ""), "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
     "web_search_options": (None,),
     "guided_whitespace_pattern": (None,), "use_beam_search": (None, False),
-    "length_penalty": (None, 1, 1.0), "allowed_token_ids": (None,), "bad_words": (None, []),
-"logits_processors": (None, []), "repeat_penalty": (None, 1, 1.0),
+    "length_penalty": (None, 1, 1.0), "logits_processors": (None, []), "repeat_penalty": (None, 1, 1.0),
     "typical_p": (None, 1, 1.0), "mirostat": (None, 0), "tfs_z": (None, 1, 1.0), "n_predict": (None,),
     "dry_multiplier": (None, 0, 0.0), "xtc_probability": (None, 0, 0.0), "n_probs": (None, 0),
 }
@@ -42,7 +43,7 @@ MAX_PROMPTS = 64  # a completions request's batch of prompts
 NULL_MEANS_DEFAULT = {"temperature", "top_p", "top_k", "presence_penalty", "frequency_penalty", "repetition_penalty",
                       "min_p", "min_tokens", "include_stop_str_in_output", "stop_token_ids", "ignore_eos",
                       "skip_special_tokens", "stream", "n", "add_generation_prompt", "continue_final_message",
-                      "echo"}
+                      "echo", "bad_words"}
 log = logging.getLogger(__name__)
 # Unknown fields are logged once per name, names cut short and at most this many: a client cannot fill the log.
 WARNED_FIELDS = 256
@@ -133,6 +134,8 @@ class SamplingFields(ConstraintFields):
     min_tokens: int = Field(default=0, ge=0)
     logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
     include_stop_str_in_output: bool = False
+    allowed_token_ids: list[int] | None = Field(default=None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)
+    bad_words: list[str] = Field(default_factory=list, max_length=MAX_BAD_WORDS // 2)
 
     @model_validator(mode="before")
     @classmethod
@@ -158,6 +161,15 @@ class SamplingFields(ConstraintFields):
             raise ValueError(f"stop sequences must be at most {MAX_STOP_CHARS} characters")
         return stops
 
+    @field_validator("bad_words")
+    @classmethod
+    def _bad_words(cls, v: list[str]) -> list[str]:
+        if any(not w.strip() for w in v):
+            raise ValueError("bad words must not be empty or blank")
+        if any(len(w) > MAX_STOP_CHARS for w in v):
+            raise ValueError(f"bad words must be at most {MAX_STOP_CHARS} characters")
+        return v
+
     @field_validator("logit_bias")
     @classmethod
     def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
@@ -168,9 +180,10 @@ class SamplingFields(ConstraintFields):
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {key}")
         return v
 
-    def sampling_params(self, max_tokens: int, grammar: str | None = None, choice: int = 0) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, grammar: str | None = None, choice: int = 0,
+                        bad_words_ids: list[list[int]] | None = None) -> SamplingParams:
         """Choice `choice` of the request's `n`: a seeded request's choices draw from seeds seed, seed + 1, ...
-        (each repeatable, and unlike the others)."""
+        (each repeatable, and unlike the others). `bad_words_ids` are the bad words in tokens."""
         seed = self.seed
         if seed is not None and choice:
             seed = seed + choice if seed + choice < SEED_RANGE[1] else seed - choice
@@ -182,7 +195,8 @@ class SamplingFields(ConstraintFields):
                               presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                               repetition_penalty=self.repetition_penalty, min_p=self.min_p,
                               min_tokens=self.min_tokens, include_stop_str_in_output=self.include_stop_str_in_output,
-                              logit_bias={int(k): b for k, b in (self.logit_bias or {}).items()})
+                              logit_bias={int(k): b for k, b in (self.logit_bias or {}).items()},
+                              allowed_token_ids=self.allowed_token_ids, bad_words_ids=bad_words_ids or [])
 
     @property
     def logprob_count(self) -> int | None:

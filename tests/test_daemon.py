@@ -110,6 +110,28 @@ def test_tokenize_and_detokenize_in_vllm_and_llama_server_shapes(daemon, client)
         assert r.status_code in (400, 404) and needle in r.json()["error"]["message"], (body, r.text)
 
 
+def test_allowed_token_ids_and_bad_words_reach_the_sampler(daemon, client):
+    """vLLM's allowed_token_ids and bad_words through both routes: a streamed chat keeps to the allowed tokens, and
+    a word the free reply began with (a single token) is never drawn once it is bad."""
+    from hybrid.llm import DEFAULT_MODEL_DIR
+    from hybrid.tokenizer import Tokenizer
+
+    tok = Tokenizer(DEFAULT_MODEL_DIR)
+    allowed = [ids[0] for ids in (tok.encode(c, add_special_tokens=False) for c in "ab") if len(ids) == 1]
+    assert len(allowed) == 2
+    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hi."}],
+                                            max_tokens=6, temperature=0.8, seed=3, stream=True,
+                                            extra_body={"allowed_token_ids": allowed, "ignore_eos": True})
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert len(text) == 6 and set(text) <= {"a", "b"}, text
+    kw = dict(model=MODEL, prompt="The river runs", max_tokens=10, temperature=0, logprobs=0)
+    free = client.completions.create(**kw, extra_body={"ignore_eos": True}).choices[0].logprobs.tokens
+    word = free[0].strip()
+    assert tok.encode(free[0], add_special_tokens=False) in tok.word_ids(word)  # the first token is the word
+    barred = client.completions.create(**kw, extra_body={"ignore_eos": True, "bad_words": [word]})
+    assert free[0] not in barred.choices[0].logprobs.tokens and len(barred.choices[0].logprobs.tokens) == 10
+
+
 def test_n_choices_sample_apart_and_stream_as_they_answer(client):
     """n=3 seeded: three choices drawn from seeds 7, 8, 9 (the first as a one-choice request with seed 7 draws
     it), usage counting each choice's tokens and the prompt once; streamed, each index's chunks give that

@@ -75,6 +75,11 @@ def test_every_field_is_checked_at_the_api_with_its_name(daemon):
         ("completions", {"logit_bias": {"5": 101}}, "logit_bias"),
         ("completions", {"logit_bias": {str(10**9): 1}}, "logit_bias"),
         ("completions", {"best_of": 3}, "best_of"),
+        ("completions", {"allowed_token_ids": []}, "allowed_token_ids"),
+        ("chat/completions", {"allowed_token_ids": [5, 10**9]}, "allowed_token_ids"),
+        ("completions", {"bad_words": [" "]}, "bad_words"),
+        ("completions", {"bad_words": ["x" * 513]}, "bad_words"),
+        ("chat/completions", {"bad_words": ["".join(chr(0x4E00 + 7 * i) for i in range(200))]}, "bad_words"),
         ("chat/completions", {"frequency_penalty": 2.5}, "frequency_penalty"),
         ("chat/completions", {"presence_penalty": -3}, "presence_penalty"),
         ("completions", {"repetition_penalty": 0}, "repetition_penalty"),
@@ -114,7 +119,8 @@ def test_every_field_is_checked_at_the_api_with_its_name(daemon):
     ok = httpx.post(f"{url}/chat/completions", timeout=30, json={
         "model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "tools": [],
         "response_format": {"type": "text"}, "best_of": 1, "functions": [], "temperature": None,
-        "presence_penalty": None, "min_p": None, "min_tokens": None, "logit_bias": None})  # null: the default
+        "presence_penalty": None, "min_p": None, "min_tokens": None, "logit_bias": None,
+        "bad_words": None})  # null: the default
     assert ok.status_code == 200, ok.text
     tuned = httpx.post(f"{url}/completions", timeout=30, json={
         "model": MODEL, "prompt": "x", "max_tokens": 4, "presence_penalty": 0.5, "frequency_penalty": 0.5,

@@ -1,5 +1,6 @@
-"""Penalties, logit_bias, min_tokens and min_p: the vectorized adjustments against a token-by-token reference, the
-sampler drawing from them while reporting the model's own logprobs, and the engine honouring min_tokens."""
+"""Penalties, logit_bias, min_tokens, min_p, allowed_token_ids and bad words: the vectorized adjustments against a
+token-by-token reference, the sampler drawing from them while reporting the model's own logprobs, and the engine
+honouring min_tokens, allowed_token_ids and bad words."""
 
 from __future__ import annotations
 
@@ -12,22 +13,31 @@ from conftest import prompt_ids
 
 from hybrid import LLM, SamplingParams
 from hybrid.engine.logits_processors import adjust_row_, adjust_row_reference, adjusts
-from hybrid.engine.sampler import Sampler, filter_logits
+from hybrid.engine.sampler import NOTHING_ALLOWED, Sampler, filter_logits
 from hybrid.engine.sequence import Sequence
+from hybrid.request_checks import InvalidRequest
 
 EOS = {2, 7}
 
 
 def random_case(rng: random.Random, vocab: int) -> tuple[torch.Tensor, Sequence]:
+    prompt = [rng.randrange(vocab) for _ in range(rng.randrange(1, 30))]
+    completion = [rng.randrange(vocab) for _ in range(rng.randrange(0, 12))]
+    # Bad words: random ones, and ones whose first tokens end the completion (some longer than it)
+    bad_words = [[rng.randrange(vocab) for _ in range(rng.randrange(1, 4))] for _ in range(rng.choice([0, 2]))]
+    for _ in range(rng.choice([0, 1, 3])):
+        bad_words.append(completion[len(completion) - rng.randrange(0, 4):] + [rng.randrange(vocab)])
     params = SamplingParams(
         max_tokens=64, repetition_penalty=rng.choice([1.0, 0.5, 1.3, 7.0]),
         presence_penalty=rng.choice([0.0, -1.5, 0.7, 2.0]), frequency_penalty=rng.choice([0.0, -2.0, 0.3, 1.1]),
         logit_bias={rng.randrange(vocab): rng.uniform(-100, 100) for _ in range(rng.choice([0, 1, 5]))},
         min_tokens=rng.choice([0, 3, 40]), ignore_eos=rng.random() < 0.3,
-        stop_token_ids=rng.sample(range(vocab), rng.choice([0, 2])))
-    seq = Sequence("r", [rng.randrange(vocab) for _ in range(rng.randrange(1, 30))], params)
-    for _ in range(rng.randrange(0, 12)):
-        seq.append(rng.randrange(vocab))
+        stop_token_ids=rng.sample(range(vocab), rng.choice([0, 2])),
+        allowed_token_ids=rng.sample(range(vocab), rng.randrange(1, vocab)) if rng.random() < 0.3 else None,
+        bad_words_ids=bad_words)
+    seq = Sequence("r", prompt, params)
+    for token in completion:
+        seq.append(token)
     return torch.randn(vocab, generator=torch.Generator().manual_seed(rng.randrange(2**31))) * 4, seq
 
 
@@ -66,6 +76,23 @@ def test_the_sampler_draws_from_the_adjusted_logits_and_reports_the_models_logpr
     assert samples[0].logprob.logprob == pytest.approx(torch.log_softmax(logits[0], -1)[2].item())
 
 
+def test_allowed_token_ids_and_bad_words_bar_what_they_name():
+    seq = Sequence("r", [1, 2], SamplingParams(allowed_token_ids=[3, 5, 6], bad_words_ids=[[6], [9, 4, 5], [2, 3]]))
+    seq.append(9)
+    seq.append(4)
+    logits = torch.zeros(10)
+    adjust_row_(logits, seq, EOS)
+    # 6 is a bad word of one token; 9 4 ends the completion, so 5 is barred; 3 only after a 2 of the completion
+    # (the prompt's does not count, as in vLLM)
+    assert (logits > float("-inf")).nonzero().flatten().tolist() == [3]
+    seq.append(1)
+    logits = torch.zeros(10)
+    adjust_row_(logits, seq, EOS)
+    assert (logits > float("-inf")).nonzero().flatten().tolist() == [3, 5]
+    only_eos = Sequence("e", [1], SamplingParams(temperature=0, allowed_token_ids=[2], min_tokens=1))
+    assert Sampler(eos_ids=EOS)(torch.zeros(1, 10), [only_eos])[0].error == NOTHING_ALLOWED
+
+
 def test_min_p_drops_tokens_below_its_share_of_the_top_one():
     logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
     kept = filter_logits(logits, 0, 1.0, min_p=0.25) > float("-inf")
@@ -78,7 +105,9 @@ def test_min_p_drops_tokens_below_its_share_of_the_top_one():
 
 @pytest.mark.parametrize("bad", [dict(presence_penalty=2.5), dict(frequency_penalty=float("nan")),
                                  dict(repetition_penalty=0.0), dict(min_p=-0.1), dict(logit_bias={1: 101.0}),
-                                 dict(min_tokens=17), dict(logit_bias={i: 1.0 for i in range(1025)})])
+                                 dict(min_tokens=17), dict(logit_bias={i: 1.0 for i in range(1025)}),
+                                 dict(allowed_token_ids=[]), dict(bad_words_ids=[[]]),
+                                 dict(bad_words_ids=[[1]] * 257), dict(bad_words_ids=[list(range(65))])])
 def test_absurd_values_are_refused_naming_the_field(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         SamplingParams(**bad)
@@ -103,6 +132,31 @@ def test_the_engine_generates_min_tokens_before_the_end_of_sequence(model_dirs):
         late = llm.generate(ids, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, stop=[stop],
                                                 min_tokens=8))[0]
         assert late.token_ids == free.token_ids
+    finally:
+        llm.close()
+
+
+def test_the_engine_draws_only_allowed_tokens_and_no_bad_word(model_dirs):
+    """Greedy from the same prompt: allowed_token_ids keeps every token among them; a bad word of one token never
+    appears; a bad word of two changes the reply exactly where its first token was followed by its second."""
+    llm = LLM(model_dirs["tiny-qwen3-moe"], dtype="float32")
+    ids = prompt_ids(10, seed=4)
+    greedy = dict(temperature=0, max_tokens=12, ignore_eos=True)
+    try:
+        free = llm.generate(ids, SamplingParams(**greedy))[0].token_ids
+        allowed = sorted({7, 11, 13, free[1]} - {free[0]})
+        kept = llm.generate(ids, SamplingParams(**greedy, allowed_token_ids=allowed))[0].token_ids
+        assert set(kept) <= set(allowed) and kept != free
+        one = llm.generate(ids, SamplingParams(**greedy, bad_words_ids=[[free[0]]]))[0].token_ids
+        assert free[0] not in one and one[0] != free[0]
+        two = llm.generate(ids, SamplingParams(**greedy, bad_words_ids=[free[2:4]]))[0].token_ids
+        assert two[:3] == free[:3] and two[3] != free[3]
+        assert all(two[i:i + 2] != free[2:4] for i in range(len(two) - 1))
+        for field, value, param in [("allowed_token_ids", [10**9], "allowed_token_ids"),
+                                    ("bad_words_ids", [[5, 10**9]], "bad_words")]:
+            with pytest.raises(InvalidRequest, match="outside the vocabulary") as e:
+                llm.engine.add_request(ids, SamplingParams(**{field: value}))
+            assert e.value.param == param
     finally:
         llm.close()
 

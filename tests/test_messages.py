@@ -20,7 +20,8 @@ HANDOFF = m.SequenceHandoff("r1", [1, 2, 3, 9], 3, 3, SamplingParams(seed=7, log
                             KVTicket("shm", "hybridd-kv-0-1-1", 1, "[16, 2, 8]torch.float32"),
                             generator_state=b"\x00\x01", logprobs=[TokenLogprob(9, -0.5, [(9, -0.5)])],
                             prompt_logprobs=[None, TokenLogprob(2, -1.0)])
-TO_ENGINE = [m.AddRequest("r1", [1, 2, 3], SamplingParams(temperature=0.5, top_p=0.9, stop=["\n"], seed=7)),
+TO_ENGINE = [m.AddRequest("r1", [1, 2, 3], SamplingParams(temperature=0.5, top_p=0.9, stop=["\n"], seed=7,
+                                                         allowed_token_ids=[4, 5], bad_words_ids=[[6], [7, 8]])),
              m.AbortRequest("r1"), m.Hello(), HANDOFF, m.HandoffDone("r1", False, "gone"), m.DecodeReady(7)]
 FROM_ENGINE = [m.Progress("packing experts", 10, 100), m.Ready(123, INFO), m.Ready(124, INFO, "decode"),
                m.TokenDelta("r1", [5, 6], "hi", False, None, 3, 2), m.RequestFailed("r1", 400, "no"),
@@ -50,7 +51,8 @@ def test_each_direction_refuses_the_other_directions_messages():
     ({"prompt_ids": [1], "params": {"temperature": -1}}, "temperature"),
     ({"prompt_ids": [1], "params": {"top_p": 0}}, "top_p"),
     ({"prompt_ids": [1]}, "params"),
-], ids=["ids", "temperature", "top_p", "missing"])
+    ({"prompt_ids": [1], "params": {"bad_words_ids": [[]]}}, "bad_words_ids"),
+], ids=["ids", "temperature", "top_p", "missing", "bad_words"])
 def test_bad_fields_are_refused_and_the_request_id_is_still_read(fields, why):
     raw = msgspec.msgpack.encode({"type": "add", "request_id": "r9", **fields})
     with pytest.raises(m.DecodeError, match=why):

@@ -31,9 +31,8 @@ from hybrid.mem_cache.block_manager import BlockManager
 from hybrid.request_checks import (
     InvalidRequest,
     RequestLimits,
-    check_logit_bias,
     check_prompt,
-    check_stop_token_ids,
+    check_token_ids,
 )
 from hybrid.sampling_params import SamplingParams
 from hybrid.structured_output.backend import GrammarError, GrammarMatcher
@@ -97,8 +96,7 @@ class LLMEngine:
         params = params or SamplingParams()
         ids = self.encode(prompt)
         check_prompt(ids, self.limits)
-        check_stop_token_ids(params.stop_token_ids, self.limits)
-        check_logit_bias(params.logit_bias, self.limits)
+        check_token_ids(params, self.limits)
         if params.grammar is not None and self.tokenizer is None:
             raise InvalidRequest("a grammar needs the model's tokenizer, and this model has none")
         if request_id is None:

@@ -4,7 +4,8 @@ Sampling is total: any accepted SamplingParams gives a token for finite logits (
 greedy, a top-p that keeps nothing keeps the top token); a row of logits that are not numbers gives no token,
 and the engine fails that request alone. A sequence with a grammar matcher draws only among the tokens its
 grammar allows next (its mask is usually computed while the model ran: grammar_masks.py), after its penalties,
-logit_bias and min_tokens (logits_processors.py); logprobs stay the model's own, before any of these.
+logit_bias, min_tokens, allowed_token_ids and bad words (logits_processors.py); logprobs stay the model's own,
+before any of these.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from hybrid.engine.sequence import Sequence
 from hybrid.structured_output.backend import GrammarBackend
 
 NOT_NUMBERS = "the model produced logits that are not numbers (NaN or infinite) for this request"
-NOTHING_ALLOWED = "the request's grammar (or min_tokens) allows no next token"
+NOTHING_ALLOWED = "the request's grammar, min_tokens, allowed_token_ids or bad_words allow no next token"
 
 
 @dataclass
