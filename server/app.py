@@ -412,8 +412,8 @@ def build_app(config: DaemonConfig, client: EngineClient, tokenizer: Tokenizer |
         prompts, params, stats = admit(req, [prompt_ids], "messages", grammar)
         rid, created = uuid.uuid4().hex, now()
         shapes = [ChatShape(rid, name, created, token_text, params[0].logprobs is not None,
-                            tool_format if req.calls_tools else None, req.parallel_tool_calls, req.echoed)
-                  for _ in params]
+                            tool_format if req.calls_tools else None, req.parallel_tool_calls, req.echoed,
+                            req.prompt_logprobs) for _ in params]
         return await run(request, req.stream, prompts, params, stats, shapes, req.include_usage)
 
     @app.post("/v1/completions")
@@ -435,7 +435,7 @@ def build_app(config: DaemonConfig, client: EngineClient, tokenizer: Tokenizer |
             if tokenizer is not None:
                 echoes = [e or await asyncio.to_thread(tokenizer.decode, ids, False) for e, ids in zip(echoes, encoded)]
         rid, created = uuid.uuid4().hex, now()
-        shapes = [CompletionShape(rid, name, created, token_text, params[0].logprobs is not None, echo, ids)
+        shapes = [CompletionShape(rid, name, created, token_text, req.logprobs, echo, ids, req.prompt_logprobs)
                   for ids, echo in zip(encoded, echoes) for _ in range(req.n)]  # admit's order of choices
         return await run(request, req.stream, prompts, params, stats, shapes, req.include_usage)
 

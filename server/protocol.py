@@ -134,6 +134,7 @@ class SamplingFields(ConstraintFields):
     min_tokens: int = Field(default=0, ge=0)
     logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
     include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     allowed_token_ids: list[int] | None = Field(default=None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)
     bad_words: list[str] = Field(default_factory=list, max_length=MAX_BAD_WORDS // 2)
 
@@ -148,6 +149,13 @@ class SamplingFields(ConstraintFields):
             known = {f.alias or n for n, f in cls.model_fields.items()} | set(cls.model_fields) | set(UNSUPPORTED)
             _warn_ignored(k for k in data if k not in known)
         return data
+
+    @model_validator(mode="after")
+    def _prompt_logprobs_whole(self):
+        if self.prompt_logprobs is not None and self.stream:
+            raise PydanticCustomError("prompt_logprobs", "prompt_logprobs come in the whole response only, not with "
+                                      "stream: true", {"param": "prompt_logprobs"})
+        return self
 
     @field_validator("stop")
     @classmethod
@@ -205,7 +213,8 @@ class SamplingFields(ConstraintFields):
 
     @property
     def prompt_logprob_count(self) -> int | None:
-        return None
+        """How many alternatives each prompt token reports (None: none asked for)."""
+        return self.prompt_logprobs
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -347,7 +356,9 @@ class CompletionRequest(SamplingFields):
 
     @property
     def prompt_logprob_count(self) -> int | None:
-        return self.logprobs if self.echo else None
+        """prompt_logprobs, and `echo` with logprobs shows the prompt's: the engine computes the larger."""
+        asked = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None]
+        return max(asked, default=None)
 
     @field_validator("prompt")
     @classmethod

@@ -1,6 +1,7 @@
 """The shapes of OpenAI responses: a chat completion or a text completion, whole or as SSE chunks, with
 `logprobs` in each API's own format (chat: `content` entries with bytes; completions: parallel lists with
-text offsets), `echo` of the prompt on completions and of the begun reply on chat."""
+text offsets), `echo` of the prompt on completions and of the begun reply on chat, and vLLM's `prompt_logprobs`
+(in the whole response: per choice on completions, once for the response on chat)."""
 
 from __future__ import annotations
 
@@ -26,16 +27,19 @@ class ResponseShape:
     """Accumulates one choice's deltas and renders its chunks and final body (under the request's id: a request
     asking for `n` choices has one shape each, told apart by `index`). `chunk` returns None when a delta carries
     nothing to send (text held back by the stop-string check, and no logprobs). `echo_text` (None: no echo)
-    comes before the first delta's text."""
+    comes before the first delta's text; `prompt_logprobs` (None: not asked) is how many alternatives each prompt
+    token's entry shows."""
 
     object_name = ""
     chunk_object_name = ""
     id_prefix = ""
 
     def __init__(self, rid: str, model: str, created: int, token_text: TokenText, logprobs: bool,
-                 echo_text: str | None = None):
+                 echo_text: str | None = None, prompt_logprobs: int | None = None):
         self.rid, self.model, self.created, self.token_text, self.logprobs = rid, model, created, token_text, logprobs
         self.echo_text = echo_text
+        self.prompt_top = prompt_logprobs
+        self.prompt_entries: list[TokenLogprob | None] = []
         self.index = 0  # the choice's place among the request's `n`
         self.parts: list[str] = []
         self.entries: list = []
@@ -61,9 +65,27 @@ class ResponseShape:
             text = self.echo_text + text
         self.parts.append(text)
         self.entries += entries
+        if self.prompt_top is not None and msg.prompt_logprobs:
+            self.prompt_entries += msg.prompt_logprobs
         if msg.finished:
             self.finish_reason = msg.finish_reason
         return text, entries
+
+    def prompt_logprobs_json(self) -> list[dict | None]:
+        """vLLM's prompt_logprobs: per prompt token (the first, which nothing predicts, has None) the logprob, rank
+        and text of the token itself and of the most likely ones, keyed by token id, the token itself first."""
+        out: list[dict | None] = []
+        for lp in self.prompt_entries:
+            if lp is None:
+                out.append(None)
+                continue
+            ranked = [(lp.token_id, lp.logprob, lp.rank)]
+            ranked += [(t, v, rank) for rank, (t, v) in enumerate(lp.top[:self.prompt_top], 1)]
+            entry: dict = {}
+            for t, v, rank in ranked:
+                entry.setdefault(str(t), {"logprob": v, "rank": rank, "decoded_token": self.token_text(t)})
+            out.append(entry)
+        return out
 
     def new_entries(self, msg: TokenDelta) -> list:
         raise NotImplementedError
@@ -90,8 +112,9 @@ class ChatShape(ResponseShape):
     id_prefix = "chatcmpl"
 
     def __init__(self, rid: str, model: str, created: int, token_text: TokenText, logprobs: bool,
-                 tool_format: ToolCallFormat | None = None, parallel_tool_calls: bool = True, echo_text: str = ""):
-        super().__init__(rid, model, created, token_text, logprobs, echo_text or None)
+                 tool_format: ToolCallFormat | None = None, parallel_tool_calls: bool = True, echo_text: str = "",
+                 prompt_logprobs: int | None = None):
+        super().__init__(rid, model, created, token_text, logprobs, echo_text or None, prompt_logprobs)
         self.tools = ToolCallStream(tool_format, parallel_tool_calls) if tool_format is not None else None
 
     def reason(self, finish_reason: str | None) -> str | None:
@@ -134,8 +157,11 @@ class ChatShape(ResponseShape):
             message["content"] = content
             if calls:
                 message.update(content=content or None, tool_calls=[tool_call_json(c) for c in calls])
-        return self.body([{"index": self.index, "message": message, "logprobs": logprobs,
+        body = self.body([{"index": self.index, "message": message, "logprobs": logprobs,
                            "finish_reason": self.reason(self.finish_reason)}], False, usage)
+        if self.prompt_top is not None:
+            body["prompt_logprobs"] = self.prompt_logprobs_json()
+        return body
 
 
 class CompletionShape(ResponseShape):
@@ -144,9 +170,10 @@ class CompletionShape(ResponseShape):
     object_name = chunk_object_name = "text_completion"
     id_prefix = "cmpl"
 
-    def __init__(self, rid: str, model: str, created: int, token_text: TokenText, logprobs: bool,
-                 echo_text: str | None, prompt_ids: list[int]):
-        super().__init__(rid, model, created, token_text, logprobs, echo_text)
+    def __init__(self, rid: str, model: str, created: int, token_text: TokenText, logprobs: int | None,
+                 echo_text: str | None, prompt_ids: list[int], prompt_logprobs: int | None = None):
+        super().__init__(rid, model, created, token_text, logprobs is not None, echo_text, prompt_logprobs)
+        self.top = logprobs or 0
         self.first_prompt_id = prompt_ids[0]
         self.offset = 0
 
@@ -154,8 +181,8 @@ class CompletionShape(ResponseShape):
         """(token id, logprob, top) per token; the prompt's first token, which nothing predicts, has None."""
         entries = []
         if self.echo_text is not None and msg.prompt_logprobs:
-            entries = [(self.first_prompt_id, None, None) if lp is None else (lp.token_id, lp.logprob, lp.top)
-                       for lp in msg.prompt_logprobs]
+            entries = [(self.first_prompt_id, None, None) if lp is None
+                       else (lp.token_id, lp.logprob, lp.top[:self.top]) for lp in msg.prompt_logprobs]
         return entries + [(lp.token_id, lp.logprob, lp.top) for lp in msg.logprobs or []]
 
     def lists(self, entries: list) -> dict:
@@ -180,5 +207,8 @@ class CompletionShape(ResponseShape):
 
     def final(self, usage: dict) -> dict:
         logprobs = self.lists(self.entries) if self.logprobs else None
-        return self.body([{"index": self.index, "text": "".join(self.parts), "logprobs": logprobs,
-                           "finish_reason": self.finish_reason}], False, usage)
+        choice = {"index": self.index, "text": "".join(self.parts), "logprobs": logprobs,
+                  "finish_reason": self.finish_reason}
+        if self.prompt_top is not None:
+            choice["prompt_logprobs"] = self.prompt_logprobs_json()
+        return self.body([choice], False, usage)

@@ -132,6 +132,37 @@ def test_allowed_token_ids_and_bad_words_reach_the_sampler(daemon, client):
     assert free[0] not in barred.choices[0].logprobs.tokens and len(barred.choices[0].logprobs.tokens) == 10
 
 
+def test_prompt_logprobs_in_vllms_shape_agree_with_the_echoed_ones(daemon):
+    """vLLM's prompt_logprobs: per prompt token (None for the first) the token itself with its rank, then the
+    top k with ranks 1..k, keyed by token id; on completions per choice, on chat once per response; the values
+    are the ones `echo` with logprobs shows; with stream they are refused."""
+    post = lambda path, body: httpx.post(f"{daemon.url}/v1/{path}", json={"model": MODEL, **body}, timeout=60)  # noqa: E731
+    ids = post("../tokenize", {"prompt": "The river runs to the sea"}).json()["tokens"]
+    body = post("completions", {"prompt": ids, "max_tokens": 1, "prompt_logprobs": 2, "n": 2,
+                                "temperature": 0}).json()
+    listed = [c["prompt_logprobs"] for c in body["choices"]]
+    assert listed[0] == listed[1] and len(listed[0]) == len(ids) and listed[0][0] is None
+    echoed = post("completions", {"prompt": ids, "max_tokens": 1, "echo": True, "logprobs": 1,
+                                  "temperature": 0}).json()["choices"][0]["logprobs"]
+    ranks = []
+    for i, entry in enumerate(listed[0][1:], 1):
+        (first, own), *_ = entry.items()
+        best = sorted((e for e in entry.values() if e["rank"] <= 2), key=lambda e: e["rank"])
+        assert first == str(ids[i]) and len(entry) == (2 if own["rank"] <= 2 else 3), entry
+        assert [e["rank"] for e in best] == [1, 2] and best[0]["logprob"] >= best[1]["logprob"] >= own["logprob"]
+        assert own["logprob"] == pytest.approx(echoed["token_logprobs"][i], abs=1e-5)
+        assert own["decoded_token"] == echoed["tokens"][i]
+        ranks.append(own["rank"])
+    assert max(ranks) > 2  # a random model: some prompt tokens are not among its two best guesses
+    chat = post("chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,
+                                     "prompt_logprobs": 0}).json()
+    assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+    assert all(len(e) == 1 for e in chat["prompt_logprobs"][1:]) and "prompt_logprobs" not in chat["choices"][0]
+    r = post("chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "prompt_logprobs": 1,
+                                  "stream": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs", r.text
+
+
 def test_n_choices_sample_apart_and_stream_as_they_answer(client):
     """n=3 seeded: three choices drawn from seeds 7, 8, 9 (the first as a one-choice request with seed 7 draws
     it), usage counting each choice's tokens and the prompt once; streamed, each index's chunks give that

@@ -13,7 +13,7 @@ from conftest import prompt_ids
 
 from hybrid import LLM, SamplingParams
 from hybrid.engine.logits_processors import adjust_row_, adjust_row_reference, adjusts
-from hybrid.engine.sampler import NOTHING_ALLOWED, Sampler, filter_logits
+from hybrid.engine.sampler import NOTHING_ALLOWED, Sampler, filter_logits, token_logprobs
 from hybrid.engine.sequence import Sequence
 from hybrid.request_checks import InvalidRequest
 
@@ -91,6 +91,16 @@ def test_allowed_token_ids_and_bad_words_bar_what_they_name():
     assert (logits > float("-inf")).nonzero().flatten().tolist() == [3, 5]
     only_eos = Sequence("e", [1], SamplingParams(temperature=0, allowed_token_ids=[2], min_tokens=1))
     assert Sampler(eos_ids=EOS)(torch.zeros(1, 10), [only_eos])[0].error == NOTHING_ALLOWED
+
+
+def test_a_tokens_rank_is_its_place_among_the_vocabulary():
+    rows = torch.randn(6, 50, generator=torch.Generator().manual_seed(2))
+    rows[5, :10] = 3.0  # a tie with the token itself: it shares the best rank
+    tokens = [0, 7, 49, 13, 21, 4]
+    for row, token, lp in zip(rows, tokens, token_logprobs(rows, tokens, 3)):
+        order = torch.argsort(row, descending=True).tolist()
+        assert lp.rank == (1 if row[token] == row.max() else order.index(token) + 1)
+        assert [t for t, _ in lp.top] == order[:3] or row[token] == row.max()
 
 
 def test_min_p_drops_tokens_below_its_share_of_the_top_one():

@@ -7,11 +7,13 @@ from dataclasses import dataclass, field
 
 @dataclass
 class TokenLogprob:
-    """A token's log-probability under the model, with the most likely tokens at its position (best first)."""
+    """A token's log-probability under the model, with the most likely tokens at its position (best first), and
+    its rank there (1: the most likely; None where it was not computed)."""
 
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
+    rank: int | None = None
 
 
 @dataclass

@@ -68,17 +68,18 @@ def scan(logits: torch.Tensor) -> tuple[list[int], list[bool]]:
 
 def token_logprobs(rows: torch.Tensor, token_ids: list[int], k: int) -> list[TokenLogprob]:
     """For each row of logits, the model's log-probability of the token it predicts (a prompt token, or the one
-    drawn) and its k most likely tokens, before temperature and filters."""
+    drawn), its rank, and the k most likely tokens, before temperature and filters."""
     if not token_ids:
         return []
     logp = torch.log_softmax(rows.float(), dim=-1)
-    chosen = logp.gather(1, torch.tensor(token_ids).unsqueeze(1)).squeeze(1).tolist()
+    chosen = logp.gather(1, torch.tensor(token_ids).unsqueeze(1))
+    ranks = ((logp > chosen).sum(dim=1) + 1).tolist()
     if k:
         top = torch.topk(logp, k)
         tops = [list(zip(i, v)) for i, v in zip(top.indices.tolist(), top.values.tolist())]
     else:
         tops = [[] for _ in token_ids]
-    return [TokenLogprob(t, lp, tp) for t, lp, tp in zip(token_ids, chosen, tops)]
+    return [TokenLogprob(t, lp, tp, r) for t, lp, tp, r in zip(token_ids, chosen.squeeze(1).tolist(), tops, ranks)]
 
 
 class Sampler:
