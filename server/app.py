@@ -260,13 +260,14 @@ def build_app(config: DaemonConfig, client: EngineClient, tokenizer: Tokenizer |
 
     def admit(req: SamplingFields, prompts: list[list[int]], prompt_field: str,
               grammar: str | None = None) -> tuple[list[list[int]], list[SamplingParams], RequestStats]:
-        """The prompt and sampling parameters of each of the request's choices (`n` per prompt, prompt by prompt),
-        once the request is checked and admitted."""
+        """The prompt (cut to truncate_prompt_tokens) and sampling parameters of each of the request's choices (`n`
+        per prompt, prompt by prompt), once the request is checked and admitted."""
         check_ready()
         info = client.state.info
         limits = RequestLimits(info.vocab_size, info.max_model_len)
         choices: list[tuple[list[int], SamplingParams]] = []
         bad_words = bad_words_ids(req.bad_words)
+        prompts = [req.truncated(prompt_ids, limits.max_model_len) for prompt_ids in prompts]
         try:
             for prompt_ids in prompts:
                 check_prompt(prompt_ids, limits, prompt_field)
@@ -286,6 +287,10 @@ def build_app(config: DaemonConfig, client: EngineClient, tokenizer: Tokenizer |
                            "shortly", headers={"Retry-After": str(RETRY_AFTER_S)})
         stats = RequestStats(metrics, sum(map(len, prompts)), lambda: admitted.give_back(len(choices)))
         return [c[0] for c in choices], [c[1] for c in choices], stats
+
+    def shown_tokens(req: SamplingFields) -> TokenText:
+        """How logprobs name tokens: by their text, or with vLLM's return_tokens_as_token_ids as token_id:N."""
+        return TokenText(None) if req.return_tokens_as_token_ids else token_text
 
     def need_tokenizer() -> Tokenizer:
         if tokenizer is None:
@@ -411,7 +416,7 @@ def build_app(config: DaemonConfig, client: EngineClient, tokenizer: Tokenizer |
                                            req.add_generation_prompt, req.continue_final_message)
         prompts, params, stats = admit(req, [prompt_ids], "messages", grammar)
         rid, created = uuid.uuid4().hex, now()
-        shapes = [ChatShape(rid, name, created, token_text, params[0].logprobs is not None,
+        shapes = [ChatShape(rid, name, created, shown_tokens(req), params[0].logprobs is not None,
                             tool_format if req.calls_tools else None, req.parallel_tool_calls, req.echoed,
                             req.prompt_logprobs) for _ in params]
         return await run(request, req.stream, prompts, params, stats, shapes, req.include_usage)
@@ -421,21 +426,22 @@ def build_app(config: DaemonConfig, client: EngineClient, tokenizer: Tokenizer |
         check_model(req)
         texts = req.prompts
         try:
-            encoded = [await asyncio.to_thread(need_tokenizer().encode, p) if isinstance(p, str) else list(p)
-                       for p in texts]
+            encoded = [await asyncio.to_thread(need_tokenizer().encode, p, req.add_special_tokens)
+                       if isinstance(p, str) else list(p) for p in texts]
         except TokenizerError as e:
             raise ApiError(400, str(e), param="prompt") from None
         await check_schemas(req)
         grammar, param = req.constraint or (None, "")
         await check_grammar(grammar, param)
         prompts, params, stats = admit(req, encoded, "prompt", grammar)
+        encoded = prompts[::req.n]  # as admitted: truncated to truncate_prompt_tokens
         echoes: list[str | None] = [None] * len(texts)
-        if req.echo:
-            echoes = [p if isinstance(p, str) else "" for p in texts]
+        if req.echo:  # a truncated prompt is echoed as the model read it
+            echoes = ["" if req.truncate_prompt_tokens is not None or not isinstance(p, str) else p for p in texts]
             if tokenizer is not None:
                 echoes = [e or await asyncio.to_thread(tokenizer.decode, ids, False) for e, ids in zip(echoes, encoded)]
         rid, created = uuid.uuid4().hex, now()
-        shapes = [CompletionShape(rid, name, created, token_text, req.logprobs, echo, ids, req.prompt_logprobs)
+        shapes = [CompletionShape(rid, name, created, shown_tokens(req), req.logprobs, echo, ids, req.prompt_logprobs)
                   for ids, echo in zip(encoded, echoes) for _ in range(req.n)]  # admit's order of choices
         return await run(request, req.stream, prompts, params, stats, shapes, req.include_usage)
 

@@ -36,6 +36,8 @@ UNSUPPORTED = {
     "guided_whitespace_pattern": (None,), "use_beam_search": (None, False),
     "length_penalty": (None, 1, 1.0), "logits_processors": (None, []), "repeat_penalty": (None, 1, 1.0),
     "typical_p": (None, 1, 1.0), "mirostat": (None, 0), "tfs_z": (None, 1, 1.0), "n_predict": (None,),
+    "chat_template": (None,), "priority": (None, 0), "dynatemp_range": (None, 0, 0.0),
+    "top_n_sigma": (None, -1, -1.0, 0, 0.0),
     "dry_multiplier": (None, 0, 0.0), "xtc_probability": (None, 0, 0.0), "n_probs": (None, 0),
 }
 MAX_CHOICES = 16  # `n`: each choice is a sequence of its own in the engine
@@ -43,7 +45,7 @@ MAX_PROMPTS = 64  # a completions request's batch of prompts
 NULL_MEANS_DEFAULT = {"temperature", "top_p", "top_k", "presence_penalty", "frequency_penalty", "repetition_penalty",
                       "min_p", "min_tokens", "include_stop_str_in_output", "stop_token_ids", "ignore_eos",
                       "skip_special_tokens", "stream", "n", "add_generation_prompt", "continue_final_message",
-                      "echo", "bad_words"}
+                      "echo", "bad_words", "return_tokens_as_token_ids", "add_special_tokens"}
 log = logging.getLogger(__name__)
 # Unknown fields are logged once per name, names cut short and at most this many: a client cannot fill the log.
 WARNED_FIELDS = 256
@@ -135,6 +137,8 @@ class SamplingFields(ConstraintFields):
     logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    return_tokens_as_token_ids: bool = False
     allowed_token_ids: list[int] | None = Field(default=None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)
     bad_words: list[str] = Field(default_factory=list, max_length=MAX_BAD_WORDS // 2)
 
@@ -150,11 +154,26 @@ class SamplingFields(ConstraintFields):
             _warn_ignored(k for k in data if k not in known)
         return data
 
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncate(cls, v: int | None) -> int | None:
+        if v == 0:
+            raise ValueError("truncate_prompt_tokens keeps the prompt's last k tokens (k >= 1), or -1: as many as "
+                             "the context holds; 0 would keep none")
+        return v
+
+    def truncated(self, prompt_ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt's last truncate_prompt_tokens tokens (-1: the most that leave room for one generated)."""
+        k = self.truncate_prompt_tokens
+        if k is None:
+            return prompt_ids
+        return prompt_ids[-(max_model_len - 1 if k == -1 else k):]
+
     @model_validator(mode="after")
     def _prompt_logprobs_whole(self):
         if self.prompt_logprobs is not None and self.stream:
-            raise PydanticCustomError("prompt_logprobs", "prompt_logprobs come in the whole response only, not with "
-                                      "stream: true", {"param": "prompt_logprobs"})
+            raise PydanticCustomError("prompt_logprobs", "are given in the whole response only, not with stream: "
+                                      "true", {"param": "prompt_logprobs"})
         return self
 
     @field_validator("stop")
@@ -277,12 +296,20 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     echo: bool = False
+    add_special_tokens: bool = False
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self):
         if self.top_logprobs and not self.logprobs:
             raise PydanticCustomError("logprobs", "top_logprobs needs logprobs: true",
                                       {"param": "top_logprobs"})
+        return self
+
+    @model_validator(mode="after")
+    def _template_places_special_tokens(self):
+        if self.add_special_tokens:
+            raise PydanticCustomError("special", "true is not supported on chat: the chat template places the "
+                                      "model's special tokens", {"param": "add_special_tokens"})
         return self
 
     @model_validator(mode="after")
@@ -342,6 +369,7 @@ class ChatCompletionRequest(SamplingFields):
 class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = False
+    add_special_tokens: bool = True  # what the tokenizer puts around a text prompt (BOS, say)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
     @property

@@ -153,19 +153,17 @@ def test_openai_and_vllm_conveniences(daemon, client):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 16, r.text
     # vLLM's stop_token_ids end the request at the first of them it generates
     greedy = client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=8, temperature=0, logprobs=0,
-                                       extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+                                       extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True,
+                                                   "a_field_of_the_future": 1})
     assert greedy.usage.completion_tokens == 8
-    tok = Tokenizer(DEFAULT_MODEL_DIR)
-    texts = {i: tok.decode([i], skip_special_tokens=False) for i in range(tok.hf.vocab_size)}
-    # the first generated token after the first whose text few ids share: those ids are its stop_token_ids
-    for at, text in enumerate(greedy.choices[0].logprobs.tokens[1:], 1):
-        if len(stop_ids := [i for i, t in texts.items() if t == text]) <= 16:
-            break
+    ids = [int(t.removeprefix("token_id:")) for t in greedy.choices[0].logprobs.tokens]
+    at = next(i for i, t in enumerate(ids) if t not in ids[:i] and i > 0)  # the first new token after the first
     stopped = client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=8, temperature=0,
-                                        extra_body={"ignore_eos": True, "stop_token_ids": stop_ids})
-    assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens <= at + 1
+                                        extra_body={"ignore_eos": True, "stop_token_ids": [ids[at]]})
+    assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens == at + 1
+    assert stopped.choices[0].text == Tokenizer(DEFAULT_MODEL_DIR).decode(ids[:at + 1])
     # an unknown field is ignored, and the api log names it
-    assert any("return_tokens_as_token_ids" in p.read_text() for p in (daemon.home / "logs").glob("*.log"))
+    assert any("a_field_of_the_future" in p.read_text() for p in (daemon.home / "logs").glob("*.log"))
 
 
 def test_models_by_id(daemon, client):
