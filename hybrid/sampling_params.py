@@ -14,6 +14,7 @@ MAX_LOGIT_BIAS = 1024  # tokens one request may bias (OpenAI's own limit is lowe
 MAX_ALLOWED_TOKEN_IDS = 2**18  # more than any vocabulary has
 MAX_BAD_WORDS = 256  # token sequences (a word given to the API becomes one or two)
 MAX_BAD_WORD_TOKENS = 64
+MAX_CACHE_SALT_CHARS = 1024
 
 
 @dataclass
@@ -28,7 +29,8 @@ class SamplingParams:
     ends with: a sequence's last token is barred where the completion ends with the ones before it) adjust the
     logits before drawing (engine/logits_processors.py); min_p drops tokens less likely than min_p times the most
     likely one when sampling. The text ends before the stop string it met, or after it with
-    include_stop_str_in_output."""
+    include_stop_str_in_output. cache_salt (vLLM's) keeps the request's prompt out of reach of requests with
+    another salt or none in the prefix cache: cached KV is shared only between requests of the same salt."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -51,6 +53,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     allowed_token_ids: list[int] | None = None
     bad_words_ids: list[list[int]] = field(default_factory=list)
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -92,6 +95,9 @@ class SamplingParams:
             raise ValueError(f"bad_words_ids may hold at most {MAX_BAD_WORDS} sequences, got {len(self.bad_words_ids)}")
         if any(not 0 < len(w) <= MAX_BAD_WORD_TOKENS for w in self.bad_words_ids):
             raise ValueError(f"bad_words_ids: each sequence must have 1 to {MAX_BAD_WORD_TOKENS} tokens")
+        if self.cache_salt is not None and not 0 < len(self.cache_salt) <= MAX_CACHE_SALT_CHARS:
+            raise ValueError(f"cache_salt must have 1 to {MAX_CACHE_SALT_CHARS} characters, got "
+                             f"{len(self.cache_salt)}")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(self, name)
             if k is not None and not 0 <= k <= MAX_LOGPROBS:

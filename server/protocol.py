@@ -12,6 +12,7 @@ from pydantic_core import PydanticCustomError
 from hybrid.sampling_params import (
     MAX_ALLOWED_TOKEN_IDS,
     MAX_BAD_WORDS,
+    MAX_CACHE_SALT_CHARS,
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     MAX_REPETITION_PENALTY,
@@ -138,6 +139,7 @@ class SamplingFields(ConstraintFields):
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
     return_tokens_as_token_ids: bool = False
     allowed_token_ids: list[int] | None = Field(default=None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)
     bad_words: list[str] = Field(default_factory=list, max_length=MAX_BAD_WORDS // 2)
@@ -223,7 +225,8 @@ class SamplingFields(ConstraintFields):
                               repetition_penalty=self.repetition_penalty, min_p=self.min_p,
                               min_tokens=self.min_tokens, include_stop_str_in_output=self.include_stop_str_in_output,
                               logit_bias={int(k): b for k, b in (self.logit_bias or {}).items()},
-                              allowed_token_ids=self.allowed_token_ids, bad_words_ids=bad_words_ids or [])
+                              allowed_token_ids=self.allowed_token_ids, bad_words_ids=bad_words_ids or [],
+                              cache_salt=self.cache_salt)
 
     @property
     def logprob_count(self) -> int | None:

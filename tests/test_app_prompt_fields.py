@@ -1,5 +1,6 @@
 """What the api hands the engine for vLLM's prompt fields, against a scripted engine that records each request:
-add_special_tokens on completions, truncate_prompt_tokens on both routes, and return_tokens_as_token_ids."""
+add_special_tokens on completions, truncate_prompt_tokens on both routes, cache_salt, and
+return_tokens_as_token_ids."""
 
 from __future__ import annotations
 
@@ -109,6 +110,16 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(api):
     assert chat.status_code == 200 and len(engine.added[-1].prompt_ids) == 3, chat.text
     r = tc.post("/v1/completions", json={"prompt": ids, "truncate_prompt_tokens": 0})
     assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
+def test_cache_salt_travels_with_the_request(api):
+    tc, engine, _ = api
+    for route, body in (("completions", {"prompt": [11, 12]}), ("chat/completions",
+                                                                 {"messages": [{"role": "user", "content": "x"}]})):
+        r = tc.post(f"/v1/{route}", json={**body, "max_tokens": 1, "cache_salt": "a salt of alice's"})
+        assert r.status_code == 200 and engine.added[-1].params.cache_salt == "a salt of alice's", r.text
+    r = tc.post("/v1/completions", json={"prompt": [11, 12], "cache_salt": ""})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"
 
 
 def test_return_tokens_as_token_ids_names_tokens_by_id(api):

@@ -65,6 +65,20 @@ def test_same_prompt_twice(any_model):
     assert cached.engine.scheduler.blocks.num_cached > 0 and plain.engine.scheduler.blocks.num_cached == 0
 
 
+def test_a_salted_prompt_shares_cached_blocks_only_with_its_salt(model_dirs):
+    """vLLM's cache_salt: the same prompt under another salt, or none, finds nothing cached; under the same
+    salt it does, and the tokens are the uncached engine's."""
+    cached, plain = both(model_dirs["tiny-qwen3-moe"])
+    prompt = prompt_ids(45, seed=6)
+    salted = lambda salt: SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, cache_salt=salt)  # noqa: E731
+    want = plain.generate(prompt, greedy(6))[0].token_ids
+    runs = [cached.generate(prompt, p)[0] for p in (salted("alice"), salted("bob"), greedy(6), salted("alice"),
+                                                     greedy(6), salted("bob"))]
+    assert [r.num_cached_tokens for r in runs] == [0, 0, 0, 32, 32, 32]
+    assert all(r.token_ids == want for r in runs)
+    assert_drained(cached)
+
+
 def test_multi_turn_conversation(any_model):
     cached, plain = both(any_model)
     history, computed = prompt_ids(30, seed=2), 0

@@ -47,6 +47,10 @@ class Sequence:
             self.generator = torch.Generator().manual_seed(params.seed)
 
     @property
+    def cache_salt(self) -> str | None:
+        return self.params.cache_salt
+
+    @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
 

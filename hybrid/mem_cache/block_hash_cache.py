@@ -1,6 +1,7 @@
 """The prefix cache by chained block hashes (vLLM's automatic prefix caching): a full block of tokens is
 identified by the hash of its token ids chained with the previous block's hash, the chain starting from a salt
-that names what else changes a block's content (the model and compute dtype). Equal hashes mean equal prefixes,
+that names what else changes a block's content (the model and compute dtype), chained with a request's own
+cache_salt where it has one, so salted requests share blocks only with their salt. Equal hashes mean equal prefixes,
 so a new sequence reuses the longest run of its leading blocks found in the index. Unused cached blocks are
 evicted least recently used first, only when a new block is needed.
 """
@@ -26,10 +27,17 @@ class BlockHashCache(PrefixCache):
         chain, size = seq.block_hashes, self.block_size
         while len(chain) < num_blocks:
             i = len(chain)
-            h = hashlib.blake2b(chain[-1] if chain else self.salt, digest_size=16)
+            h = hashlib.blake2b(chain[-1] if chain else self.start(seq.cache_salt), digest_size=16)
             h.update(array("q", seq.token_ids[i * size:(i + 1) * size]).tobytes())
             chain.append(h.digest())
         return chain[:num_blocks]
+
+    def start(self, cache_salt: str | None) -> bytes:
+        """The chain's start: the cache's salt, or (a request's salt) a hash of both, which no salt-free chain
+        and no other salt reaches."""
+        if cache_salt is None:
+            return self.salt
+        return hashlib.blake2b(self.salt + b"\0" + cache_salt.encode(), digest_size=16, person=b"cache_salt").digest()
 
     def match(self, seq: CachingSequence, max_blocks: int) -> list[int]:
         blocks = []

@@ -16,6 +16,7 @@ class CachingSequence(Protocol):
     """What the block manager and a prefix cache read and keep on a sequence (a Sequence)."""
 
     token_ids: list[int]
+    cache_salt: str | None  # a request's own salt: its blocks match only blocks of the same salt
     num_computed_tokens: int
     block_table: list[int]
     block_hashes: list[bytes]
