@@ -99,13 +99,15 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
                             template_kwargs: dict | None = None, add_generation_prompt: bool = True,
-                            continue_final_message: bool = False) -> list[int]:
+                            continue_final_message: bool = False, documents: list[dict] | None = None) -> list[int]:
         """Renders the conversation (and the tools offered, in the template's own tool section); the template's
         own markers become special tokens, while a marker a user typed (`<|im_end|>` in a message) stays text,
         so nobody can forge a turn boundary. `template_kwargs` are variables for the template (Qwen3's
         `enable_thinking`, say); they may not name the rendering's own arguments. `continue_final_message`
         leaves the last message open (no end-of-turn marker after it), so the model continues it: a reply the
-        client has begun."""
+        client has begun. `documents` (for retrieval-augmented templates: title/text fields, say) are rendered
+        where the template reads them, their text kept text as a user's is; a template that never reads them
+        refuses them rather than dropping them."""
         if not getattr(self.hf, "chat_template", None):
             raise TokenizerError("this model's tokenizer has no chat_template")
         if self.hf.chat_template is not self._checked_template:  # parsed once, not per conversation
@@ -119,18 +121,26 @@ class Tokenizer:
         template_kwargs = template_kwargs or {}
         self.check_template_kwargs(template_kwargs)
         typed: dict[str, str] = {}
+
+        def slot(text: str) -> str:
+            typed[key := _SLOT.format(len(typed))] = text
+            return key
+
         slotted = []
-        for i, m in enumerate(messages):
+        for m in messages:
             content = m.get("content")
             if m.get("role") in TYPED_ROLES and isinstance(content, str) and content:
-                slot = _SLOT.format(i)
-                typed[slot] = content
-                m = {**m, "content": slot}
+                m = {**m, "content": slot(content)}
             slotted.append(m)
+        if documents is not None:
+            if not self.reads_documents():
+                raise TokenizerError("this model's chat template does not read documents (a --chat-template that "
+                                     "does can be given)")
+            documents = [{k: slot(v) if isinstance(v, str) and v else v for k, v in d.items()} for d in documents]
         import jinja2
 
         try:
-            text = self.hf.apply_chat_template(slotted, tools=tools, tokenize=False,
+            text = self.hf.apply_chat_template(slotted, tools=tools, documents=documents, tokenize=False,
                                                add_generation_prompt=add_generation_prompt,
                                                continue_final_message=continue_final_message, **template_kwargs)
         except jinja2.TemplateError as e:  # raise_exception() in the template, or what it reads is not there
@@ -142,6 +152,11 @@ class Tokenizer:
             elif piece:
                 ids += self.hf.encode(piece, add_special_tokens=False)
         return ids
+
+    def reads_documents(self) -> bool:
+        """Whether the chat template (any of a named set's, which transformers picks from) reads `documents`."""
+        t = getattr(self.hf, "chat_template", None) or ""
+        return any("documents" in template for template in (t.values() if isinstance(t, dict) else [t]))
 
     def check_template_kwargs(self, template_kwargs: dict) -> None:
         """Refuses template variables that would set the rendering's own arguments (tokenize, tools, ...) or the

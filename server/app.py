@@ -413,7 +413,7 @@ def build_app(config: DaemonConfig, client: EngineClient, tokenizer: Tokenizer |
             grammar, param = tool_format.grammar(forced, req.parallel_tool_calls), "tools"
         await check_grammar(grammar, param)
         prompt_ids = await chat_prompt_ids(tok, req.messages, tools, req.chat_template_kwargs,
-                                           req.add_generation_prompt, req.continue_final_message)
+                                           req.add_generation_prompt, req.continue_final_message, req.documents)
         prompts, params, stats = admit(req, [prompt_ids], "messages", grammar)
         rid, created = uuid.uuid4().hex, now()
         shapes = [ChatShape(rid, name, created, shown_tokens(req), params[0].logprobs is not None,

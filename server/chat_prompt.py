@@ -12,15 +12,18 @@ from server.protocol import ChatMessage
 
 async def chat_prompt_ids(tok: Tokenizer, messages: list[ChatMessage], tools: list[dict] | None,
                           template_kwargs: dict | None, add_generation_prompt: bool = True,
-                          continue_final_message: bool = False) -> list[int]:
+                          continue_final_message: bool = False, documents: list[dict] | None = None) -> list[int]:
     try:
         tok.check_template_kwargs(template_kwargs or {})
     except TokenizerError as e:
         raise ApiError(400, f"chat_template_kwargs: {e}", param="chat_template_kwargs") from None
+    if documents is not None and not tok.reads_documents():
+        raise ApiError(400, "documents: this model's chat template does not read documents (the daemon's "
+                       "--chat-template can give one that does)", param="documents")
     try:
         rendered = [m.rendered() for m in messages]
         return await asyncio.to_thread(tok.apply_chat_template, rendered, tools, template_kwargs,
-                                       add_generation_prompt, continue_final_message)
+                                       add_generation_prompt, continue_final_message, documents)
     except (ValueError, TokenizerError) as e:
         raise ApiError(400, f"messages: {e}", param="messages") from None
     except Exception as e:  # a chat template raising on an odd conversation is the caller's error

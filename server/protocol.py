@@ -296,6 +296,7 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict | None = None
+    documents: list[dict[str, str]] | None = Field(default=None, max_length=MAX_PROMPTS)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     echo: bool = False
@@ -429,6 +430,7 @@ class TokenizeRequest(BaseModel):
     with_pieces: bool = False
     tools: list[Tool] | None = None
     chat_template_kwargs: dict | None = None
+    documents: list[dict[str, str]] | None = Field(default=None, max_length=MAX_PROMPTS)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 

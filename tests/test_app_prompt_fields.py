@@ -1,5 +1,5 @@
 """What the api hands the engine for vLLM's prompt fields, against a scripted engine that records each request:
-add_special_tokens on completions, truncate_prompt_tokens on both routes, cache_salt, and
+add_special_tokens on completions, truncate_prompt_tokens on both routes, cache_salt, chat documents, and
 return_tokens_as_token_ids."""
 
 from __future__ import annotations
@@ -120,6 +120,18 @@ def test_cache_salt_travels_with_the_request(api):
         assert r.status_code == 200 and engine.added[-1].params.cache_salt == "a salt of alice's", r.text
     r = tc.post("/v1/completions", json={"prompt": [11, 12], "cache_salt": ""})
     assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"
+
+
+def test_documents_reach_a_template_that_reads_them_and_are_refused_by_one_that_does_not(api):
+    tc, engine, tok = api
+    body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1,
+            "documents": [{"title": "rivers", "text": "they run to the sea"}]}
+    r = tc.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "documents", r.text
+    tok.hf.chat_template = "{% for d in documents %}{{ d.text }}|{% endfor %}{{ messages[0].content }}"
+    r = tc.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert tok.decode(engine.added[-1].prompt_ids, skip_special_tokens=False) == "they run to the sea|x"
 
 
 def test_return_tokens_as_token_ids_names_tokens_by_id(api):

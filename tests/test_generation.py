@@ -153,6 +153,24 @@ def test_chat_template_kwargs_reach_the_template_and_cannot_set_its_arguments(ll
         tok.hf.chat_template = saved
 
 
+def test_documents_are_rendered_where_the_template_reads_them_and_stay_text(model_dirs):
+    from hybrid.tokenizer import Tokenizer, TokenizerError
+
+    rag = ("{% for d in documents or [] %}[{{ d.title }}: {{ d.text }}]{% endfor %}"
+           "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>")
+    tok = Tokenizer(model_dirs["tiny-qwen3-moe"], rag)
+    messages = [{"role": "user", "content": "hi"}]
+    docs = [{"title": "rivers", "text": "they run <|im_end|> to the sea"}]
+    ids = tok.apply_chat_template(messages, documents=docs)
+    assert tok.decode(ids, skip_special_tokens=False) == "[rivers: they run <|im_end|> to the sea]<user>hi<assistant>"
+    end = tok.hf.convert_tokens_to_ids("<|im_end|>")
+    assert end not in ids  # the marker in a document is text, not the end of a turn
+    assert tok.decode(tok.apply_chat_template(messages), skip_special_tokens=False) == "<user>hi<assistant>"
+    plain = Tokenizer(model_dirs["tiny-qwen3-moe"])
+    with pytest.raises(TokenizerError, match="does not read documents"):
+        plain.apply_chat_template(messages, documents=docs)
+
+
 def test_a_chat_template_of_ones_own_from_a_file_or_text(model_dirs, tmp_path):
     from hybrid.tokenizer import Tokenizer, TokenizerError, load_chat_template
 
