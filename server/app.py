@@ -418,7 +418,7 @@ def build_app(config: DaemonConfig, client: EngineClient, tokenizer: Tokenizer |
         rid, created = uuid.uuid4().hex, now()
         shapes = [ChatShape(rid, name, created, shown_tokens(req), params[0].logprobs is not None,
                             tool_format if req.calls_tools else None, req.parallel_tool_calls, req.echoed,
-                            req.prompt_logprobs) for _ in params]
+                            req.prompt_logprobs, prompts[0] if req.return_token_ids else None) for _ in params]
         return await run(request, req.stream, prompts, params, stats, shapes, req.include_usage)
 
     @app.post("/v1/completions")
@@ -441,7 +441,8 @@ def build_app(config: DaemonConfig, client: EngineClient, tokenizer: Tokenizer |
             if tokenizer is not None:
                 echoes = [e or await asyncio.to_thread(tokenizer.decode, ids, False) for e, ids in zip(echoes, encoded)]
         rid, created = uuid.uuid4().hex, now()
-        shapes = [CompletionShape(rid, name, created, shown_tokens(req), req.logprobs, echo, ids, req.prompt_logprobs)
+        shapes = [CompletionShape(rid, name, created, shown_tokens(req), req.logprobs, echo, ids, req.prompt_logprobs,
+                                  req.return_token_ids)
                   for ids, echo in zip(encoded, echoes) for _ in range(req.n)]  # admit's order of choices
         return await run(request, req.stream, prompts, params, stats, shapes, req.include_usage)
 

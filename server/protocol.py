@@ -46,7 +46,8 @@ MAX_PROMPTS = 64  # a completions request's batch of prompts
 NULL_MEANS_DEFAULT = {"temperature", "top_p", "top_k", "presence_penalty", "frequency_penalty", "repetition_penalty",
                       "min_p", "min_tokens", "include_stop_str_in_output", "stop_token_ids", "ignore_eos",
                       "skip_special_tokens", "stream", "n", "add_generation_prompt", "continue_final_message",
-                      "echo", "bad_words", "return_tokens_as_token_ids", "add_special_tokens"}
+                      "echo", "bad_words", "return_tokens_as_token_ids", "add_special_tokens",
+                      "return_token_ids"}
 log = logging.getLogger(__name__)
 # Unknown fields are logged once per name, names cut short and at most this many: a client cannot fill the log.
 WARNED_FIELDS = 256
@@ -141,6 +142,7 @@ class SamplingFields(ConstraintFields):
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
     cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
     return_tokens_as_token_ids: bool = False
+    return_token_ids: bool = False
     allowed_token_ids: list[int] | None = Field(default=None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)
     bad_words: list[str] = Field(default_factory=list, max_length=MAX_BAD_WORDS // 2)
 

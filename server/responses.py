@@ -28,17 +28,23 @@ class ResponseShape:
     asking for `n` choices has one shape each, told apart by `index`). `chunk` returns None when a delta carries
     nothing to send (text held back by the stop-string check, and no logprobs). `echo_text` (None: no echo)
     comes before the first delta's text; `prompt_logprobs` (None: not asked) is how many alternatives each prompt
-    token's entry shows."""
+    token's entry shows; `shown_prompt_ids` (vLLM's return_token_ids) puts the prompt's and the generated token
+    ids beside the text."""
 
     object_name = ""
     chunk_object_name = ""
     id_prefix = ""
 
     def __init__(self, rid: str, model: str, created: int, token_text: TokenText, logprobs: bool,
-                 echo_text: str | None = None, prompt_logprobs: int | None = None):
+                 echo_text: str | None = None, prompt_logprobs: int | None = None,
+                 shown_prompt_ids: list[int] | None = None):
         self.rid, self.model, self.created, self.token_text, self.logprobs = rid, model, created, token_text, logprobs
         self.echo_text = echo_text
         self.prompt_top = prompt_logprobs
+        self.shown_prompt_ids = shown_prompt_ids  # with vLLM's return_token_ids: the prompt's ids, else None
+        self.token_ids: list[int] = []
+        self.unsent_ids: list[int] = []  # generated, not yet in a chunk (a chunk held back leaves them here)
+        self.sent_prompt_ids = False
         self.prompt_entries: list[TokenLogprob | None] = []
         self.index = 0  # the choice's place among the request's `n`
         self.parts: list[str] = []
@@ -65,11 +71,28 @@ class ResponseShape:
             text = self.echo_text + text
         self.parts.append(text)
         self.entries += entries
+        self.token_ids += msg.token_ids
+        self.unsent_ids += msg.token_ids
         if self.prompt_top is not None and msg.prompt_logprobs:
             self.prompt_entries += msg.prompt_logprobs
         if msg.finished:
             self.finish_reason = msg.finish_reason
         return text, entries
+
+    def ids_json(self, chunk: bool) -> dict:
+        """A choice's `token_ids` (a chunk's: those since the last chunk sent) when they were asked for."""
+        if self.shown_prompt_ids is None:
+            return {}
+        ids = self.unsent_ids if chunk else self.token_ids
+        self.unsent_ids = []
+        return {"token_ids": ids}
+
+    def prompt_ids_json(self, chunk: bool) -> dict:
+        """`prompt_token_ids` when they were asked for: in the whole body, or in the first chunk sent."""
+        if self.shown_prompt_ids is None or (chunk and self.sent_prompt_ids):
+            return {}
+        self.sent_prompt_ids = chunk
+        return {"prompt_token_ids": self.shown_prompt_ids}
 
     def prompt_logprobs_json(self) -> list[dict | None]:
         """vLLM's prompt_logprobs: per prompt token (the first, which nothing predicts, has None) the logprob, rank
@@ -113,8 +136,9 @@ class ChatShape(ResponseShape):
 
     def __init__(self, rid: str, model: str, created: int, token_text: TokenText, logprobs: bool,
                  tool_format: ToolCallFormat | None = None, parallel_tool_calls: bool = True, echo_text: str = "",
-                 prompt_logprobs: int | None = None):
-        super().__init__(rid, model, created, token_text, logprobs, echo_text or None, prompt_logprobs)
+                 prompt_logprobs: int | None = None, shown_prompt_ids: list[int] | None = None):
+        super().__init__(rid, model, created, token_text, logprobs, echo_text or None, prompt_logprobs,
+                         shown_prompt_ids)
         self.tools = ToolCallStream(tool_format, parallel_tool_calls) if tool_format is not None else None
 
     def reason(self, finish_reason: str | None) -> str | None:
@@ -146,8 +170,9 @@ class ChatShape(ResponseShape):
         if not (delta.get("content") or delta.get("tool_calls") or msg.finished or entries):
             return None
         logprobs = {"content": entries, "refusal": None} if self.logprobs else None
-        return self.body([{"index": self.index, "delta": delta, "logprobs": logprobs,
-                           "finish_reason": self.reason(msg.finish_reason)}], True)
+        return {**self.body([{"index": self.index, "delta": delta, "logprobs": logprobs,
+                              "finish_reason": self.reason(msg.finish_reason), **self.ids_json(True)}], True),
+                **self.prompt_ids_json(True)}
 
     def final(self, usage: dict) -> dict:
         logprobs = {"content": self.entries, "refusal": None} if self.logprobs else None
@@ -158,10 +183,10 @@ class ChatShape(ResponseShape):
             if calls:
                 message.update(content=content or None, tool_calls=[tool_call_json(c) for c in calls])
         body = self.body([{"index": self.index, "message": message, "logprobs": logprobs,
-                           "finish_reason": self.reason(self.finish_reason)}], False, usage)
+                           "finish_reason": self.reason(self.finish_reason), **self.ids_json(False)}], False, usage)
         if self.prompt_top is not None:
             body["prompt_logprobs"] = self.prompt_logprobs_json()
-        return body
+        return {**body, **self.prompt_ids_json(False)}
 
 
 class CompletionShape(ResponseShape):
@@ -171,8 +196,10 @@ class CompletionShape(ResponseShape):
     id_prefix = "cmpl"
 
     def __init__(self, rid: str, model: str, created: int, token_text: TokenText, logprobs: int | None,
-                 echo_text: str | None, prompt_ids: list[int], prompt_logprobs: int | None = None):
-        super().__init__(rid, model, created, token_text, logprobs is not None, echo_text, prompt_logprobs)
+                 echo_text: str | None, prompt_ids: list[int], prompt_logprobs: int | None = None,
+                 return_token_ids: bool = False):
+        super().__init__(rid, model, created, token_text, logprobs is not None, echo_text, prompt_logprobs,
+                         prompt_ids if return_token_ids else None)
         self.top = logprobs or 0
         self.first_prompt_id = prompt_ids[0]
         self.offset = 0
@@ -203,12 +230,13 @@ class CompletionShape(ResponseShape):
             return None
         logprobs = self.lists(entries) if self.logprobs else None
         return self.body([{"index": self.index, "text": text, "logprobs": logprobs,
-                           "finish_reason": msg.finish_reason}], True)
+                           "finish_reason": msg.finish_reason, **self.prompt_ids_json(True), **self.ids_json(True)}],
+                         True)
 
     def final(self, usage: dict) -> dict:
         logprobs = self.lists(self.entries) if self.logprobs else None
         choice = {"index": self.index, "text": "".join(self.parts), "logprobs": logprobs,
-                  "finish_reason": self.finish_reason}
+                  "finish_reason": self.finish_reason, **self.prompt_ids_json(False), **self.ids_json(False)}
         if self.prompt_top is not None:
             choice["prompt_logprobs"] = self.prompt_logprobs_json()
         return self.body([choice], False, usage)

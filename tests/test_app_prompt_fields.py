@@ -1,9 +1,10 @@
 """What the api hands the engine for vLLM's prompt fields, against a scripted engine that records each request:
-add_special_tokens on completions, truncate_prompt_tokens on both routes, cache_salt, chat documents, and
-return_tokens_as_token_ids."""
+add_special_tokens on completions, truncate_prompt_tokens on both routes, cache_salt, chat documents,
+return_tokens_as_token_ids, and the token ids return_token_ids puts beside the text."""
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 
@@ -132,6 +133,22 @@ def test_documents_reach_a_template_that_reads_them_and_are_refused_by_one_that_
     r = tc.post("/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text
     assert tok.decode(engine.added[-1].prompt_ids, skip_special_tokens=False) == "they run to the sea|x"
+
+
+def test_return_token_ids_gives_the_prompts_and_the_generated_ids_whole_and_streamed(api):
+    tc, engine, _ = api
+    body = {"prompt": [11, 12, 13], "max_tokens": 1, "return_token_ids": True}
+    choice = tc.post("/v1/completions", json=body).json()["choices"][0]
+    assert choice["prompt_token_ids"] == [11, 12, 13] and choice["token_ids"] == [5]
+    chunks = [line for line in tc.post("/v1/completions", json={**body, "stream": True}).text.splitlines()
+              if line.startswith("data: {")]
+    sent = [json.loads(line[6:])["choices"][0] for line in chunks]
+    assert sent[0]["prompt_token_ids"] == [11, 12, 13] and [t for c in sent for t in c["token_ids"]] == [5]
+    chat = tc.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                 "return_token_ids": True}).json()
+    assert chat["prompt_token_ids"] == engine.added[-1].prompt_ids and chat["choices"][0]["token_ids"] == [5]
+    plain = tc.post("/v1/completions", json={"prompt": [11, 12, 13], "max_tokens": 1}).json()["choices"][0]
+    assert "token_ids" not in plain and "prompt_token_ids" not in plain
 
 
 def test_return_tokens_as_token_ids_names_tokens_by_id(api):

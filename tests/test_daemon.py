@@ -163,6 +163,23 @@ def test_prompt_logprobs_in_vllms_shape_agree_with_the_echoed_ones(daemon):
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs", r.text
 
 
+def test_streamed_token_ids_are_the_whole_replys_even_where_text_is_held_back(daemon):
+    """return_token_ids streamed: chunks the stop-string check holds back keep their ids for the next chunk."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me about rivers."}], "max_tokens": 12,
+            "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    whole = httpx.post(f"{daemon.url}/v1/chat/completions", json=body, timeout=60).json()
+    ids = whole["choices"][0]["token_ids"]
+    stop = whole["choices"][0]["message"]["content"][-3:]  # the reply's end: every token before it is held back
+    assert len(ids) == 12 and stop
+    with httpx.stream("POST", f"{daemon.url}/v1/chat/completions", timeout=60,
+                      json={**body, "stream": True, "stop": [stop + "never"]}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    sent = [ch.get("token_ids", []) for c in chunks for ch in c["choices"]]
+    assert [t for ids_of_chunk in sent for t in ids_of_chunk] == ids
+    assert max(map(len, sent)) > 1  # a chunk carried ids of tokens whose text was held back
+    assert [c["prompt_token_ids"] for c in chunks if "prompt_token_ids" in c] == [whole["prompt_token_ids"]]
+
+
 def test_n_choices_sample_apart_and_stream_as_they_answer(client):
     """n=3 seeded: three choices drawn from seeds 7, 8, 9 (the first as a one-choice request with seed 7 draws
     it), usage counting each choice's tokens and the prompt once; streamed, each index's chunks give that
