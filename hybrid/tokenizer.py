@@ -24,6 +24,10 @@ class MissingTokenizer(TokenizerError):
     """A model directory without tokenizer.json: it can still serve token ids."""
 
 
+class DocumentsUnread(TokenizerError):
+    """Documents given to a chat template that never reads them."""
+
+
 def load_chat_template(value: str) -> str:
     """A chat template given as a file path or as the Jinja text itself (as vLLM's --chat-template takes it),
     checked to parse; raises TokenizerError naming the problem."""
@@ -111,9 +115,8 @@ class Tokenizer:
         if not getattr(self.hf, "chat_template", None):
             raise TokenizerError("this model's tokenizer has no chat_template")
         if self.hf.chat_template is not self._checked_template:  # parsed once, not per conversation
-            templates = t.values() if isinstance(t := self.hf.chat_template, dict) else [t]  # named, or one
             try:
-                for template in templates:
+                for template in self._templates():
                     check_template_syntax(template)
             except TokenizerError as e:
                 raise TokenizerError(f"{self.template_source} {e} (--chat-template replaces it)") from None
@@ -133,9 +136,9 @@ class Tokenizer:
                 m = {**m, "content": slot(content)}
             slotted.append(m)
         if documents is not None:
-            if not self.reads_documents():
-                raise TokenizerError("this model's chat template does not read documents (a --chat-template that "
-                                     "does can be given)")
+            if not any("documents" in template for template in self._templates()):
+                raise DocumentsUnread("this model's chat template does not read documents (a --chat-template that "
+                                      "does can be given)")
             documents = [{k: slot(v) if isinstance(v, str) and v else v for k, v in d.items()} for d in documents]
         import jinja2
 
@@ -153,10 +156,10 @@ class Tokenizer:
                 ids += self.hf.encode(piece, add_special_tokens=False)
         return ids
 
-    def reads_documents(self) -> bool:
-        """Whether the chat template (any of a named set's, which transformers picks from) reads `documents`."""
-        t = getattr(self.hf, "chat_template", None) or ""
-        return any("documents" in template for template in (t.values() if isinstance(t, dict) else [t]))
+    def _templates(self) -> list[str]:
+        """The chat template's text: one, or each of a named set (transformers picks among them per call)."""
+        t = self.hf.chat_template
+        return list(t.values()) if isinstance(t, dict) else [t]
 
     def check_template_kwargs(self, template_kwargs: dict) -> None:
         """Refuses template variables that would set the rendering's own arguments (tokenize, tools, ...) or the

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from hybrid.tokenizer import Tokenizer, TokenizerError
+from hybrid.tokenizer import DocumentsUnread, Tokenizer, TokenizerError
 from server.api_error import ApiError
 from server.protocol import ChatMessage
 
@@ -17,13 +17,12 @@ async def chat_prompt_ids(tok: Tokenizer, messages: list[ChatMessage], tools: li
         tok.check_template_kwargs(template_kwargs or {})
     except TokenizerError as e:
         raise ApiError(400, f"chat_template_kwargs: {e}", param="chat_template_kwargs") from None
-    if documents is not None and not tok.reads_documents():
-        raise ApiError(400, "documents: this model's chat template does not read documents (the daemon's "
-                       "--chat-template can give one that does)", param="documents")
     try:
         rendered = [m.rendered() for m in messages]
         return await asyncio.to_thread(tok.apply_chat_template, rendered, tools, template_kwargs,
                                        add_generation_prompt, continue_final_message, documents)
+    except DocumentsUnread as e:
+        raise ApiError(400, f"documents: {e}", param="documents") from None
     except (ValueError, TokenizerError) as e:
         raise ApiError(400, f"messages: {e}", param="messages") from None
     except Exception as e:  # a chat template raising on an odd conversation is the caller's error
