@@ -117,3 +117,21 @@ def test_engine_carries_on_when_the_mask_process_dies(model_dirs, caplog):
         assert llm.generate("{", params)[0].token_ids == want[1]
     finally:
         llm.close()
+
+
+def test_unconstrained_steps_exchange_nothing_with_the_mask_process_and_close_stops_it():
+    llm = LLM(DEFAULT_MODEL_DIR, max_num_seqs=2)
+    masks = llm.engine.sampler.masks
+    try:
+        constrained = SamplingParams(max_tokens=4, temperature=0, grammar=json_object_grammar())
+        llm.generate("{", constrained)
+        while not masks.process_ready:
+            llm.generate("{", constrained)
+        llm.generate("{", constrained)
+        process, sent = masks._process, masks._process.channel.seq
+        free = llm.generate("Once upon a time", SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+        assert len(free[0].token_ids) == 24
+        assert masks._process.channel.seq - sent <= 2  # the finished request's drop and its reply
+    finally:
+        llm.close()
+    assert process.process.returncode == 0  # it read Stop, and was not killed

@@ -208,12 +208,12 @@ class MaskPrefetcher:
     def submit(self, seqs: list[Sequence]) -> None:
         """Sends the new tokens of seqs (those with a matcher and not finished) to the mask process, which
         starts computing their next masks; returns at once."""
-        if not (seqs or self._followed) or not self._usable():
+        live = [seq for seq in seqs if seq.matcher is not None and not seq.is_finished]
+        if not (live or self._followed) or not self._usable():  # an unconstrained step costs the process nothing
             return
         self._hold()
         if self._broken:
             return
-        live = [seq for seq in seqs if seq.matcher is not None and not seq.is_finished]
         last = self._last
         if last is not None and not self._held and live == last[0] and len(live) == len(self._followed):
             self._ask(Advance([seq.token_ids[-1] for seq in live]), live, [p + 1 for p in last[1]])
@@ -288,5 +288,7 @@ class MaskPrefetcher:
 
     def close(self) -> None:
         if self._process is not None:
-            self._process.close()
+            self._hold()  # the process reads Stop only once its last reply is taken
+            if self._process is not None:
+                self._process.close()
             self._process = None
