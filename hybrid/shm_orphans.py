@@ -43,14 +43,22 @@ def create_owned(prefix: str, directory: Path = SHM_DIR, is_dir: bool = False) -
 
 
 def remove_orphans(prefix: str, directory: Path = SHM_DIR) -> int:
-    """Removes the files under `prefix` whose process is gone; returns how many."""
+    """Removes this user's files under `prefix` whose process is gone; returns how many. Another user's file of
+    that name (planted in a shared /tmp, say) is left alone: it is not an orphan of ours, and not ours to
+    remove."""
     removed = 0
     for path in directory.glob(f"{prefix}*"):
         m = re.fullmatch(re.escape(prefix) + r"(\d+)-\d+", path.name)
-        if m and not psutil.pid_exists(int(m.group(1))):
-            if path.is_dir():
+        if not m or psutil.pid_exists(int(m.group(1))):
+            continue
+        try:
+            if path.lstat().st_uid != os.getuid():
+                continue
+            if path.is_dir() and not path.is_symlink():
                 shutil.rmtree(path, ignore_errors=True)
             else:
                 path.unlink(missing_ok=True)
-            removed += 1
+        except OSError:  # gone meanwhile, or not removable: either way no orphan of ours is left to count
+            continue
+        removed += 1
     return removed

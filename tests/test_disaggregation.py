@@ -352,3 +352,20 @@ def test_hybrid_pair_with_the_cpu_as_device(device_path_model):
 def test_hybrid_pair_on_a_gpu(any_model):
     """KV pools on the GPU, handed over through host shared memory (CUDA IPC has its own daemon test)."""
     check_hybrid_pair(any_model, "cuda:0")
+
+
+def test_a_dead_senders_file_of_another_user_is_left_alone(tmp_path, monkeypatch):
+    import os
+    import subprocess
+    import sys
+
+    import hybrid.shm_orphans
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    planted = tmp_path / f"{PREFIX}{int(dead.stdout)}-1"
+    planted.write_bytes(b"x")
+    real = os.getuid()
+    monkeypatch.setattr(hybrid.shm_orphans.os, "getuid", lambda: real + 1)  # the file is now someone else's
+    assert remove_orphans(PREFIX, tmp_path) == 0 and planted.exists()
+    monkeypatch.setattr(hybrid.shm_orphans.os, "getuid", lambda: real)
+    assert remove_orphans(PREFIX, tmp_path) == 1 and not planted.exists()

@@ -278,3 +278,22 @@ def test_a_dead_follower_fails_the_step_at_once(model_dirs, two_nodes, when):
         start = time.monotonic()
         llm.close()
         assert time.monotonic() - start < 10
+
+
+def test_a_follower_spawn_that_fails_partway_kills_the_followers_started_before_it(model_dirs, monkeypatch):
+    from hybrid.config import EngineConfig
+    from hybrid.distributed.launcher import ParallelRun
+
+    started = []
+
+    def spawn(config, rank, world, store):
+        if started:
+            raise OSError("no more processes")
+        started.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]))
+        return started[0]
+
+    monkeypatch.setenv("HYBRIDD_NUMA_NODES", "0;1;0")
+    monkeypatch.setattr(ParallelRun, "_spawn", staticmethod(spawn))
+    with pytest.raises(OSError, match="no more processes"):
+        ParallelRun.join(EngineConfig(model=model_dirs["tiny-qwen3-moe"], tp=3))
+    started[0].wait(timeout=10)  # killed, not left to time out

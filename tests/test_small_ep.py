@@ -233,3 +233,19 @@ def test_each_device_registers_only_its_share(model_dirs):
 def test_attention_on_another_gpu_than_the_first_is_refused(model_dirs):
     with pytest.raises(ConfigError, match="first .* runs attention"):
         EngineConfig(model=model_dirs["tiny-qwen3-moe"], gpus=[0, 1], attn_device="cuda:1")
+
+
+def test_a_spawn_that_fails_partway_kills_the_ranks_started_before_it(model_dirs, monkeypatch, tmp_path):
+    started, real_popen = [], subprocess.Popen
+
+    def popen(*args, **kw):
+        if started:
+            raise OSError("no more processes")
+        started.append(real_popen([sys.executable, "-c", "import time; time.sleep(60)"]))
+        return started[0]
+
+    monkeypatch.setattr(small_ep_module.subprocess, "Popen", popen)
+    config = EngineConfig(model=model_dirs["tiny-qwen3-moe"], gpus=[0, 1, 2], attn_device="cpu")
+    with pytest.raises(OSError, match="no more processes"):
+        small_ep_module.start_expert_ranks(config, tmp_path, 8, 2, torch.float32)
+    assert started and started[0].poll() is not None  # killed, not left to time out

@@ -44,7 +44,8 @@ class ParallelRun:
         store = LocalStore(world, JOIN_TIMEOUT)
         followers = []
         try:
-            followers = [cls._spawn(config, rank, world, store) for rank in range(1, world)]
+            for rank in range(1, world):  # one by one: a spawn that fails leaves the earlier ones to kill
+                followers.append(cls._spawn(config, rank, world, store))
             _confine(0, world)
             state = ParallelState.join(config.tp, config.pp, config.all_reduce, store.store)
         except BaseException:

@@ -265,19 +265,22 @@ def start_expert_ranks(engine: EngineConfig, pack_dir: Path, hidden: int, top_k:
     config = json.loads(engine_config_json(engine))
     processes = []
     try:
-        for rank in range(1, world):
-            arg = json.dumps({"engine": config, "pack": str(pack_dir), "hidden": hidden, "top_k": top_k,
-                              "dtype": str(dtype).removeprefix("torch."), "rank": rank, "world": world,
-                              "device": str(devices[rank]), "parent": os.getpid()})
-            # unpin_child: a thread the kernel pool pinned would hand its one core down
-            processes.append(subprocess.Popen([sys.executable, "-m", "hybrid.experts.expert_rank", arg],
-                                              env=dict(os.environ, **local.child_env()), preexec_fn=unpin_child))
         try:
+            for rank in range(1, world):
+                arg = json.dumps({"engine": config, "pack": str(pack_dir), "hidden": hidden, "top_k": top_k,
+                                  "dtype": str(dtype).removeprefix("torch."), "rank": rank, "world": world,
+                                  "device": str(devices[rank]), "parent": os.getpid()})
+                # unpin_child: a thread the kernel pool pinned would hand its one core down
+                processes.append(subprocess.Popen([sys.executable, "-m", "hybrid.experts.expert_rank", arg],
+                                                  env=dict(os.environ, **local.child_env()), preexec_fn=unpin_child))
             _wait_ready(local.store, processes)
             groups = PeerGroups(local.store, 0, world, devices[0], PEER_TIMEOUT, CONTROL_TIMEOUT)
         except (RuntimeError, CommunicationError) as e:
             _kill(processes)
             raise CommunicationError(f"SmallEP: the expert ranks did not join: {e}") from e
+        except BaseException:  # a spawn that failed (no fork, say): the ranks started before it go too
+            _kill(processes)
+            raise
         peers = ExpertPeers(groups, processes, hidden, top_k)
         try:
             peers.probe(1, dtype, devices[0])  # NCCL connects lazily, through the store: now, not in the first pass
