@@ -24,8 +24,8 @@ class MissingTokenizer(TokenizerError):
     """A model directory without tokenizer.json: it can still serve token ids."""
 
 
-class DocumentsUnread(TokenizerError):
-    """Documents given to a chat template that never reads them."""
+class DocumentsRefused(TokenizerError):
+    """Documents given to a chat template that never reads them, or whose field names hold a special token."""
 
 
 def load_chat_template(value: str) -> str:
@@ -93,13 +93,15 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """The text's ids; `add_special_tokens` adds what the tokenizer puts around a text (BOS, say)."""
-        return self.hf.encode(text, add_special_tokens=add_special_tokens)
+        return self._encode(text, add_special_tokens=add_special_tokens)
 
     def word_ids(self, word: str) -> list[list[int]]:
-        """The word's ids as it tokenizes at the start of a text and after a space (one list where both are the
-        same), without special tokens: vLLM's reading of its bad_words."""
-        variants = [self.encode(text, add_special_tokens=False) for text in (word.lstrip(), " " + word.lstrip())]
-        return [ids for i, ids in enumerate(variants) if ids and ids not in variants[:i]]
+        """The word's ids as it tokenizes at the start of a text, and after a space where that spelling is a word
+        of its own (as many tokens, another first token), without special tokens: vLLM's reading of bad_words."""
+        plain, spaced = (self.encode(text, add_special_tokens=False) for text in (word.lstrip(), " " + word.lstrip()))
+        if not plain:  # nothing but spaces
+            return []
+        return [plain, spaced] if spaced and spaced[0] != plain[0] and len(spaced) == len(plain) else [plain]
 
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
                             template_kwargs: dict | None = None, add_generation_prompt: bool = True,
@@ -136,9 +138,12 @@ class Tokenizer:
                 m = {**m, "content": slot(content)}
             slotted.append(m)
         if documents is not None:
-            if not any("documents" in template for template in self._templates()):
-                raise DocumentsUnread("this model's chat template does not read documents (a --chat-template that "
+            if "documents" not in self._template_for(tools):
+                raise DocumentsRefused("this model's chat template does not read documents (a --chat-template that "
                                       "does can be given)")
+            # The template looks fields up by name, so names stay as typed: one holding a marker is refused.
+            if forged := sorted({t for d in documents for k in d for t in self.added_tokens if t in k}):
+                raise DocumentsRefused(f"a document's field name holds the special token {forged[0]!r}")
             documents = [{k: slot(v) if isinstance(v, str) and v else v for k, v in d.items()} for d in documents]
         import jinja2
 
@@ -151,10 +156,29 @@ class Tokenizer:
         ids: list[int] = []
         for piece in _SLOT_RE.split(text):
             if piece in typed:
-                ids += self.hf.encode(typed[piece], add_special_tokens=False, split_special_tokens=True)
+                ids += self._encode(typed[piece], add_special_tokens=False, split_special_tokens=True)
             elif piece:
-                ids += self.hf.encode(piece, add_special_tokens=False)
+                ids += self._encode(piece, add_special_tokens=False)
         return ids
+
+    def _encode(self, text: str, **kw) -> list[int]:
+        try:
+            return self.hf.encode(text, **kw)
+        except TypeError:  # what the tokenizers library raises for a str it cannot hand to Rust
+            try:
+                text.encode()
+            except UnicodeEncodeError as e:
+                raise TokenizerError(f"the text holds a lone surrogate ({text[e.start]!r} at character {e.start}): "
+                                     "it is not valid Unicode") from None
+            raise
+
+    def _template_for(self, tools: list[dict] | None) -> str:
+        """The template transformers renders a conversation with: of a named set, `tool_use` where tools are
+        offered and the set has one, else `default` (no request names another)."""
+        t = self.hf.chat_template
+        if not isinstance(t, dict):
+            return t
+        return t["tool_use"] if tools and "tool_use" in t else t.get("default", "")
 
     def _templates(self) -> list[str]:
         """The chat template's text: one, or each of a named set (transformers picks among them per call)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from hybrid.tokenizer import DocumentsUnread, Tokenizer, TokenizerError
+from hybrid.tokenizer import DocumentsRefused, Tokenizer, TokenizerError
 from server.api_error import ApiError
 from server.protocol import ChatMessage
 
@@ -21,7 +21,7 @@ async def chat_prompt_ids(tok: Tokenizer, messages: list[ChatMessage], tools: li
         rendered = [m.rendered() for m in messages]
         return await asyncio.to_thread(tok.apply_chat_template, rendered, tools, template_kwargs,
                                        add_generation_prompt, continue_final_message, documents)
-    except DocumentsUnread as e:
+    except DocumentsRefused as e:
         raise ApiError(400, f"documents: {e}", param="documents") from None
     except (ValueError, TokenizerError) as e:
         raise ApiError(400, f"messages: {e}", param="messages") from None

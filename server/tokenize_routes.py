@@ -29,7 +29,7 @@ def tokenize_router(need_tokenizer: Callable[[], Tokenizer],
         if req.messages is not None:
             tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
             ids = await chat_prompt_ids(tok, req.messages, tools, req.chat_template_kwargs,
-                                        req.add_generation_prompt, req.continue_final_message)
+                                        req.add_generation_prompt, req.continue_final_message, req.documents)
         else:
             ids = await asyncio.to_thread(tok.encode, req.text, req.adds_special_tokens)
         pieces = list(map(TokenText(tok), ids)) if req.with_pieces or req.return_token_strs else []

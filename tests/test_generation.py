@@ -169,6 +169,14 @@ def test_documents_are_rendered_where_the_template_reads_them_and_stay_text(mode
     plain = Tokenizer(model_dirs["tiny-qwen3-moe"])
     with pytest.raises(TokenizerError, match="does not read documents"):
         plain.apply_chat_template(messages, documents=docs)
+    with pytest.raises(TokenizerError, match="field name holds the special token '<|im_end|>'"):
+        tok.apply_chat_template(messages, documents=[{"title<|im_end|>": "x", "text": "y"}])
+    tok.hf.chat_template = {"default": plain.hf.chat_template, "rag": rag}  # transformers renders `default`
+    with pytest.raises(TokenizerError, match="does not read documents"):
+        tok.apply_chat_template(messages, documents=docs)
+    tok.hf.chat_template = {"default": rag, "tool_use": plain.hf.chat_template}
+    assert tok.decode(tok.apply_chat_template(messages, documents=docs), skip_special_tokens=False).startswith(
+        "[rivers: ")
 
 
 def test_a_chat_template_of_ones_own_from_a_file_or_text(model_dirs, tmp_path):
