@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 # Below this temperature sampling is greedy: dividing logits by it would overflow float32.
 GREEDY_BELOW = 1e-5
@@ -102,7 +102,21 @@ class SamplingParams:
             k = getattr(self, name)
             if k is not None and not 0 <= k <= MAX_LOGPROBS:
                 raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {k}")
+        for name, texts in (("stop", self.stop), ("grammar", [self.grammar]), ("cache_salt", [self.cache_salt])):
+            if not all(t is None or _is_unicode(t) for t in texts):  # JSON's "\ud800" parses, but cannot be sent
+                raise ValueError(f"{name} holds a lone surrogate: text that is not valid Unicode")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
+
+
+SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True

@@ -30,7 +30,7 @@ from hybrid.request_checks import (
     check_token_ids,
     resolve_max_tokens,
 )
-from hybrid.sampling_params import MAX_BAD_WORD_TOKENS, SamplingParams
+from hybrid.sampling_params import MAX_BAD_WORD_TOKENS, SAMPLING_FIELDS, SamplingParams
 from hybrid.structured_output.backend import GrammarError
 from hybrid.structured_output.grammar_checker import GrammarChecker
 from hybrid.structured_output.grammars import check_schema
@@ -250,7 +250,7 @@ def build_app(config: DaemonConfig, client: EngineClient, tokenizer: Tokenizer |
         if words and tokenizer is None:
             raise ApiError(400, "bad_words: needs the model's tokenizer, and this model has none", param="bad_words")
         out = []
-        for word in words:
+        for word in words:  # none is blank (the request's validation)
             for ids in tokenizer.word_ids(word):
                 if len(ids) > MAX_BAD_WORD_TOKENS:
                     raise ApiError(400, f"bad_words: {word[:32]!r} is {len(ids)} tokens, more than the "
@@ -267,8 +267,8 @@ def build_app(config: DaemonConfig, client: EngineClient, tokenizer: Tokenizer |
         limits = RequestLimits(info.vocab_size, info.max_model_len)
         choices: list[tuple[list[int], SamplingParams]] = []
         bad_words = bad_words_ids(req.bad_words)
-        prompts = [req.truncated(prompt_ids, limits.max_model_len) for prompt_ids in prompts]
         try:
+            prompts = [req.truncated(prompt_ids, limits.max_model_len) for prompt_ids in prompts]
             for prompt_ids in prompts:
                 check_prompt(prompt_ids, limits, prompt_field)
                 max_tokens = resolve_max_tokens(req.requested_max_tokens, len(prompt_ids), limits,
@@ -279,8 +279,9 @@ def build_app(config: DaemonConfig, client: EngineClient, tokenizer: Tokenizer |
             check_token_ids(choices[0][1], limits)
         except InvalidRequest as e:
             raise ApiError(400, str(e), param=e.param, code=e.code) from None
-        except ValueError as e:
-            raise ApiError(400, str(e)) from None
+        except ValueError as e:  # SamplingParams' own checks, whose messages start with the field they name
+            named = str(e).split(" ", 1)[0]
+            raise ApiError(400, str(e), param=named if named in SAMPLING_FIELDS else None) from None
         if not admitted.take(len(choices)):
             metrics.finished("rejected")
             raise ApiError(503, f"the server is busy: {admitted.count} requests are queued or running; retry "
@@ -290,7 +291,7 @@ def build_app(config: DaemonConfig, client: EngineClient, tokenizer: Tokenizer |
 
     def shown_tokens(req: SamplingFields) -> TokenText:
         """How logprobs name tokens: by their text, or with vLLM's return_tokens_as_token_ids as token_id:N."""
-        return TokenText(None) if req.return_tokens_as_token_ids else token_text
+        return TokenText(tokenizer, as_ids=True) if req.return_tokens_as_token_ids else token_text
 
     def need_tokenizer() -> Tokenizer:
         if tokenizer is None:

@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from hybrid.request_checks import InvalidRequest
 from hybrid.sampling_params import (
     MAX_ALLOWED_TOKEN_IDS,
     MAX_BAD_WORDS,
@@ -162,8 +163,8 @@ class SamplingFields(ConstraintFields):
     @classmethod
     def _truncate(cls, v: int | None) -> int | None:
         if v == 0:
-            raise ValueError("truncate_prompt_tokens keeps the prompt's last k tokens (k >= 1), or -1: as many as "
-                             "the context holds; 0 would keep none")
+            raise ValueError("keeps the prompt's last k tokens (k >= 1), or -1: as many as the context holds; 0 "
+                             "would keep none")
         return v
 
     def truncated(self, prompt_ids: list[int], max_model_len: int) -> list[int]:
@@ -171,6 +172,9 @@ class SamplingFields(ConstraintFields):
         k = self.truncate_prompt_tokens
         if k is None:
             return prompt_ids
+        if k > max_model_len:  # as vLLM: a cut that could not fit is the field's error, not the prompt's
+            raise InvalidRequest(f"truncate_prompt_tokens ({k}) is greater than the context length "
+                                 f"({max_model_len}): give a smaller one, or -1", param="truncate_prompt_tokens")
         return prompt_ids[-(max_model_len - 1 if k == -1 else k):]
 
     @model_validator(mode="after")
@@ -196,9 +200,9 @@ class SamplingFields(ConstraintFields):
     @classmethod
     def _bad_words(cls, v: list[str]) -> list[str]:
         if any(not w.strip() for w in v):
-            raise ValueError("bad words must not be empty or blank")
+            raise ValueError("each must hold more than spaces")
         if any(len(w) > MAX_STOP_CHARS for w in v):
-            raise ValueError(f"bad words must be at most {MAX_STOP_CHARS} characters")
+            raise ValueError(f"each must be at most {MAX_STOP_CHARS} characters")
         return v
 
     @field_validator("logit_bias")
@@ -442,9 +446,10 @@ class TokenizeRequest(BaseModel):
         if len(given) != 1:
             raise PydanticCustomError("input", "give exactly one of prompt, content and messages, got {given}",
                                       {"param": "prompt", "given": ", ".join(given) or "none"})
-        if self.messages is None and (self.tools or self.chat_template_kwargs):
-            raise PydanticCustomError("input", "tools and chat_template_kwargs go with messages",
-                                      {"param": "tools" if self.tools else "chat_template_kwargs"})
+        if self.messages is None and (given := next((f for f in ("tools", "chat_template_kwargs", "documents")
+                                                      if getattr(self, f)), None)):
+            raise PydanticCustomError("input", "tools, chat_template_kwargs and documents go with messages",
+                                      {"param": given})
         if self.messages is not None and (self.add_special_tokens or self.add_special):
             raise PydanticCustomError("input", "messages are rendered by the chat template, which writes its own "
                                       "special tokens: add_special_tokens goes with prompt or content",

@@ -12,12 +12,16 @@ from hybrid.tokenizer import Tokenizer
 
 
 class TokenText:
-    """Token ids as the strings logprobs show (`token_id:N` for a model without a tokenizer)."""
+    """Token ids as the strings logprobs show: `token_id:N` for a model without a tokenizer, or everywhere but in
+    prompt_logprobs with `as_ids` (vLLM's return_tokens_as_token_ids, which leaves prompt_logprobs text)."""
 
-    def __init__(self, tokenizer: Tokenizer | None):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer: Tokenizer | None, as_ids: bool = False):
+        self.tokenizer, self.as_ids = tokenizer, as_ids
 
     def __call__(self, token_id: int) -> str:
+        return f"token_id:{token_id}" if self.as_ids else self.text(token_id)
+
+    def text(self, token_id: int) -> str:
         if self.tokenizer is None:
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -106,7 +110,7 @@ class ResponseShape:
             ranked += [(t, v, rank) for rank, (t, v) in enumerate(lp.top[:self.prompt_top], 1)]
             entry: dict = {}
             for t, v, rank in ranked:
-                entry.setdefault(str(t), {"logprob": v, "rank": rank, "decoded_token": self.token_text(t)})
+                entry.setdefault(str(t), {"logprob": v, "rank": rank, "decoded_token": self.token_text.text(t)})
             out.append(entry)
         return out
 

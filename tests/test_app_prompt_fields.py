@@ -24,7 +24,8 @@ MAX_MODEL_LEN = 64
 
 
 class RecordingEngine:
-    """Answers every request with one token (id 5, with its logprob) and keeps the requests it was sent."""
+    """Answers every request with one token (id 5, with its logprob; the prompt's logprobs when asked for) and keeps
+    the requests it was sent."""
 
     def __init__(self, ctx: zmq.Context, inbox: str, out: str):
         self.pull, self.push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
@@ -44,8 +45,11 @@ class RecordingEngine:
             if isinstance(msg, messages.AddRequest):
                 self.added.append(msg)
                 lp = [TokenLogprob(5, -0.5)] if msg.params.logprobs is not None else None
+                prompt_lp = None if msg.params.prompt_logprobs is None else [None] + [
+                    TokenLogprob(t, -1.0, [], 2) for t in msg.prompt_ids[1:]]
                 self.push.send(messages.encode(messages.TokenDelta(
-                    msg.request_id, [5], "x", True, "length", len(msg.prompt_ids), 1, logprobs=lp)))
+                    msg.request_id, [5], "x", True, "length", len(msg.prompt_ids), 1, logprobs=lp,
+                    prompt_logprobs=prompt_lp)))
 
     def close(self) -> None:
         self.stopped.set()
@@ -111,6 +115,8 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(api):
     assert chat.status_code == 200 and len(engine.added[-1].prompt_ids) == 3, chat.text
     r = tc.post("/v1/completions", json={"prompt": ids, "truncate_prompt_tokens": 0})
     assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens"
+    r = tc.post("/v1/completions", json={"prompt": ids, "truncate_prompt_tokens": MAX_MODEL_LEN + 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
 
 
 def test_cache_salt_travels_with_the_request(api):
@@ -133,6 +139,10 @@ def test_documents_reach_a_template_that_reads_them_and_are_refused_by_one_that_
     r = tc.post("/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text
     assert tok.decode(engine.added[-1].prompt_ids, skip_special_tokens=False) == "they run to the sea|x"
+    counted = tc.post("/tokenize", json={"messages": body["messages"], "documents": body["documents"]}).json()
+    assert counted["tokens"] == engine.added[-1].prompt_ids
+    r = tc.post("/tokenize", json={"prompt": "x", "documents": body["documents"]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "documents", r.text
 
 
 def test_return_token_ids_gives_the_prompts_and_the_generated_ids_whole_and_streamed(api):
@@ -160,6 +170,10 @@ def test_return_tokens_as_token_ids_names_tokens_by_id(api):
     chat = tc.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "logprobs": True,
                                                  "return_tokens_as_token_ids": True}).json()
     assert chat["choices"][0]["logprobs"]["content"][0]["token"] == "token_id:5"
+    prompt = tc.post("/v1/completions", json={"prompt": [11, 12], "max_tokens": 1, "prompt_logprobs": 0,
+                                              "return_tokens_as_token_ids": True}).json()["choices"][0]
+    entries = [e for e in prompt["prompt_logprobs"] if e is not None]
+    assert entries and all(not v["decoded_token"].startswith("token_id:") for e in entries for v in e.values())
 
 
 @pytest.mark.parametrize("field,value", [("chat_template", "{{ 1 }}"), ("priority", 3), ("top_n_sigma", 1.5),
@@ -170,3 +184,17 @@ def test_fields_that_would_change_the_reply_and_are_not_built_are_refused(api, f
     r = tc.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], field: value})
     assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
     assert len(engine.added) == before
+
+
+@pytest.mark.parametrize("route, field", [("completions", {"stop": ["x\ud800"]}),
+                                          ("completions", {"cache_salt": "\ud800"}),
+                                          ("completions", {"prompt": "a \ud800 b"}),
+                                          ("chat/completions", {"messages": [{"role": "user", "content": "\ud800"}]})])
+def test_a_lone_surrogate_in_request_text_is_a_400(api, route, field):
+    tc, _, _ = api
+    body = {"prompt": [11, 12]} if route == "completions" else {"messages": [{"role": "user", "content": "x"}]}
+    escaped = json.dumps({**body, "max_tokens": 1, **field})  # "\\ud800", as a client's JSON may hold it
+    r = tc.post(f"/v1/{route}", content=escaped, headers={"content-type": "application/json"})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == next(iter(field)), r.text
+    assert "surrogate" in error["message"] or "valid string" in error["message"], r.text  # ours, or pydantic's

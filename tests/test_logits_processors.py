@@ -90,16 +90,17 @@ def test_allowed_token_ids_and_bad_words_bar_what_they_name():
     adjust_row_(logits, seq, EOS)
     assert (logits > float("-inf")).nonzero().flatten().tolist() == [3, 5]
     only_eos = Sequence("e", [1], SamplingParams(temperature=0, allowed_token_ids=[2], min_tokens=1))
-    assert Sampler(eos_ids=EOS)(torch.zeros(1, 10), [only_eos])[0].error == NOTHING_ALLOWED
+    sample = Sampler(eos_ids=EOS)(torch.zeros(1, 10), [only_eos])[0]
+    assert sample.error == NOTHING_ALLOWED and sample.error_status == 400  # the request's own restrictions
 
 
 def test_a_tokens_rank_is_its_place_among_the_vocabulary():
     rows = torch.randn(6, 50, generator=torch.Generator().manual_seed(2))
-    rows[5, :10] = 3.0  # a tie with the token itself: it shares the best rank
+    rows[5, :10] = 3.0  # a tie of ten at the top, the token among them: rank 10, as vLLM counts
     tokens = [0, 7, 49, 13, 21, 4]
     for row, token, lp in zip(rows, tokens, token_logprobs(rows, tokens, 3)):
         order = torch.argsort(row, descending=True).tolist()
-        assert lp.rank == (1 if row[token] == row.max() else order.index(token) + 1)
+        assert lp.rank == (10 if row[token] == row.max() else order.index(token) + 1)
         assert [t for t, _ in lp.top] == order[:3] or row[token] == row.max()
 
 
@@ -193,3 +194,17 @@ def test_device_logits_draw_what_the_same_logits_draw_on_the_cpu(dtype):
         return [(s.token, s.error, round(s.logprob.logprob, 4)) for s in samples]
 
     assert draw("cuda") == draw("cpu")
+
+
+def test_a_bad_word_bars_its_spelling_after_a_space_only_where_vllm_would():
+    """vLLM adds " word" only where it is as many tokens as "word" and starts with another token."""
+    from hybrid.llm import DEFAULT_MODEL_DIR
+    from hybrid.tokenizer import Tokenizer
+
+    tok = Tokenizer(DEFAULT_MODEL_DIR)
+    for word in ("time", "zebra", "some", "  list"):
+        plain, spaced = tok.encode(word.lstrip(), False), tok.encode(" " + word.lstrip(), False)
+        want = [plain, spaced] if len(spaced) == len(plain) and spaced[0] != plain[0] else [plain]
+        assert tok.word_ids(word) == want
+    assert len(tok.word_ids("time")) == 2 and len(tok.word_ids("zebra")) == 1  # the default model's tokenizer
+    assert tok.word_ids("   ") == []

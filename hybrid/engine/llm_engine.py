@@ -279,7 +279,7 @@ class LLMEngine:
         """_advance, or the request's failure: what one request's token does to its detokenizer, grammar or stop
         checks is that request's alone."""
         if sample.token is None:
-            return self._fail(seq, sample.error)
+            return self._fail(seq, sample.error, sample.error_status)
         try:
             return self._advance(seq, sample)
         except Exception as e:

@@ -29,12 +29,14 @@ NOTHING_ALLOWED = "the request's grammar, min_tokens, allowed_token_ids or bad_w
 
 @dataclass
 class Sample:
-    """One row's draw: `token` is None when no token could be drawn, and `error` says why; `logprob` is filled
-    when the request asked for logprobs."""
+    """One row's draw: `token` is None when no token could be drawn, `error` says why and `error_status` whose
+    fault it is (400: the request's own restrictions leave nothing); `logprob` is filled when the request asked
+    for logprobs."""
 
     token: int | None
     logprob: TokenLogprob | None = None
     error: str | None = None
+    error_status: int = 500
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0) -> torch.Tensor:
@@ -73,7 +75,7 @@ def token_logprobs(rows: torch.Tensor, token_ids: list[int], k: int) -> list[Tok
         return []
     logp = torch.log_softmax(rows.float(), dim=-1)
     chosen = logp.gather(1, torch.tensor(token_ids).unsqueeze(1))
-    ranks = ((logp > chosen).sum(dim=1) + 1).tolist()
+    ranks = (logp >= chosen).sum(dim=1).tolist()  # vLLM's count: tokens tied with this one rank it lower
     if k:
         top = torch.topk(logp, k)
         tops = [list(zip(i, v)) for i, v in zip(top.indices.tolist(), top.values.tolist())]
@@ -116,7 +118,8 @@ class Sampler:
         for row, seq in enumerate(seqs):
             p = seq.params
             if broken[row] or row in unsatisfiable:
-                out.append(Sample(None, error=NOT_NUMBERS if broken[row] else NOTHING_ALLOWED))
+                out.append(Sample(None, error=NOT_NUMBERS) if broken[row] else
+                           Sample(None, error=NOTHING_ALLOWED, error_status=400))
                 continue
             if p.greedy:
                 token = greedy[row]
