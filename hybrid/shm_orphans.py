@@ -9,6 +9,7 @@ import itertools
 import os
 import re
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 
@@ -52,9 +53,10 @@ def remove_orphans(prefix: str, directory: Path = SHM_DIR) -> int:
         if not m or psutil.pid_exists(int(m.group(1))):
             continue
         try:
-            if path.lstat().st_uid != os.getuid():
+            info = path.lstat()  # of the name itself: a planted symlink is unlinked, never followed
+            if info.st_uid != os.getuid():
                 continue
-            if path.is_dir() and not path.is_symlink():
+            if stat.S_ISDIR(info.st_mode):
                 shutil.rmtree(path, ignore_errors=True)
             else:
                 path.unlink(missing_ok=True)

@@ -142,7 +142,7 @@ class Tokenizer:
                 raise DocumentsRefused("this model's chat template does not read documents (a --chat-template that "
                                       "does can be given)")
             # The template looks fields up by name, so names stay as typed: one holding a marker is refused.
-            if forged := sorted({t for d in documents for k in d for t in self.added_tokens if t in k}):
+            if forged := sorted({t for d in documents for k in d for t in self.special_tokens_in(k)}):
                 raise DocumentsRefused(f"a document's field name holds the special token {forged[0]!r}")
             documents = [{k: slot(v) if isinstance(v, str) and v else v for k, v in d.items()} for d in documents]
         import jinja2
@@ -196,8 +196,12 @@ class Tokenizer:
         if taken := sorted(reserved & set(template_kwargs)):
             raise TokenizerError(f"these names are the template's own and cannot be set: {', '.join(taken)}")
         text = json.dumps(template_kwargs, ensure_ascii=False)
-        if forged := sorted(t for t in self.added_tokens if t in text):
+        if forged := sorted(self.special_tokens_in(text)):
             raise TokenizerError(f"values may not hold the tokenizer's special tokens ({', '.join(forged[:3])})")
+
+    def special_tokens_in(self, text: str) -> list[str]:
+        """The added tokens that text spells out: rendered by a template, they would become those tokens."""
+        return [t for t in self.added_tokens if t in text]
 
     @property
     def added_tokens(self) -> set[str]:
