@@ -5,15 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hybrid.invalid_request import InvalidRequest
 from hybrid.sampling_params import SamplingParams
-
-
-class InvalidRequest(ValueError):
-    """A request no engine of this model can serve; `param` and `code` follow OpenAI's error fields."""
-
-    def __init__(self, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.param, self.code = param, code
 
 
 @dataclass(frozen=True)

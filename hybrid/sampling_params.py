@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
+
+from hybrid.invalid_request import InvalidRequest, lone_surrogate_at
 
 # Below this temperature sampling is greedy: dividing logits by it would overflow float32.
 GREEDY_BELOW = 1e-5
@@ -59,64 +61,58 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if not 0.0 <= self.temperature <= 100.0:
-            raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
+            raise InvalidRequest(f"temperature must be in [0, 100], got {self.temperature}", param="temperature")
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}", param="top_p")
         if not 0 <= self.top_k <= MAX_TOP_K:
-            raise ValueError(f"top_k must be in [0, 2**31), got {self.top_k}")
+            raise InvalidRequest(f"top_k must be in [0, 2**31), got {self.top_k}", param="top_k")
         if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+            raise InvalidRequest(f"max_tokens must be >= 1, got {self.max_tokens}", param="max_tokens")
         if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
+            raise InvalidRequest("stop strings must be non-empty", param="stop")
         if self.seed is not None and not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]:
-            raise ValueError(f"seed must be in [-2**63, 2**64), got {self.seed}")
+            raise InvalidRequest(f"seed must be in [-2**63, 2**64), got {self.seed}", param="seed")
         if self.grammar is not None and not self.grammar.strip():
-            raise ValueError("grammar must not be empty")
+            raise InvalidRequest("grammar must not be empty", param="grammar")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+                raise InvalidRequest(f"{name} must be in [-2, 2], got {getattr(self, name)}", param=name)
         if not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
-            raise ValueError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], got "
-                             f"{self.repetition_penalty}")
+            raise InvalidRequest(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], got "
+                                 f"{self.repetition_penalty}", param="repetition_penalty")
         if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+            raise InvalidRequest(f"min_p must be in [0, 1], got {self.min_p}", param="min_p")
         if any(not isinstance(t, int) or isinstance(t, bool) for t in self.logit_bias):
-            raise ValueError("logit_bias keys must be token ids (integers)")
+            raise InvalidRequest("logit_bias keys must be token ids (integers)", param="logit_bias")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
-            raise ValueError(f"logit_bias may name at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}")
+            raise InvalidRequest(f"logit_bias may name at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}",
+                                 param="logit_bias")
         if any(not -100.0 <= b <= 100.0 for b in self.logit_bias.values()):
-            raise ValueError("logit_bias values must be in [-100, 100]")
+            raise InvalidRequest("logit_bias values must be in [-100, 100]", param="logit_bias")
         if not 0 <= self.min_tokens <= self.max_tokens:
-            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+            raise InvalidRequest(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}",
+                                 param="min_tokens")
         if self.allowed_token_ids is not None and not 0 < len(self.allowed_token_ids) <= MAX_ALLOWED_TOKEN_IDS:
-            raise ValueError(f"allowed_token_ids must name 1 to {MAX_ALLOWED_TOKEN_IDS} tokens, got "
-                             f"{len(self.allowed_token_ids)}")
+            raise InvalidRequest(f"allowed_token_ids must name 1 to {MAX_ALLOWED_TOKEN_IDS} tokens, got "
+                                 f"{len(self.allowed_token_ids)}", param="allowed_token_ids")
         if len(self.bad_words_ids) > MAX_BAD_WORDS:
-            raise ValueError(f"bad_words_ids may hold at most {MAX_BAD_WORDS} sequences, got {len(self.bad_words_ids)}")
+            raise InvalidRequest(f"bad_words_ids may hold at most {MAX_BAD_WORDS} sequences, got "
+                                 f"{len(self.bad_words_ids)}", param="bad_words")
         if any(not 0 < len(w) <= MAX_BAD_WORD_TOKENS for w in self.bad_words_ids):
-            raise ValueError(f"bad_words_ids: each sequence must have 1 to {MAX_BAD_WORD_TOKENS} tokens")
+            raise InvalidRequest(f"bad_words_ids: each sequence must have 1 to {MAX_BAD_WORD_TOKENS} tokens",
+                                 param="bad_words")
         if self.cache_salt is not None and not 0 < len(self.cache_salt) <= MAX_CACHE_SALT_CHARS:
-            raise ValueError(f"cache_salt must have 1 to {MAX_CACHE_SALT_CHARS} characters, got "
-                             f"{len(self.cache_salt)}")
+            raise InvalidRequest(f"cache_salt must have 1 to {MAX_CACHE_SALT_CHARS} characters, got "
+                                 f"{len(self.cache_salt)}", param="cache_salt")
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(self, name)
             if k is not None and not 0 <= k <= MAX_LOGPROBS:
-                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {k}")
+                raise InvalidRequest(f"{name} must be in [0, {MAX_LOGPROBS}], got {k}", param=name)
         for name, texts in (("stop", self.stop), ("grammar", [self.grammar]), ("cache_salt", [self.cache_salt])):
-            if not all(t is None or _is_unicode(t) for t in texts):  # JSON's "\ud800" parses, but cannot be sent
-                raise ValueError(f"{name} holds a lone surrogate: text that is not valid Unicode")
+            if any(t is not None and lone_surrogate_at(t) is not None for t in texts):
+                raise InvalidRequest(f"{name} holds a lone surrogate: text that is not valid Unicode", param=name)
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
 
-
-SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))
-
-
-def _is_unicode(text: str) -> bool:
-    try:
-        text.encode()
-    except UnicodeEncodeError:
-        return False
-    return True

@@ -9,6 +9,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as BackendTokenizer
 
+from hybrid.invalid_request import lone_surrogate_at
+
 # Roles whose content is text a person typed: it is tokenized with special tokens read as plain text.
 TYPED_ROLES = ("user", "system", "tool")
 # A content placeholder the template passes through untouched: private-use code points no tokenizer merges with.
@@ -165,12 +167,11 @@ class Tokenizer:
         try:
             return self.hf.encode(text, **kw)
         except TypeError:  # what the tokenizers library raises for a str it cannot hand to Rust
-            try:
-                text.encode()
-            except UnicodeEncodeError as e:
-                raise TokenizerError(f"the text holds a lone surrogate ({text[e.start]!r} at character {e.start}): "
-                                     "it is not valid Unicode") from None
-            raise
+            at = lone_surrogate_at(text)
+            if at is None:
+                raise
+            raise TokenizerError(f"the text holds a lone surrogate ({text[at]!r} at character {at}): it is not valid "
+                                 "Unicode") from None
 
     def _template_for(self, tools: list[dict] | None) -> str:
         """The template transformers renders a conversation with: of a named set, `tool_use` where tools are

@@ -19,18 +19,18 @@ from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hybrid.experts.process.liveness import is_stopped
+from hybrid.invalid_request import InvalidRequest
 from hybrid.managers.daemon_config import DaemonConfig
 from hybrid.managers.engine_client import EngineClient, EngineError
 from hybrid.managers.messages import TokenDelta, as_json
 from hybrid.request_checks import (
-    InvalidRequest,
     RequestLimits,
     check_min_tokens,
     check_prompt,
     check_token_ids,
     resolve_max_tokens,
 )
-from hybrid.sampling_params import MAX_BAD_WORD_TOKENS, SAMPLING_FIELDS, SamplingParams
+from hybrid.sampling_params import MAX_BAD_WORD_TOKENS, SamplingParams
 from hybrid.structured_output.backend import GrammarError
 from hybrid.structured_output.grammar_checker import GrammarChecker
 from hybrid.structured_output.grammars import check_schema
@@ -279,9 +279,6 @@ def build_app(config: DaemonConfig, client: EngineClient, tokenizer: Tokenizer |
             check_token_ids(choices[0][1], limits)
         except InvalidRequest as e:
             raise ApiError(400, str(e), param=e.param, code=e.code) from None
-        except ValueError as e:  # SamplingParams' own checks, whose messages start with the field they name
-            named = str(e).split(" ", 1)[0]
-            raise ApiError(400, str(e), param=named if named in SAMPLING_FIELDS else None) from None
         if not admitted.take(len(choices)):
             metrics.finished("rejected")
             raise ApiError(503, f"the server is busy: {admitted.count} requests are queued or running; retry "

@@ -9,7 +9,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from hybrid.request_checks import InvalidRequest
+from hybrid.invalid_request import InvalidRequest
 from hybrid.sampling_params import (
     MAX_ALLOWED_TOKEN_IDS,
     MAX_BAD_WORDS,

@@ -15,7 +15,7 @@ from hybrid import LLM, SamplingParams
 from hybrid.engine.logits_processors import adjust_row_, adjust_row_reference, adjusts
 from hybrid.engine.sampler import NOTHING_ALLOWED, Sampler, filter_logits, token_logprobs
 from hybrid.engine.sequence import Sequence
-from hybrid.request_checks import InvalidRequest
+from hybrid.invalid_request import InvalidRequest
 
 EOS = {2, 7}
 

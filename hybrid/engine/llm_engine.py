@@ -26,14 +26,10 @@ from hybrid.engine.scheduler import ScheduledSeq, Scheduler, prefilling
 from hybrid.engine.sequence import Sequence, SequenceStatus
 from hybrid.experts.base import Experts
 from hybrid.experts.process.client import ExpertServerError
+from hybrid.invalid_request import InvalidRequest
 from hybrid.mem_cache.block_hash_cache import BlockHashCache
 from hybrid.mem_cache.block_manager import BlockManager
-from hybrid.request_checks import (
-    InvalidRequest,
-    RequestLimits,
-    check_prompt,
-    check_token_ids,
-)
+from hybrid.request_checks import RequestLimits, check_prompt, check_token_ids
 from hybrid.sampling_params import SamplingParams
 from hybrid.structured_output.backend import GrammarError, GrammarMatcher
 from hybrid.tokenizer import MissingTokenizer, Tokenizer, TokenizerError

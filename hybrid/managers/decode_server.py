@@ -16,6 +16,7 @@ from collections import deque
 from hybrid.disaggregation.engine_handoff import take_over
 from hybrid.disaggregation.handoff import SequenceHandoff
 from hybrid.disaggregation.kv_transport import KVTransferError
+from hybrid.invalid_request import InvalidRequest
 from hybrid.managers.daemon_config import DaemonConfig
 from hybrid.managers.messages import (
     AbortRequest,
@@ -26,7 +27,6 @@ from hybrid.managers.messages import (
     ToEngine,
 )
 from hybrid.managers.paired_server import PairedEngineServer
-from hybrid.request_checks import InvalidRequest
 
 log = logging.getLogger("hybridd.decode")
 
