@@ -177,13 +177,6 @@ class SamplingFields(ConstraintFields):
                                  f"({max_model_len}): give a smaller one, or -1", param="truncate_prompt_tokens")
         return prompt_ids[-(max_model_len - 1 if k == -1 else k):]
 
-    @model_validator(mode="after")
-    def _prompt_logprobs_whole(self):
-        if self.prompt_logprobs is not None and self.stream:
-            raise PydanticCustomError("prompt_logprobs", "are given in the whole response only, not with stream: "
-                                      "true", {"param": "prompt_logprobs"})
-        return self
-
     @field_validator("stop")
     @classmethod
     def _stop(cls, v: str | list[str] | None) -> list[str]:

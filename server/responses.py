@@ -1,7 +1,8 @@
 """The shapes of OpenAI responses: a chat completion or a text completion, whole or as SSE chunks, with
 `logprobs` in each API's own format (chat: `content` entries with bytes; completions: parallel lists with
 text offsets), `echo` of the prompt on completions and of the begun reply on chat, and vLLM's `prompt_logprobs`
-(in the whole response: per choice on completions, once for the response on chat)."""
+(per choice on completions, once for the response on chat; streamed, in the first chunk sent after the
+prefill)."""
 
 from __future__ import annotations
 
@@ -49,6 +50,7 @@ class ResponseShape:
         self.token_ids: list[int] = []
         self.unsent_ids: list[int] = []  # generated, not yet in a chunk (a chunk held back leaves them here)
         self.sent_prompt_ids = False
+        self.sent_prompt_logprobs = False
         self.prompt_entries: list[TokenLogprob | None] = []
         self.index = 0  # the choice's place among the request's `n`
         self.parts: list[str] = []
@@ -98,7 +100,15 @@ class ResponseShape:
         self.sent_prompt_ids = chunk
         return {"prompt_token_ids": self.shown_prompt_ids}
 
-    def prompt_logprobs_json(self) -> list[dict | None]:
+    def prompt_logprobs_json(self, chunk: bool) -> dict:
+        """`prompt_logprobs` when they were asked for: in the whole body, or in the first chunk sent once the
+        prefill gave them (a chunk held back by the stop-string check leaves them for the next one)."""
+        if self.prompt_top is None or (chunk and (self.sent_prompt_logprobs or not self.prompt_entries)):
+            return {}
+        self.sent_prompt_logprobs = chunk
+        return {"prompt_logprobs": self.prompt_logprob_entries()}
+
+    def prompt_logprob_entries(self) -> list[dict | None]:
         """vLLM's prompt_logprobs: per prompt token (the first, which nothing predicts, has None) the logprob, rank
         and text of the token itself and of the most likely ones, keyed by token id, the token itself first."""
         out: list[dict | None] = []
@@ -176,7 +186,7 @@ class ChatShape(ResponseShape):
         logprobs = {"content": entries, "refusal": None} if self.logprobs else None
         return {**self.body([{"index": self.index, "delta": delta, "logprobs": logprobs,
                               "finish_reason": self.reason(msg.finish_reason), **self.ids_json(True)}], True),
-                **self.prompt_ids_json(True)}
+                **self.prompt_ids_json(True), **(self.prompt_logprobs_json(True) if self.index == 0 else {})}
 
     def final(self, usage: dict) -> dict:
         logprobs = {"content": self.entries, "refusal": None} if self.logprobs else None
@@ -188,9 +198,7 @@ class ChatShape(ResponseShape):
                 message.update(content=content or None, tool_calls=[tool_call_json(c) for c in calls])
         body = self.body([{"index": self.index, "message": message, "logprobs": logprobs,
                            "finish_reason": self.reason(self.finish_reason), **self.ids_json(False)}], False, usage)
-        if self.prompt_top is not None:
-            body["prompt_logprobs"] = self.prompt_logprobs_json()
-        return {**body, **self.prompt_ids_json(False)}
+        return {**body, **self.prompt_ids_json(False), **self.prompt_logprobs_json(False)}
 
 
 class CompletionShape(ResponseShape):
@@ -234,13 +242,12 @@ class CompletionShape(ResponseShape):
             return None
         logprobs = self.lists(entries) if self.logprobs else None
         return self.body([{"index": self.index, "text": text, "logprobs": logprobs,
-                           "finish_reason": msg.finish_reason, **self.prompt_ids_json(True), **self.ids_json(True)}],
-                         True)
+                           "finish_reason": msg.finish_reason, **self.prompt_ids_json(True), **self.ids_json(True),
+                           **self.prompt_logprobs_json(True)}], True)
 
     def final(self, usage: dict) -> dict:
         logprobs = self.lists(self.entries) if self.logprobs else None
         choice = {"index": self.index, "text": "".join(self.parts), "logprobs": logprobs,
-                  "finish_reason": self.finish_reason, **self.prompt_ids_json(False), **self.ids_json(False)}
-        if self.prompt_top is not None:
-            choice["prompt_logprobs"] = self.prompt_logprobs_json()
+                  "finish_reason": self.finish_reason, **self.prompt_ids_json(False), **self.ids_json(False),
+                  **self.prompt_logprobs_json(False)}
         return self.body([choice], False, usage)

@@ -135,7 +135,8 @@ def test_allowed_token_ids_and_bad_words_reach_the_sampler(daemon, client):
 def test_prompt_logprobs_in_vllms_shape_agree_with_the_echoed_ones(daemon):
     """vLLM's prompt_logprobs: per prompt token (None for the first) the token itself with its rank, then the
     top k with ranks 1..k, keyed by token id; on completions per choice, on chat once per response; the values
-    are the ones `echo` with logprobs shows; with stream they are refused."""
+    are the ones `echo` with logprobs shows; a stream sends the same in its first chunk (per choice on
+    completions, once on chat)."""
     post = lambda path, body: httpx.post(f"{daemon.url}/v1/{path}", json={"model": MODEL, **body}, timeout=60)  # noqa: E731
     ids = post("../tokenize", {"prompt": "The river runs to the sea"}).json()["tokens"]
     body = post("completions", {"prompt": ids, "max_tokens": 1, "prompt_logprobs": 2, "n": 2,
@@ -158,9 +159,19 @@ def test_prompt_logprobs_in_vllms_shape_agree_with_the_echoed_ones(daemon):
                                      "prompt_logprobs": 0}).json()
     assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
     assert all(len(e) == 1 for e in chat["prompt_logprobs"][1:]) and "prompt_logprobs" not in chat["choices"][0]
-    r = post("chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "prompt_logprobs": 1,
-                                  "stream": True})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs", r.text
+    for path, body in (("completions", {"prompt": ids, "prompt_logprobs": 2, "n": 2}),
+                       ("chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "prompt_logprobs": 1,
+                                             "n": 2})):
+        whole = post(path, {**body, "max_tokens": 3, "temperature": 0}).json()
+        with httpx.stream("POST", f"{daemon.url}/v1/{path}", timeout=60,
+                          json={"model": MODEL, **body, "max_tokens": 3, "temperature": 0, "stream": True}) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        if path == "completions":
+            streamed = [c["choices"][0]["prompt_logprobs"] for c in chunks if "prompt_logprobs" in c["choices"][0]]
+            assert streamed == [c["prompt_logprobs"] for c in whole["choices"]], streamed
+        else:
+            streamed = [c["prompt_logprobs"] for c in chunks if "prompt_logprobs" in c]
+            assert streamed == [whole["prompt_logprobs"]], streamed
 
 
 def test_streamed_token_ids_are_the_whole_replys_even_where_text_is_held_back(daemon):
