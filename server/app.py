@@ -19,7 +19,7 @@ from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hybrid.experts.process.liveness import is_stopped
-from hybrid.invalid_request import InvalidRequest
+from hybrid.invalid_request import InvalidRequest, lone_surrogate_at
 from hybrid.managers.daemon_config import DaemonConfig
 from hybrid.managers.engine_client import EngineClient, EngineError
 from hybrid.managers.messages import TokenDelta, as_json
@@ -240,18 +240,26 @@ def build_app(config: DaemonConfig, client: EngineClient, tokenizer: Tokenizer |
             raise ApiError(400, f"{param}: structured output needs the model's tokenizer, and it has none",
                            param=param)
         check_ready()
+        if (at := lone_surrogate_at(grammar)) is not None:
+            raise ApiError(400, f"{param}: holds a lone surrogate ({grammar[at]!r}): text that is not valid Unicode",
+                           param=param)
         try:
             await asyncio.to_thread(grammars.check, grammar)
         except GrammarError as e:
             raise ApiError(400, f"{param}: cannot be enforced: {e}", param=param) from None
 
     def bad_words_ids(words: list[str]) -> list[list[int]]:
-        """The bad words in tokens, each as it reads at the start of a text and after a space."""
+        """The bad words in tokens: each as it reads at the start of a text, and after a space where vLLM adds
+        that spelling."""
         if words and tokenizer is None:
             raise ApiError(400, "bad_words: needs the model's tokenizer, and this model has none", param="bad_words")
         out = []
         for word in words:  # none is blank (the request's validation)
-            for ids in tokenizer.word_ids(word):
+            try:
+                spellings = tokenizer.word_ids(word)
+            except TokenizerError as e:
+                raise ApiError(400, f"bad_words: {e}", param="bad_words") from None
+            for ids in spellings:
                 if len(ids) > MAX_BAD_WORD_TOKENS:
                     raise ApiError(400, f"bad_words: {word[:32]!r} is {len(ids)} tokens, more than the "
                                    f"{MAX_BAD_WORD_TOKENS} a bad word may have", param="bad_words")

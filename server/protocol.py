@@ -42,6 +42,7 @@ UNSUPPORTED = {
     "top_n_sigma": (None, -1, -1.0, 0, 0.0),
     "dry_multiplier": (None, 0, 0.0), "xtc_probability": (None, 0, 0.0), "n_probs": (None, 0),
 }
+MAX_TOKEN_ID_DIGITS = 10  # int() of a longer key is slow, and past 4300 digits refused
 MAX_CHOICES = 16  # `n`: each choice is a sequence of its own in the engine
 MAX_PROMPTS = 64  # a completions request's batch of prompts
 NULL_MEANS_DEFAULT = {"temperature", "top_p", "top_k", "presence_penalty", "frequency_penalty", "repetition_penalty",
@@ -202,7 +203,7 @@ class SamplingFields(ConstraintFields):
     @classmethod
     def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         for key, bias in (v or {}).items():
-            if not (key.isascii() and key.isdigit()):
+            if not (key.isascii() and key.isdigit() and len(key) <= MAX_TOKEN_ID_DIGITS):
                 raise ValueError(f"logit_bias keys are token ids, got {key[:32]!r}")
             if not -100.0 <= bias <= 100.0:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {key}")

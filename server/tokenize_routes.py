@@ -9,7 +9,7 @@ from collections.abc import Callable
 from fastapi import APIRouter
 
 import hybrid
-from hybrid.tokenizer import Tokenizer
+from hybrid.tokenizer import Tokenizer, TokenizerError
 from server.api_error import ApiError
 from server.chat_prompt import chat_prompt_ids
 from server.protocol import DetokenizeRequest, TokenizeRequest
@@ -31,7 +31,11 @@ def tokenize_router(need_tokenizer: Callable[[], Tokenizer],
             ids = await chat_prompt_ids(tok, req.messages, tools, req.chat_template_kwargs,
                                         req.add_generation_prompt, req.continue_final_message, req.documents)
         else:
-            ids = await asyncio.to_thread(tok.encode, req.text, req.adds_special_tokens)
+            try:
+                ids = await asyncio.to_thread(tok.encode, req.text, req.adds_special_tokens)
+            except TokenizerError as e:
+                field = "prompt" if req.prompt is not None else "content"
+                raise ApiError(400, f"{field}: {e}", param=field) from None
         pieces = list(map(TokenText(tok), ids)) if req.with_pieces or req.return_token_strs else []
         tokens: list = [{"id": t, "piece": p} for t, p in zip(ids, pieces)] if req.with_pieces else ids
         return {"count": len(ids), "max_model_len": max_model_len(), "tokens": tokens,

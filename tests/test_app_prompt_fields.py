@@ -189,12 +189,25 @@ def test_fields_that_would_change_the_reply_and_are_not_built_are_refused(api, f
 @pytest.mark.parametrize("route, field", [("completions", {"stop": ["x\ud800"]}),
                                           ("completions", {"cache_salt": "\ud800"}),
                                           ("completions", {"prompt": "a \ud800 b"}),
+                                          ("completions", {"bad_words": ["a\ud800"]}),
+                                          ("completions", {"response_format": {"type": "json_schema", "json_schema": {
+                                              "name": "x", "schema": {"const": "\ud800"}}}}),
+                                          ("../tokenize", {"prompt": "\ud800"}),
                                           ("chat/completions", {"messages": [{"role": "user", "content": "\ud800"}]})])
 def test_a_lone_surrogate_in_request_text_is_a_400(api, route, field):
     tc, _, _ = api
     body = {"prompt": [11, 12]} if route == "completions" else {"messages": [{"role": "user", "content": "x"}]}
-    escaped = json.dumps({**body, "max_tokens": 1, **field})  # "\\ud800", as a client's JSON may hold it
+    body = {} if route == "../tokenize" else {**body, "max_tokens": 1}
+    escaped = json.dumps({**body, **field})  # "\\ud800", as a client's JSON may hold it
     r = tc.post(f"/v1/{route}", content=escaped, headers={"content-type": "application/json"})
     error = r.json()["error"]
     assert r.status_code == 400 and error["param"] == next(iter(field)), r.text
     assert "surrogate" in error["message"] or "valid string" in error["message"], r.text  # ours, or pydantic's
+
+
+def test_a_logit_bias_key_too_long_for_a_token_id_is_a_400(api):
+    tc, engine, _ = api
+    before = len(engine.added)
+    r = tc.post("/v1/completions", json={"prompt": [11, 12], "max_tokens": 1, "logit_bias": {"1" * 5000: 1.0}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", r.text
+    assert len(engine.added) == before

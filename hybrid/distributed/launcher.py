@@ -51,6 +51,7 @@ class ParallelRun:
         except BaseException:
             for p in followers:
                 p.kill()
+                p.wait()
             store.close()
             raise
         return cls(state, followers, store)
