@@ -473,6 +473,8 @@ def test_vllm_and_llama_server_constraints_hold_on_chat_stream_and_completions(d
     ({"guided_choice": []}, "guided_choice: needs at least one string"),
     ({"guided_grammar": "root ::= missing"}, "guided_grammar: neither Lark"),
     ({"guided_grammar": "start: nowhere"}, "guided_grammar: cannot be enforced: "),
+    ({"guided_grammar": "start: start"}, "guided_grammar: cannot be enforced: no text can follow it"),
+    ({"guided_json": {"$ref": "#"}}, "guided_json: cannot be enforced: no text can follow it"),
     ({"grammar": "   "}, "grammar: the grammar is empty"),
     ({"guided_json": "{not json"}, "guided_json: schema is a string but not JSON text"),
     ({"guided_json": {"type": "integr"}}, "guided_json: schema['type'] is not a valid JSON schema"),

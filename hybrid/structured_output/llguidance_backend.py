@@ -56,6 +56,11 @@ class LLGuidanceBackend(GrammarBackend):
         message = LLMatcher.validate_grammar(LLMatcher.grammar_from_lark(grammar), self.tokenizer)
         if message:
             raise GrammarError(message.strip())
+        first = self.matcher(grammar).m  # a grammar that derives no text at all fails only at its first mask
+        first.compute_bitmask()
+        if first.is_error():
+            reason = first.get_error().strip().splitlines()[0]
+            raise GrammarError(f"no text can follow it from its start ({reason})")
 
     def _compile(self, grammar: str) -> LLMatcher:
         """A matcher at the grammar's start (constructing it compiles the grammar; errors are not cached)."""
