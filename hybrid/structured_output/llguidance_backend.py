@@ -56,10 +56,10 @@ class LLGuidanceBackend(GrammarBackend):
         message = LLMatcher.validate_grammar(LLMatcher.grammar_from_lark(grammar), self.tokenizer)
         if message:
             raise GrammarError(message.strip())
-        first = self.matcher(grammar).m  # a grammar that derives no text at all fails only at its first mask
-        first.compute_bitmask()
-        if first.is_error():
-            reason = first.get_error().strip().splitlines()[0]
+        first = self.matcher(grammar)  # some grammars (one that derives no text) fail only at their first mask
+        self.bitmask([first])
+        if first.m.is_error():
+            reason = first.m.get_error().strip().splitlines()[0]
             raise GrammarError(f"no text can follow it from its start ({reason})")
 
     def _compile(self, grammar: str) -> LLMatcher:
