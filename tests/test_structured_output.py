@@ -475,6 +475,7 @@ def test_vllm_and_llama_server_constraints_hold_on_chat_stream_and_completions(d
     ({"guided_grammar": "start: nowhere"}, "guided_grammar: cannot be enforced: "),
     ({"guided_grammar": "start: start"}, "guided_grammar: cannot be enforced: no text can follow it"),
     ({"guided_json": {"$ref": "#"}}, "guided_json: cannot be enforced: no text can follow it"),
+    ({"guided_regex": "a{1000000}"}, "the request's grammar cannot be followed further: lexer error"),
     ({"grammar": "   "}, "grammar: the grammar is empty"),
     ({"guided_json": "{not json"}, "guided_json: schema is a string but not JSON text"),
     ({"guided_json": {"type": "integr"}}, "guided_json: schema['type'] is not a valid JSON schema"),

@@ -149,7 +149,11 @@ class Sampler:
         should have ruled out) becomes that row's error."""
         for seq, sample in zip(seqs, samples):
             if seq.matcher is not None and sample.token is not None and not seq.matcher.accept(sample.token):
-                sample.token, sample.error = None, f"token {sample.token} does not follow the request's grammar"
+                if (failure := seq.matcher.failure) is not None:  # the grammar's fault, not the mask's
+                    sample.token, sample.error, sample.error_status = None, (
+                        f"the request's grammar cannot be followed further: {failure}"), 400
+                else:
+                    sample.token, sample.error = None, f"token {sample.token} does not follow the request's grammar"
 
     def prefetch(self, seqs: list[Sequence]) -> None:
         """Starts computing the next masks of the constrained sequences among seqs, whose matchers have taken

@@ -46,6 +46,11 @@ class GrammarMatcher(ABC):
     def copy(self) -> GrammarMatcher:
         """An independent matcher in the same state."""
 
+    @property
+    @abstractmethod
+    def failure(self) -> str | None:
+        """Why the grammar itself cannot go on (a limit of the backend met part-way), None where it can."""
+
 
 EOS_RANK = 4
 

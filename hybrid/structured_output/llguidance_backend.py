@@ -35,6 +35,10 @@ class LLGuidanceMatcher(GrammarMatcher):
     def is_finished(self) -> bool:
         return self.m.is_stopped()
 
+    @property
+    def failure(self) -> str | None:
+        return self.m.get_error().strip().splitlines()[0] if self.m.is_error() else None
+
     def copy(self) -> LLGuidanceMatcher:
         return LLGuidanceMatcher(self.m.deep_copy())
 
