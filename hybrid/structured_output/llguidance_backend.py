@@ -62,8 +62,7 @@ class LLGuidanceBackend(GrammarBackend):
             raise GrammarError(message.strip())
         first = self.matcher(grammar)  # some grammars (one that derives no text) fail only at their first mask
         self.bitmask([first])
-        if first.m.is_error():
-            reason = first.m.get_error().strip().splitlines()[0]
+        if (reason := first.failure) is not None:
             raise GrammarError(f"no text can follow it from its start ({reason})")
 
     def _compile(self, grammar: str) -> LLMatcher:
