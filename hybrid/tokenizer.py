@@ -60,6 +60,10 @@ def check_template_syntax(template: object) -> None:
         raise TokenizerError(f"line {e.lineno}: {e.message}") from None
 
 
+def _first_words(e: Exception) -> str:
+    return " ".join(str(e).split())[:300]
+
+
 class Tokenizer:
     """Encodes prompts (adding BOS where the model's tokenizer does) and renders chat messages with the model's
     chat template, or with `chat_template` (Jinja text) where given."""
@@ -71,12 +75,20 @@ class Tokenizer:
             raise MissingTokenizer(f"{model_dir}: no tokenizer.json; pass token ids (--prompt-ids) instead of text")
         from transformers import AutoTokenizer
 
+        config = model_dir / "tokenizer_config.json"
         try:
             BackendTokenizer.from_file(str(path))
+        except Exception as e:  # tokenizers raises many types for a broken file
+            raise TokenizerError(f"{path}: not a tokenizer this version of `tokenizers` can load "
+                                 f"({_first_words(e)})") from None
+        try:
             self.hf = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
-        except Exception as e:  # tokenizers and transformers raise many types for a broken file
-            first = " ".join(str(e).split())[:300]
-            raise TokenizerError(f"{path}: not a tokenizer this version of `tokenizers` can load ({first})") from None
+        except Exception as e:  # tokenizer.json loads, so what transformers refuses is its configuration
+            raise TokenizerError(f"{config}: transformers cannot set the tokenizer up from it ({_first_words(e)})") \
+                from None
+        limit = self.hf.model_max_length
+        if not isinstance(limit, (int, float)) or isinstance(limit, bool):  # transformers compares it per encode
+            raise TokenizerError(f"{config}: model_max_length must be a number, got {limit!r}")
         self.backend: BackendTokenizer = self.hf.backend_tokenizer
         self.vocab_size = len(self.hf)
         self.template_source = f"{model_dir / 'tokenizer_config.json'}: its chat_template"
@@ -144,7 +156,7 @@ class Tokenizer:
                 raise DocumentsRefused("this model's chat template does not read documents (a --chat-template that "
                                       "does can be given)")
             # The template looks fields up by name, so names stay as typed: one holding a marker is refused.
-            if forged := sorted({t for d in documents for k in d for t in self.special_tokens_in(k)}):
+            if forged := self.special_tokens_in(*(k for d in documents for k in d)):
                 raise DocumentsRefused(f"a document's field name holds the special token {forged[0]!r}")
             documents = [{k: slot(v) if isinstance(v, str) and v else v for k, v in d.items()} for d in documents]
         import jinja2
@@ -175,11 +187,12 @@ class Tokenizer:
 
     def _template_for(self, tools: list[dict] | None) -> str:
         """The template transformers renders a conversation with: of a named set, `tool_use` where tools are
-        offered and the set has one, else `default` (no request names another)."""
+        passed (even an empty list, as transformers picks) and the set has one, else `default` (no request names
+        another)."""
         t = self.hf.chat_template
         if not isinstance(t, dict):
             return t
-        return t["tool_use"] if tools and "tool_use" in t else t.get("default", "")
+        return t["tool_use"] if tools is not None and "tool_use" in t else t.get("default", "")
 
     def _templates(self) -> list[str]:
         """The chat template's text: one, or each of a named set (transformers picks among them per call)."""
@@ -197,12 +210,13 @@ class Tokenizer:
         if taken := sorted(reserved & set(template_kwargs)):
             raise TokenizerError(f"these names are the template's own and cannot be set: {', '.join(taken)}")
         text = json.dumps(template_kwargs, ensure_ascii=False)
-        if forged := sorted(self.special_tokens_in(text)):
+        if forged := self.special_tokens_in(text):
             raise TokenizerError(f"values may not hold the tokenizer's special tokens ({', '.join(forged[:3])})")
 
-    def special_tokens_in(self, text: str) -> list[str]:
-        """The added tokens that text spells out: rendered by a template, they would become those tokens."""
-        return [t for t in self.added_tokens if t in text]
+    def special_tokens_in(self, *texts: str) -> list[str]:
+        """The added tokens that the texts spell out: rendered by a template, they would become those tokens."""
+        added = self.added_tokens
+        return sorted({t for text in texts for t in added if t in text})
 
     @property
     def added_tokens(self) -> set[str]:

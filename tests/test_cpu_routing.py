@@ -12,6 +12,7 @@ import torch
 
 from cpu_kernels.linear import PackedLinear
 from cpu_kernels.routing import grouped_topk, grouped_topk_reference, softmax_topk, softmax_topk_reference
+from hybrid.layers.parameter import fill_param
 from hybrid.layers.router import GroupedSigmoidRouter, SoftmaxTopKRouter
 
 
@@ -43,7 +44,7 @@ def exact_sums(rows: int, cols: int, g: torch.Generator) -> torch.Tensor:
 def test_router_module_routes_the_same_through_the_kernel():
     g = torch.Generator().manual_seed(1)
     torch_router = SoftmaxTopKRouter(64, 32, 4, True, torch.bfloat16)
-    torch_router.weight.data = exact_sums(32, 64, g)
+    fill_param(torch_router, "weight", exact_sums(32, 64, g))
     kernel_router = SoftmaxTopKRouter(64, 32, 4, True, torch.bfloat16)
     kernel_router.use_kernel(PackedLinear.pack(torch_router.weight.data, "bf16"))
     assert kernel_router.weight is None
@@ -76,10 +77,10 @@ def test_grouped_router_module_routes_the_same_through_the_kernel():
     g = torch.Generator().manual_seed(2)
     routers = [GroupedSigmoidRouter(64, 32, 8, 4, 2, True, 2.5, torch.bfloat16) for _ in range(2)]
     weight, bias = exact_sums(32, 64, g), torch.randn(32, generator=g) / 10
-    routers[0].weight.data = weight
+    fill_param(routers[0], "weight", weight)
     routers[1].use_kernel(PackedLinear.pack(weight, "bf16"))
     for router in routers:
-        router.e_score_correction_bias.data = bias
+        fill_param(router, "e_score_correction_bias", bias)
     x = exact_sums(40, 64, g)
     (ref_ids, ref_weights), (ids, weights) = routers[0](x), routers[1](x)
     # the same experts (tied logits give tied sigmoids in any implementation); the kernels' sigmoid takes another

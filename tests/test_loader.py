@@ -118,6 +118,25 @@ def test_unknown_architecture(broken):
         ModelConfig.from_dir(broken)
 
 
+def test_more_layers_than_the_checkpoint_holds_is_named_before_any_is_built(broken):
+    raw = json.loads((broken / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps({**raw, "num_hidden_layers": 4000}))
+    with pytest.raises(CheckpointError, match=f"config.json has num_hidden_layers=4000, but the checkpoint holds "
+                                              f"layers 0-{raw['num_hidden_layers'] - 1}$"):
+        LLM(broken)
+
+
+@pytest.mark.parametrize(("field", "value"), [("num_attention_heads", 10**9), ("intermediate_size", 10**9),
+                                              ("vocab_size", 10**9)])
+def test_sizes_the_checkpoint_contradicts_are_named_without_allocating_them(broken, field, value):
+    """The model's parameters are declared on the meta device: these asked for 0.1-3 TB before the shapes were
+    compared (an allocation failure, or the OOM killer)."""
+    raw = json.loads((broken / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps({**raw, field: value}))
+    with pytest.raises(CheckpointError, match="has shape .*, the config implies "):
+        LLM(broken)
+
+
 def test_not_a_model_directory(tmp_path):
     with pytest.raises(ConfigError, match="no config.json"):
         ModelConfig.from_dir(tmp_path)

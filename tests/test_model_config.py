@@ -177,6 +177,66 @@ def test_impossible_numbers_in_the_new_rope_parameters(tmp_path, model_dirs):
         ModelConfig.from_dir(d)
 
 
+OUT_OF_RANGE = [
+    ("architectures", 3, "architectures must be a list of class names, got 3"),
+    ("model_type", [], "model_type must be a name, got []"),
+    ("torch_dtype", "x", "torch_dtype 'x' is not a torch dtype"),
+    ("num_hidden_layers", 10**9, "num_hidden_layers must be at most 4096, got 1000000000"),
+    ("vocab_size", 2**63, f"vocab_size must be at most 2147483647, got {2**63}"),
+    ("num_attention_heads", 2**63, f"num_attention_heads must be at most 2147483647, got {2**63}"),
+    ("head_dim", 10**9, "head_dim must be at most 65536, got 1000000000"),
+]
+
+
+@pytest.mark.parametrize(("field", "value", "message"), OUT_OF_RANGE, ids=[f"{f}={v!r}" for f, v, _ in OUT_OF_RANGE])
+def test_wrongly_typed_or_absurdly_large_fields_are_refused_before_anything_is_built(tmp_path, model_dirs, field,
+                                                                                    value, message):
+    """Each of these raised a TypeError or tried to allocate terabytes (sizes up to an int64's overflow) before
+    a shape was checked against the checkpoint."""
+    raw = json.loads((model_dirs["tiny-qwen3-moe"] / "config.json").read_text())
+    raw[field] = value
+    d = write_config(tmp_path, raw)
+    with pytest.raises(ConfigError) as e:
+        ModelConfig.from_dir(d)
+    assert str(e.value) == f"{d / 'config.json'}: {message}"
+
+
+@pytest.mark.parametrize("value", [-1, True, "2", [1, "x"]])
+def test_a_bad_eos_token_id_in_generation_config_names_that_file(tmp_path, model_dirs, value):
+    d = copy_checkpoint(model_dirs["tiny-qwen3-moe"], tmp_path / "m")
+    gen = d / "generation_config.json"
+    gen.write_text(json.dumps({**json.loads(gen.read_text()), "eos_token_id": value}))
+    with pytest.raises(ConfigError) as e:
+        ModelConfig.from_dir(d)
+    assert str(e.value).startswith(f"{gen}: eos_token_id must be a token id or a list of them, got ")
+
+
+@pytest.mark.parametrize("garbage", ["[1]", "not json"])
+def test_a_generation_config_that_is_not_an_object_is_named_once(tmp_path, model_dirs, garbage):
+    d = copy_checkpoint(model_dirs["tiny-qwen3-moe"], tmp_path / "m")
+    (d / "generation_config.json").write_text(garbage)
+    with pytest.raises(ConfigError) as e:
+        ModelConfig.from_dir(d)
+    msg = str(e.value)
+    assert msg.startswith(f"{d / 'generation_config.json'}: not ") and f"{d / 'config.json'}" not in msg
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("model_max_length", {}, "model_max_length must be a number, got {}"),
+    ("model_max_length", "x", "model_max_length must be a number, got 'x'"),
+    ("bos_token", [], "transformers cannot set the tokenizer up from it"),
+])
+def test_a_broken_tokenizer_config_names_tokenizer_config(tmp_path, model_dirs, field, value, message):
+    """model_max_length was only read at the first encode (a TypeError there); a bad special token was blamed on
+    tokenizer.json."""
+    d = copy_checkpoint(model_dirs["tiny-qwen3-moe"], tmp_path / "m")
+    cfg = d / "tokenizer_config.json"
+    cfg.write_text(json.dumps({**json.loads(cfg.read_text()), field: value}))
+    with pytest.raises(TokenizerError) as e:
+        Tokenizer(d)
+    assert str(e.value).startswith(f"{cfg}: {message}")
+
+
 def copy_checkpoint(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst, symlinks=True)
     return dst

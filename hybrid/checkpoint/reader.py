@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
@@ -11,6 +12,9 @@ from safetensors import safe_open
 from hybrid.checkpoint.errors import CheckpointError
 from hybrid.checkpoint.fp8 import check_block_scales, dequantize_block_fp8
 from hybrid.checkpoint.shard import Shard
+
+if TYPE_CHECKING:
+    from hybrid.config import ModelConfig
 
 READABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e4m3fn)
 INDEX_FILE = "model.safetensors.index.json"
@@ -33,6 +37,20 @@ class CheckpointReader:
         self.fp8_block = fp8_block
         self._handles: dict[str, object] = {}
         self.weight_map = self._weight_map()
+
+    @classmethod
+    def of_model(cls, config: ModelConfig) -> CheckpointReader:
+        """The reader of `config`'s checkpoint, refusing a config with more layers than it holds before anything
+        is built for them (layers are otherwise checked one by one, as each loads)."""
+        reader = cls(config.model_dir, config.fp8_block)
+        last = config.num_hidden_layers - 1
+        if not any(name.startswith(f"model.layers.{last}.") for name in reader.weight_map):
+            held = {int(i) for n in reader.weight_map if n.startswith("model.layers.")
+                    and (i := n.split(".")[2]).isdigit()}
+            holds = f"layers 0-{max(held)}" if held else "no layers"
+            raise CheckpointError(f"{config.model_dir}: config.json has num_hidden_layers={config.num_hidden_layers}, "
+                                  f"but the checkpoint holds {holds}")
+        return reader
 
     def _weight_map(self) -> dict[str, str]:
         index = self.model_dir / INDEX_FILE

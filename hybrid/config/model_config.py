@@ -25,6 +25,14 @@ MODEL_TYPE_ALIASES = {"kimi_k2": "deepseek_v3"}
 # Compute dtypes by name. torch is imported where a dtype is asked for, not with this module: the supervisor, the
 # api process and `hybridd stop` / `status` read configs and would otherwise each spend ~2 s importing it.
 DTYPES = ("bfloat16", "float32", "float16")
+SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+         "intermediate_size", "moe_intermediate_size", "num_experts_per_tok", "head_dim", "n_group", "topk_group")
+# No dimension, count or token id of a real model comes near it; above it tensor sizes overflow int64.
+MAX_SIZE = 2**31 - 1
+MAX_LAYERS = 4096  # DeepSeek-V3 has 61
+# Real heads are 64-256 wide; the rotary tables are built from head_dim before any weight is read.
+HEAD_DIMS = ("head_dim", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+MAX_HEAD_DIM = 65536
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -35,6 +43,10 @@ def torch_dtype(name: str) -> torch.dtype:
 
 class ConfigError(ValueError):
     """A model directory or engine setting that hybridd cannot run."""
+
+
+class FileConfigError(ConfigError):
+    """A ConfigError whose message already names the file at fault (not config.json)."""
 
 
 def check_positive(owner: object, ints: tuple[str, ...] = (), floats: tuple[str, ...] = (),
@@ -125,11 +137,13 @@ class ModelConfig:
     fp8_block: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
-        check_positive(self, ints=("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                                   "num_key_value_heads", "intermediate_size", "moe_intermediate_size",
-                                   "num_experts_per_tok", "max_position_embeddings", "head_dim", "n_group",
-                                   "topk_group"),
+        check_positive(self, ints=SIZES + ("max_position_embeddings",),
                        floats=("rms_norm_eps", "routed_scaling_factor"))
+        for name in SIZES + ("num_experts", "n_shared_experts", "kv_lora_rank", "qk_nope_head_dim",
+                             "qk_rope_head_dim", "v_head_dim", "q_lora_rank"):
+            limit = MAX_HEAD_DIM if name in HEAD_DIMS else MAX_SIZE
+            if isinstance(v := getattr(self, name), int) and v > limit:
+                raise ConfigError(f"{name} must be at most {limit}, got {v}")
         if not isinstance(self.num_experts, int) or self.num_experts < 0:
             raise ConfigError(f"the number of routed experts must be >= 0, got {self.num_experts!r}")
         if not isinstance(self.n_shared_experts, int) or self.n_shared_experts < 0:
@@ -162,6 +176,8 @@ class ModelConfig:
         model_type, raw = read_config(model_dir)
         try:
             return _parse(model_dir, model_type, _hf_config(model_type, raw))
+        except FileConfigError:
+            raise
         except ConfigError as e:
             raise ConfigError(f"{model_dir / 'config.json'}: {e}") from None
 
@@ -183,6 +199,10 @@ def read_config(model_dir: Path) -> tuple[str, dict]:
 
 def _model_type(path: Path, raw: dict) -> str:
     archs = raw.get("architectures") or []
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise ConfigError(f"{path}: architectures must be a list of class names, got {archs!r}")
+    if not isinstance(raw.get("model_type"), (str, type(None))):
+        raise ConfigError(f"{path}: model_type must be a name, got {raw['model_type']!r}")
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
     declared = MODEL_TYPE_ALIASES.get(raw.get("model_type"), raw.get("model_type"))
     model_type = SUPPORTED_ARCHITECTURES[arch] if arch else declared
@@ -194,10 +214,16 @@ def _model_type(path: Path, raw: dict) -> str:
 
 def _hf_config(model_type: str, raw: dict):
     """The transformers config object for `raw`; its type checks become one-line ConfigErrors."""
+    import torch
     from transformers import DeepseekV3Config, Qwen3MoeConfig
 
     cls = Qwen3MoeConfig if model_type == "qwen3_moe" else DeepseekV3Config
     fields = {k: v for k, v in raw.items() if k not in ("model_type", "auto_map", "architectures")}
+    for name in ("torch_dtype", "dtype"):
+        if isinstance(v := fields.get(name), str) and not isinstance(getattr(torch, v, None), torch.dtype):
+            raise ConfigError(f"{name} {v!r} is not a torch dtype")
+    if isinstance(v := fields.get("num_hidden_layers"), int) and v > MAX_LAYERS:  # the class lists every layer
+        raise ConfigError(f"num_hidden_layers must be at most {MAX_LAYERS}, got {v}")
     try:
         return cls.from_dict(fields)
     except Exception as e:  # the class's strict field validators raise their own types; all mean a bad file
@@ -205,18 +231,24 @@ def _hf_config(model_type: str, raw: dict):
 
 
 def _eos_ids(model_dir: Path, hf) -> list[int]:
-    ids = hf.eos_token_id
+    """generation_config.json's eos_token_id where it has one, else config.json's."""
+    ids, source = hf.eos_token_id, None
     gen = model_dir / "generation_config.json"
     if gen.is_file():
         try:
-            ids = json.loads(gen.read_text()).get("eos_token_id", ids)
-        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
-            raise ConfigError(f"{gen}: not a valid generation config ({e})") from None
+            raw = json.loads(gen.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise FileConfigError(f"{gen}: not valid JSON ({e})") from None
+        if not isinstance(raw, dict):
+            raise FileConfigError(f"{gen}: not a JSON object")
+        if "eos_token_id" in raw:
+            ids, source = raw["eos_token_id"], gen
     if ids is None:
         return []
     ids = [ids] if isinstance(ids, int) else ids
     if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
-        raise ConfigError(f"eos_token_id must be a token id or a list of them, got {ids!r}")
+        msg = f"eos_token_id must be a token id or a list of them, got {ids!r}"
+        raise FileConfigError(f"{source}: {msg}") if source else ConfigError(msg)
     return ids
 
 

@@ -61,7 +61,7 @@ class ModelRunner:
         self.block_size = engine_config.block_size
         self.overlap = engine_config.hybrid and engine_config.overlap != "off"
         self.overlap_policy = OverlapPolicy(engine_config.overlap if self.overlap else "off")
-        reader = CheckpointReader(model_config.model_dir, model_config.fp8_block)
+        reader = CheckpointReader.of_model(model_config)
         self.parallel = self.init_parallel()
         self.step_streamed_bytes = 0
         try:

@@ -159,7 +159,7 @@ def _write(pack_dir: Path, config: ModelConfig, fmt: str, progress: Callable[[in
     # A stale pack's data goes before the new one is written: a repack would otherwise need the disk for both.
     # A process still mapping it keeps its pages until it unmaps them.
     (pack_dir / EXPERTS_FILE).unlink(missing_ok=True)
-    reader = CheckpointReader(config.model_dir, config.fp8_block)
+    reader = CheckpointReader.of_model(config)
     partial = pack_dir / (EXPERTS_FILE + PARTIAL_SUFFIX)
     layers: dict[str, dict] = {}
     try:

@@ -13,6 +13,7 @@ from hybrid.experts.base import Experts
 from hybrid.layers.add import Add
 from hybrid.layers.mlp import GatedMLP
 from hybrid.layers.norm import RMSNorm
+from hybrid.layers.parameter import fill_param
 from hybrid.layers.rotary_embedding import RotaryEmbedding
 from hybrid.model_loader.dense_pack import pack_dense_linears, pack_mla_absorption
 from hybrid.models.causal_lm import CausalLM
@@ -25,13 +26,13 @@ def load_weights(module: torch.nn.Module, reader: CheckpointReader, tied_embeddi
     """Fills every parameter of `module` from the checkpoint tensor of the same name (a tensor-parallel linear's
     from its shard of it), checking shapes."""
     for prefix, owner in module.named_modules():
-        for pname, param in owner.named_parameters(recurse=False):
+        for pname, param in list(owner.named_parameters(recurse=False)):
             name = f"{prefix}.{pname}" if prefix else pname
             source = name
             if name == "lm_head.weight" and name not in reader and tied_embeddings:
                 source = "model.embed_tokens.weight"
             shard = getattr(owner, "shard", None) if pname == "weight" else None
-            param.data = reader.weight(source, tuple(param.shape), param.dtype, shard)
+            fill_param(owner, pname, reader.weight(source, tuple(param.shape), param.dtype, shard))
 
 
 def load_model(model_config: ModelConfig, engine_config: EngineConfig, reader: CheckpointReader, experts: Experts,
