@@ -5,6 +5,7 @@ honouring min_tokens, allowed_token_ids and bad words."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 
 import pytest
@@ -13,7 +14,7 @@ from conftest import prompt_ids
 
 from hybrid import LLM, SamplingParams
 from hybrid.engine.logits_processors import adjust_row_, adjust_row_reference, adjusts
-from hybrid.engine.sampler import NOTHING_ALLOWED, Sampler, filter_logits, token_logprobs
+from hybrid.engine.sampler import LOGPROB_FLOOR, NOTHING_ALLOWED, Sampler, filter_logits, token_logprobs
 from hybrid.engine.sequence import Sequence
 from hybrid.invalid_request import InvalidRequest
 
@@ -102,6 +103,17 @@ def test_a_tokens_rank_is_its_place_among_the_vocabulary():
         order = torch.argsort(row, descending=True).tolist()
         assert lp.rank == (10 if row[token] == row.max() else order.index(token) + 1)
         assert [t for t, _ in lp.top] == order[:3] or row[token] == row.max()
+
+
+def test_logprobs_of_minus_infinity_and_nan_logits_are_json_numbers():
+    """A logit the model sent to -inf (or a NaN prompt row, which no sampling checks) made a body that
+    JSONResponse refused (a 500) and a stream that spelled -Infinity: vLLM's floor of -9999 stands for them."""
+    rows = torch.tensor([[0.0, float("-inf"), float("-inf"), 1.0], [float("nan")] * 4])
+    first, second = token_logprobs(rows, [1, 2], 4)
+    assert first.logprob == LOGPROB_FLOOR and first.rank == 4
+    assert [v for _, v in first.top][2:] == [LOGPROB_FLOOR, LOGPROB_FLOOR]
+    assert second.logprob == LOGPROB_FLOOR and second.rank == 4
+    json.dumps([first.logprob, first.top, second.logprob, second.top], allow_nan=False)
 
 
 def test_min_p_drops_tokens_below_its_share_of_the_top_one():

@@ -24,6 +24,7 @@ from hybrid.engine.sequence import Sequence
 from hybrid.structured_output.backend import GrammarBackend
 
 NOT_NUMBERS = "the model produced logits that are not numbers (NaN or infinite) for this request"
+LOGPROB_FLOOR = -9999.0
 NOTHING_ALLOWED = "the request's grammar, min_tokens, allowed_token_ids or bad_words allow no next token"
 
 
@@ -70,10 +71,11 @@ def scan(logits: torch.Tensor) -> tuple[list[int], list[bool]]:
 
 def token_logprobs(rows: torch.Tensor, token_ids: list[int], k: int) -> list[TokenLogprob]:
     """For each row of logits, the model's log-probability of the token it predicts (a prompt token, or the one
-    drawn), its rank, and the k most likely tokens, before temperature and filters."""
+    drawn), its rank, and the k most likely tokens, before temperature and filters; never below LOGPROB_FLOOR."""
     if not token_ids:
         return []
-    logp = torch.log_softmax(rows.float(), dim=-1)
+    # -inf (a logit the model itself sent to -inf) and NaN have no JSON spelling: vLLM's floor stands for both.
+    logp = torch.log_softmax(rows.float(), dim=-1).nan_to_num(nan=LOGPROB_FLOOR, neginf=LOGPROB_FLOOR)
     chosen = logp.gather(1, torch.tensor(token_ids).unsqueeze(1))
     ranks = (logp >= chosen).sum(dim=1).tolist()  # vLLM's count: tokens tied with this one rank it lower
     if k:
