@@ -53,7 +53,7 @@ def remove_orphans(prefix: str, directory: Path = SHM_DIR) -> int:
         if not m or psutil.pid_exists(int(m.group(1))):
             continue
         try:
-            info = path.lstat()  # of the name itself: a planted symlink is unlinked, never followed
+            info = path.lstat()  # of the name itself: a symlink of ours is unlinked, never followed
             if info.st_uid != os.getuid():
                 continue
             if stat.S_ISDIR(info.st_mode):

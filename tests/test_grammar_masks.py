@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import stat
+import time
 
 import jsonschema
 import numpy as np
@@ -90,14 +91,22 @@ def test_shm_channel_takes_turns_and_leaves_no_file():
         theirs.close()
 
 
+def until_the_mask_process_serves(llm: LLM, params: SamplingParams, timeout_s: float = 120.0) -> None:
+    """Runs constrained requests until the engine's masks come from its mask process (it starts in the
+    background); fails rather than loop forever if it never does."""
+    deadline = time.monotonic() + timeout_s
+    llm.generate("{", params)
+    while not llm.engine.sampler.masks.process_ready:
+        assert time.monotonic() < deadline, f"the mask process was not serving after {timeout_s:.0f} s"
+        llm.generate("{", params)
+
+
 def test_engine_carries_on_when_the_mask_process_dies(model_dirs, caplog):
     llm = LLM(model_dirs["tiny-qwen3-moe"], dtype="float32", max_num_seqs=4)
     try:
         engine, grammar = llm.engine, json_schema_grammar(SCHEMA)
         params = SamplingParams(max_tokens=40, temperature=0, grammar=grammar)
-        llm.generate("{", SamplingParams(max_tokens=2, grammar=json_object_grammar()))
-        while not engine.sampler.masks.process_ready:
-            llm.generate("{", SamplingParams(max_tokens=2, grammar=json_object_grammar()))
+        until_the_mask_process_serves(llm, SamplingParams(max_tokens=2, grammar=json_object_grammar()))
         want = [o.token_ids for o in llm.generate(["JSON:", "{"], params)]
         ids = [engine.add_request(p, params) for p in ("JSON:", "{")]
         for _ in range(6):
@@ -124,9 +133,7 @@ def test_unconstrained_steps_exchange_nothing_with_the_mask_process_and_close_st
     masks = llm.engine.sampler.masks
     try:
         constrained = SamplingParams(max_tokens=4, temperature=0, grammar=json_object_grammar())
-        llm.generate("{", constrained)
-        while not masks.process_ready:
-            llm.generate("{", constrained)
+        until_the_mask_process_serves(llm, constrained)
         llm.generate("{", constrained)
         process, sent = masks._process, masks._process.channel.seq
         free = llm.generate("Once upon a time", SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))

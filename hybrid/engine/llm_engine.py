@@ -309,7 +309,8 @@ class LLMEngine:
         return out
 
     def _fail(self, seq: Sequence, message: str, status: int = 500) -> RequestOutput:
-        log.error("request %s failed: %s", seq.request_id, message)
+        # A 4xx is the request's own doing (its grammar or restrictions), not a fault of the daemon.
+        log.log(logging.WARNING if status < 500 else logging.ERROR, "request %s failed: %s", seq.request_id, message)
         self.abort(seq.request_id)
         seq.finish_reason = "error"
         out = self._output(seq, [], None)
