@@ -91,7 +91,7 @@ class Tokenizer:
             raise TokenizerError(f"{config}: model_max_length must be a number, got {limit!r}")
         self.backend: BackendTokenizer = self.hf.backend_tokenizer
         self.vocab_size = len(self.hf)
-        self.template_source = f"{model_dir / 'tokenizer_config.json'}: its chat_template"
+        self.template_source = f"{config}: its chat_template"
         self._checked_template: object = None
         if chat_template is not None:
             self.use_chat_template(chat_template)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -19,6 +20,7 @@ if TYPE_CHECKING:
 READABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e4m3fn)
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+LAYER = re.compile(r"model\.layers\.(\d+)\.")  # a decoder layer's tensor, and its index
 
 
 def _all_finite(t: torch.Tensor) -> bool:
@@ -43,10 +45,8 @@ class CheckpointReader:
         """The reader of `config`'s checkpoint, refusing a config with more layers than it holds before anything
         is built for them (layers are otherwise checked one by one, as each loads)."""
         reader = cls(config.model_dir, config.fp8_block)
-        last = config.num_hidden_layers - 1
-        if not any(name.startswith(f"model.layers.{last}.") for name in reader.weight_map):
-            held = {int(i) for n in reader.weight_map if n.startswith("model.layers.")
-                    and (i := n.split(".")[2]).isdigit()}
+        held = {int(m[1]) for name in reader.weight_map if (m := LAYER.match(name))}
+        if config.num_hidden_layers - 1 not in held:
             holds = f"layers 0-{max(held)}" if held else "no layers"
             raise CheckpointError(f"{config.model_dir}: config.json has num_hidden_layers={config.num_hidden_layers}, "
                                   f"but the checkpoint holds {holds}")

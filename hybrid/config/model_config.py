@@ -27,12 +27,15 @@ MODEL_TYPE_ALIASES = {"kimi_k2": "deepseek_v3"}
 DTYPES = ("bfloat16", "float32", "float16")
 SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
          "intermediate_size", "moe_intermediate_size", "num_experts_per_tok", "head_dim", "n_group", "topk_group")
-# No dimension, count or token id of a real model comes near it; above it tensor sizes overflow int64.
+# The most each size may be. No dimension, count or token id of a real model comes near 2**31 (above it tensor
+# sizes overflow int64); DeepSeek-V3 has 61 layers, and transformers' config class lists every one; real heads
+# are 64-256 wide, and the rotary tables are built from them before any weight is read.
 MAX_SIZE = 2**31 - 1
-MAX_LAYERS = 4096  # DeepSeek-V3 has 61
-# Real heads are 64-256 wide; the rotary tables are built from head_dim before any weight is read.
-HEAD_DIMS = ("head_dim", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
-MAX_HEAD_DIM = 65536
+SIZE_LIMITS = {
+    **dict.fromkeys(SIZES + ("num_experts", "n_shared_experts", "kv_lora_rank", "q_lora_rank"), MAX_SIZE),
+    **dict.fromkeys(("head_dim", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"), 65536),
+    "num_hidden_layers": 4096,
+}
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -65,6 +68,12 @@ def check_positive(owner: object, ints: tuple[str, ...] = (), floats: tuple[str,
             what = "a positive finite number"
         if not ok:
             raise ConfigError(f"{name} must be {what}, got {v!r}")
+
+
+def check_at_most(name: str, v: object) -> None:
+    """Refuses an integer size above its SIZE_LIMITS bound (other types are left to the type checks)."""
+    if isinstance(v, int) and v > SIZE_LIMITS[name]:
+        raise ConfigError(f"{name} must be at most {SIZE_LIMITS[name]}, got {v}")
 
 
 @dataclass
@@ -139,11 +148,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         check_positive(self, ints=SIZES + ("max_position_embeddings",),
                        floats=("rms_norm_eps", "routed_scaling_factor"))
-        for name in SIZES + ("num_experts", "n_shared_experts", "kv_lora_rank", "qk_nope_head_dim",
-                             "qk_rope_head_dim", "v_head_dim", "q_lora_rank"):
-            limit = MAX_HEAD_DIM if name in HEAD_DIMS else MAX_SIZE
-            if isinstance(v := getattr(self, name), int) and v > limit:
-                raise ConfigError(f"{name} must be at most {limit}, got {v}")
+        for name in SIZE_LIMITS:
+            check_at_most(name, getattr(self, name))
         if not isinstance(self.num_experts, int) or self.num_experts < 0:
             raise ConfigError(f"the number of routed experts must be >= 0, got {self.num_experts!r}")
         if not isinstance(self.n_shared_experts, int) or self.n_shared_experts < 0:
@@ -222,8 +228,7 @@ def _hf_config(model_type: str, raw: dict):
     for name in ("torch_dtype", "dtype"):
         if isinstance(v := fields.get(name), str) and not isinstance(getattr(torch, v, None), torch.dtype):
             raise ConfigError(f"{name} {v!r} is not a torch dtype")
-    if isinstance(v := fields.get("num_hidden_layers"), int) and v > MAX_LAYERS:  # the class lists every layer
-        raise ConfigError(f"num_hidden_layers must be at most {MAX_LAYERS}, got {v}")
+    check_at_most("num_hidden_layers", fields.get("num_hidden_layers"))  # before the class lists every layer
     try:
         return cls.from_dict(fields)
     except Exception as e:  # the class's strict field validators raise their own types; all mean a bad file

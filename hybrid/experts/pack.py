@@ -155,11 +155,11 @@ def pack_lock(pack_dir: Path, wait: bool = True) -> Iterator[bool]:
 
 
 def _write(pack_dir: Path, config: ModelConfig, fmt: str, progress: Callable[[int], None] | None) -> None:
+    reader = CheckpointReader.of_model(config)  # a checkpoint the config does not fit leaves the old pack be
     (pack_dir / INDEX_FILE).unlink(missing_ok=True)
     # A stale pack's data goes before the new one is written: a repack would otherwise need the disk for both.
     # A process still mapping it keeps its pages until it unmaps them.
     (pack_dir / EXPERTS_FILE).unlink(missing_ok=True)
-    reader = CheckpointReader.of_model(config)
     partial = pack_dir / (EXPERTS_FILE + PARTIAL_SUFFIX)
     layers: dict[str, dict] = {}
     try:

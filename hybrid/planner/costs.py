@@ -4,17 +4,15 @@ its shape and format, which sizes every expert read and copy exactly and feeds t
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from hybrid.checkpoint.reader import CheckpointReader
+from hybrid.checkpoint.reader import LAYER, CheckpointReader
 from hybrid.config import ModelConfig
 
 STORED_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "I32": 4, "I64": 8}
-LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
 @dataclass
