@@ -28,7 +28,6 @@ setup(
                 "cpu_kernels/csrc/tile_dot_avx2.cpp",
                 "cpu_kernels/csrc/tile_dot_avx512f.cpp",
                 "cpu_kernels/csrc/tile_layout.cpp",
-                "cpu_kernels/csrc/token_mask.cpp",
             ],
             include_dirs=["cpu_kernels/csrc"],
             # -ffp-contract=off: a product and a sum written apart round apart, also in functions built for

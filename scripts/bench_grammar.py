@@ -57,7 +57,7 @@ class GrammarClock:
 
     def __init__(self) -> None:
         self.total = 0.0
-        for name in ("apply_grammars", "accept", "prefetch"):
+        for name in ("grammar_masks", "accept", "prefetch"):
             setattr(Sampler, name, self.timed(getattr(Sampler, name)))
 
     def timed(self, fn):

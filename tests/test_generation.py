@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from conftest import prompt_ids
@@ -250,19 +251,13 @@ def test_a_grammar_that_leaves_only_minus_inf_logits_fails_that_row(monkeypatch)
     inf = float("inf")
     logits = torch.tensor([[0.0, -inf, 1.0, -inf], [0.0, 2.0, 1.0, -inf]])
     seqs = [Sequence(str(i), [1], SamplingParams(temperature=0)) for i in range(2)]
-    seqs[0].matcher = object()  # only Sampler.apply_grammars (replaced below) reads it
+    seqs[0].matcher = object()  # only Sampler.grammar_masks (replaced below) reads it
     sampler = Sampler()
-    monkeypatch.setattr(sampler, "apply_grammars", lambda raw, seqs, copied=False: (_mask_row0(raw), set()))
+    allow_1_and_3 = np.array([[0b1010]], dtype=np.int32)
+    monkeypatch.setattr(sampler, "grammar_masks", lambda seqs, rows: allow_1_and_3)
     samples = sampler(logits, seqs)
     assert samples[0].token is None and samples[0].error == NOTHING_ALLOWED
     assert samples[1].token == 1
-
-
-def _mask_row0(raw: torch.Tensor) -> torch.Tensor:
-    """Row 0 allows tokens 1 and 3 only: both -inf."""
-    out = raw.clone()
-    out[0, [0, 2]] = float("-inf")
-    return out
 
 
 def test_a_request_with_nan_logits_fails_and_its_batch_neighbour_finishes(llm, monkeypatch):

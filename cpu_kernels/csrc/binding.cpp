@@ -16,7 +16,6 @@
 #include "row_ops.h"
 #include "slot_channel.h"
 #include "tile_layout.h"
-#include "token_mask.h"
 
 namespace py = pybind11;
 using hybridd::ExpertLayer;
@@ -216,11 +215,6 @@ PYBIND11_MODULE(_C, m) {
   m.def("row_axpy_tiles", [](int isa, float w, uintptr_t hi, uintptr_t lo, int64_t stride, int n, uintptr_t acc) {
     hybridd::axpy_tiles(static_cast<Isa>(isa), w, as<const float>(hi), as<const float>(lo), stride, n, as<float>(acc));
   });
-  m.def("logits_scan", [](int isa, uintptr_t logits, bool bf16, int64_t rows, int64_t vocab, int64_t stride,
-                          uintptr_t greedy, uintptr_t broken) {
-    hybridd::logits_scan(static_cast<Isa>(isa), as<const void>(logits), bf16, rows, vocab, stride,
-                         as<int64_t>(greedy), as<uint8_t>(broken));
-  });
   m.def("row_silu_mul", [](int isa, uintptr_t g, uintptr_t u, uintptr_t out) {
     hybridd::silu_mul_row(static_cast<Isa>(isa), as<const float>(g), as<const float>(u), as<float>(out));
   });
@@ -229,23 +223,35 @@ PYBIND11_MODULE(_C, m) {
     hybridd::quantize_row(static_cast<Isa>(isa), as<const float>(v), k, kp, static_cast<Format>(fmt), group,
                           as<int8_t>(q), as<float>(scale), as<int32_t>(gsum));
   });
-  // rows None: every row of the logits, in order.
-  m.def("mask_logits", [](int isa, uintptr_t logits, int64_t batch, int64_t stride, int64_t vocab,
-                          std::optional<std::vector<int64_t>> rows, const py::array_t<int32_t, py::array::c_style>& bits) {
-    if (!rows) {
-      rows.emplace(batch);
-      for (int64_t r = 0; r < batch; ++r) (*rows)[r] = r;
+  // bits None: no row masked; else bits row i masks logits row rows[i] (rows None: row i). (greedy, status) as lists.
+  m.def("logits_scan", [](int isa, uintptr_t logits, bool bf16, int64_t batch, int64_t vocab, int64_t stride,
+                          std::optional<std::vector<int64_t>> rows,
+                          std::optional<py::array_t<int32_t, py::array::c_style>> bits) {
+    std::vector<int64_t> mask_of_row;
+    if (bits) {
+      const auto masked = static_cast<py::ssize_t>(rows ? rows->size() : batch);
+      if (bits->ndim() != 2 || bits->shape(0) != masked)
+        throw std::invalid_argument("bits must be int32 [rows, words], one row per logits row masked");
+      mask_of_row.assign(batch, -1);
+      for (py::ssize_t i = 0; i < masked; ++i) {
+        const int64_t r = rows ? (*rows)[i] : i;
+        if (r < 0 || r >= batch || mask_of_row[r] >= 0)
+          throw std::invalid_argument("rows must be distinct rows of the logits");
+        mask_of_row[r] = i;
+      }
     }
-    if (bits.ndim() != 2 || bits.shape(0) != static_cast<py::ssize_t>(rows->size()))
-      throw std::invalid_argument("bits must be int32 [rows, words], one row per logits row masked");
-    std::vector<bool> seen(batch);
-    for (int64_t r : *rows) {
-      if (r < 0 || r >= batch || seen[r]) throw std::invalid_argument("rows must be distinct rows of the logits");
-      seen[r] = true;
+    std::vector<int64_t> greedy(batch);
+    std::vector<uint8_t> status(batch);
+    hybridd::logits_scan(static_cast<Isa>(isa), as<void>(logits), bf16, batch, vocab, stride,
+                         bits ? mask_of_row.data() : nullptr,
+                         bits ? reinterpret_cast<const uint32_t*>(bits->data()) : nullptr, bits ? bits->shape(1) : 0,
+                         greedy.data(), status.data());
+    py::list g(batch), s(batch);
+    for (int64_t r = 0; r < batch; ++r) {
+      g[r] = greedy[r];
+      s[r] = status[r];
     }
-    hybridd::mask_logits(static_cast<Isa>(isa), as<float>(logits), stride, vocab, rows->data(),
-                         static_cast<int64_t>(rows->size()), reinterpret_cast<const uint32_t*>(bits.data()),
-                         bits.shape(1));
+    return py::make_tuple(g, s);
   });
   m.def("isa_name", [](int isa) { return std::string(hybridd::isa_name(static_cast<Isa>(isa))); });
 

@@ -38,14 +38,6 @@ POLL_S = 0.5
 
 
 @dataclass
-class Masks:
-    """Row i of the int32 bitmask is for the i-th sequence; `nothing` lists the rows that allow no token."""
-
-    bits: np.ndarray
-    nothing: list[int]
-
-
-@dataclass
 class MaskProcessSpec:
     """What a mask process needs to build the engine's grammar backend."""
 
@@ -126,7 +118,6 @@ class _Reply:
     seqs: list[Sequence]
     positions: list[int]
     bits: np.ndarray
-    nothing: list[int]
     closing: list[int]
     failed: list[int]
 
@@ -196,7 +187,7 @@ class MaskPrefetcher:
         for i in reply.failed:
             self._followed.pop(seqs[i].request_id, None)
         bits = np.frombuffer(reply.bits, dtype=np.int32).reshape(len(seqs), self._words)
-        return _Reply(seqs, positions, bits, reply.nothing, reply.closing, reply.failed)
+        return _Reply(seqs, positions, bits, reply.closing, reply.failed)
 
     def _hold(self) -> None:
         """Keeps the rows of the reply in flight for later takes."""
@@ -252,19 +243,19 @@ class MaskPrefetcher:
             return
         self._asked = (seqs, positions)
 
-    def take(self, backend: GrammarBackend, seqs: list[Sequence]) -> Masks:
-        """The masks of seqs, in order: the process's where it computed them for the sequence's position, the
-        engine thread's elsewhere. Sets each sequence's `closing`."""
+    def take(self, backend: GrammarBackend, seqs: list[Sequence]) -> np.ndarray:
+        """The masks of seqs as an int32 bitmask, row i the i-th sequence's: the process's where it computed them for
+        the sequence's position, the engine thread's elsewhere. Sets each sequence's `closing`."""
         if self._asked is not None and self._asked[0] == seqs:  # Sequence has no __eq__: the same objects
             reply = self._reply()
             if reply is not None and not reply.failed:
                 for i in reply.closing:
                     seqs[i].closing = True
-                return Masks(reply.bits, reply.nothing)
+                return reply.bits
         if any(seq.request_id not in self._held for seq in seqs):
             self._hold()
         bits = np.empty((len(seqs), bitmask_words(backend.vocab_size)), dtype=np.int32)
-        nothing, missing = [], []
+        missing = []
         for i, seq in enumerate(seqs):
             held = self._held.pop(seq.request_id, None)
             if held is None or not held[0].has(held[1], seq):
@@ -273,18 +264,15 @@ class MaskPrefetcher:
             reply, row = held
             bits[i] = reply.bits[row]
             seq.closing = row in reply.closing
-            if row in reply.nothing:
-                nothing.append(i)
         if missing:
             local = [seqs[i] for i in missing]
             masks = next_token_masks(backend, [s.matcher for s in local],
                                      [s.params.max_tokens - s.num_completion_tokens for s in local],
                                      [s.closing for s in local])
             bits[missing] = masks.bits
-            nothing += [missing[j] for j in masks.nothing]
             for seq, closing in zip(local, masks.closing):
                 seq.closing = closing
-        return Masks(bits, nothing)
+        return bits
 
     def close(self) -> None:
         if self._process is not None:

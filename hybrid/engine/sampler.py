@@ -13,10 +13,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from cpu_kernels.logits_scan import logits_scan
-from cpu_kernels.token_mask import mask_logits_
+from cpu_kernels.logits_scan import BROKEN, OK, logits_scan
 from hybrid.engine.grammar_masks import MaskPrefetcher, MaskProcessSpec
 from hybrid.engine.logits_processors import adjust_logits_, adjusts
 from hybrid.engine.outputs import TokenLogprob
@@ -61,14 +61,6 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float =
     return logits
 
 
-def scan(logits: torch.Tensor) -> tuple[list[int], list[bool]]:
-    """Each row's greedy token and whether no token can be drawn from it (any NaN or +inf, or nothing above -inf):
-    one pass of a kernel over CPU logits, fp32 or the model's bf16 (torch's five passes took 1.6 ms for 8 rows of a
-    152K vocabulary)."""
-    greedy, broken = logits_scan(logits)
-    return greedy.tolist(), broken.tolist()
-
-
 def token_logprobs(rows: torch.Tensor, token_ids: list[int], k: int) -> list[TokenLogprob]:
     """For each row of logits, the model's log-probability of the token it predicts (a prompt token, or the one
     drawn), its rank, and the k most likely tokens, before temperature and filters; never below LOGPROB_FLOOR."""
@@ -104,18 +96,24 @@ class Sampler:
             # kernel, grammar masks, seeded generators and the adjustments all work on the CPU.
             logits = logits.cpu()
         adjusted = [row for row, seq in enumerate(seqs) if adjusts(seq)]
+        constrained = [row for row, seq in enumerate(seqs) if seq.matcher is not None]
         widen = (logits.dtype not in (torch.float32, torch.bfloat16)  # fp16 (torch backend or a device): no scan
-                 or bool(adjusted) or any(seq.matcher is not None or not seq.params.greedy for seq in seqs))
+                 or bool(adjusted) or bool(constrained) or any(not seq.params.greedy for seq in seqs))
         raw = logits.float() if widen else logits
-        greedy, broken = scan(raw)
         logits = raw.clone() if adjusted else raw  # raw stays the model's own: logprobs are read from it
-        adjust_logits_(logits, seqs, adjusted, self.eos_ids)
-        logits, unsatisfiable = self.apply_grammars(logits, seqs, copied=bool(adjusted))
-        if adjusted or any(seq.matcher is not None for seq in seqs):  # greedy among what is left
-            greedy, masked_out = scan(logits)
-            # Tokens the grammar allows whose logits are all -inf leave nothing to draw either.
-            constrained = {row for row, seq in enumerate(seqs) if seq.matcher is not None}.union(adjusted)
-            unsatisfiable |= {row for row in constrained if masked_out[row]}
+        broken = None
+        if adjusted:
+            broken = [status == BROKEN for status in logits_scan(raw)[1]]  # the model's fault, before adjustments
+            adjust_logits_(logits, seqs, adjusted, self.eos_ids)
+        bits = self.grammar_masks(seqs, constrained)
+        if bits is not None and not adjusted and any(seq.params.logprobs is not None for seq in seqs):
+            logits = logits.clone()  # the scan masks in place
+        # One read of each row: the greedy token among what the adjustments and the grammar leave, the row's health.
+        rows = None if bits is None or len(constrained) == len(seqs) else constrained
+        greedy, status = logits_scan(logits, bits, rows)
+        if broken is None:
+            broken = [s == BROKEN for s in status]
+        unsatisfiable = {row for row in (constrained + adjusted if adjusted else constrained) if status[row] != OK}
         out = []
         for row, seq in enumerate(seqs):
             p = seq.params
@@ -133,18 +131,11 @@ class Sampler:
             out.append(Sample(token, lp))
         return out
 
-    def apply_grammars(self, logits: torch.Tensor, seqs: list[Sequence],
-                       copied: bool = False) -> tuple[torch.Tensor, set[int]]:
-        """The logits with each constrained row's grammar mask applied (in place where they are a copy already or
-        no row asked for logprobs), and the rows whose grammar allows nothing."""
-        rows = [row for row, seq in enumerate(seqs) if seq.matcher is not None]
+    def grammar_masks(self, seqs: list[Sequence], rows: list[int]) -> np.ndarray | None:
+        """The bitmask of each constrained row (rows: their indices in seqs), None when there are none."""
         if not rows:
-            return logits, set()
-        masks = self.masks.take(self.grammars, seqs if len(rows) == len(seqs) else [seqs[row] for row in rows])
-        if not copied and any(seq.params.logprobs is not None for seq in seqs):  # read from the unmasked logits
-            logits = logits.clone()
-        every = len(rows) == len(seqs)
-        return mask_logits_(logits, masks.bits, None if every else rows), {rows[i] for i in masks.nothing}
+            return None
+        return self.masks.take(self.grammars, seqs if len(rows) == len(seqs) else [seqs[row] for row in rows])
 
     def accept(self, seqs: list[Sequence], samples: list[Sample]) -> None:
         """Advances the constrained rows' matchers by their drawn tokens; a token a grammar refuses (which a mask

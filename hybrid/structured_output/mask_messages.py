@@ -37,12 +37,11 @@ class Advance(msgspec.Struct, tag=True):
 
 
 class MaskReply(msgspec.Struct, tag=True):
-    """The rows' bitmask ([rows, words] int32 bytes), the rows that are closing and those that allow nothing;
-    `failed` rows (and the request's state in the process) are void: the engine computes them itself."""
+    """The rows' bitmask ([rows, words] int32 bytes) and the rows that are closing; `failed` rows (and the
+    request's state in the process) are void: the engine computes them itself."""
 
     bits: bytes
     closing: list[int]
-    nothing: list[int]
     failed: list[int]
 
 

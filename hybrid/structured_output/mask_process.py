@@ -74,8 +74,7 @@ def answer(backend: GrammarBackend, followed: dict[str, Followed], request: Mask
     bits[live] = masks.bits
     for state, c in zip(states, masks.closing):
         state.closing = c
-    return MaskReply(bits.tobytes(), [i for i, c in zip(live, masks.closing) if c], [live[j] for j in masks.nothing],
-                     failed)
+    return MaskReply(bits.tobytes(), [i for i, c in zip(live, masks.closing) if c], failed)
 
 
 def advanced(previous: MaskRequest, message: Advance) -> MaskRequest:

@@ -19,11 +19,10 @@ CLOSING_MARGIN = 4
 @dataclass
 class NextTokenMasks:
     """Row i of the int32 bitmask is the i-th matcher's allowed next tokens; closing[i] whether it is closing
-    (it stays so); `nothing` the rows that allow no token."""
+    (it stays so)."""
 
     bits: np.ndarray
     closing: list[bool]
-    nothing: list[int]
 
 
 def must_close(backend: GrammarBackend, matcher: GrammarMatcher, left: int, closing: bool) -> bool:
@@ -39,4 +38,4 @@ def next_token_masks(backend: GrammarBackend, matchers: list[GrammarMatcher], le
     if rows:
         allowed = torch.from_numpy(unpack_bits(bits[rows], backend.vocab_size)).bool()
         bits[rows] = pack_bits(backend.closing(allowed).numpy())
-    return NextTokenMasks(bits, closing, np.flatnonzero(~bits.any(axis=1)).tolist())
+    return NextTokenMasks(bits, closing)
