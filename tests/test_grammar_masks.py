@@ -86,6 +86,11 @@ def test_shm_channel_takes_turns_and_leaves_no_file():
         assert theirs.receive(1.0) == b"x" * 4000
         with pytest.raises(ChannelError, match="does not fit"):
             theirs.send(b"x" * 4096)
+        theirs.send(b"reply")
+        offset = ours._C.shm_buffer(ours.group, ours.seq + 1, 1)
+        theirs.map[offset:offset + 8] = (1 << 40).to_bytes(8, "little")  # a length no message of it can have
+        with pytest.raises(ChannelError, match="does not fit its buffer"):
+            ours.receive(1.0)
     finally:
         ours.close()
         theirs.close()

@@ -3,6 +3,9 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cstring>
+#include <string>
+
 #include "all_reduce.h"
 #include "amx.h"
 #include "attention.h"
@@ -376,5 +379,20 @@ PYBIND11_MODULE(_C, m) {
     return hybridd::shm_broadcast_send(g, seq, data, length, timeout_us);
   });
   m.def("shm_broadcast_wait", &hybridd::shm_broadcast_wait, py::call_guard<py::gil_scoped_release>());
+  // The root's message `seq` (as sent by shm_broadcast_send_bytes), None when it has not come within timeout_us.
+  m.def("shm_broadcast_receive_bytes", [](const ShmGroup& g, int64_t seq, int root, int64_t timeout_us) -> py::object {
+    bool arrived;
+    {
+      py::gil_scoped_release release;
+      arrived = hybridd::shm_broadcast_wait(g, seq, root, timeout_us);
+    }
+    if (!arrived) return py::none();
+    const uint8_t* buf = g.base + hybridd::shm_buffer(g, seq, root);
+    int64_t length;
+    std::memcpy(&length, buf, 8);
+    if (length < 0 || length > g.capacity - 8)
+      throw std::runtime_error("a channel message of " + std::to_string(length) + " bytes does not fit its buffer");
+    return py::bytes(reinterpret_cast<const char*>(buf + 8), static_cast<size_t>(length));
+  });
   m.def("shm_buffer", &hybridd::shm_buffer);
 }

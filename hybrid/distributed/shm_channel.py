@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-import struct
 
 import torch
 
@@ -22,7 +21,6 @@ from hybrid.shm_orphans import create_owned
 DEFAULT_CAPACITY = 4 << 20
 SPIN_US = 2000
 SEND_TIMEOUT_S = 10.0
-_LENGTH = struct.Struct("<q")
 
 
 class ChannelError(RuntimeError):
@@ -69,12 +67,14 @@ class ShmChannel:
 
     def receive(self, timeout_s: float) -> bytes | None:
         """The other side's next message, or None when it has not come within timeout_s (call again)."""
-        if not self._C.shm_broadcast_wait(self.group, self.seq + 1, 1 - self.rank, int(timeout_s * 1e6)):
-            return None
-        self.seq += 1
-        offset = self._C.shm_buffer(self.group, self.seq, 1 - self.rank)
-        (length,) = _LENGTH.unpack_from(self.map, offset)
-        return self.map[offset + 8:offset + 8 + length]
+        try:
+            payload = self._C.shm_broadcast_receive_bytes(self.group, self.seq + 1, 1 - self.rank,
+                                                          int(timeout_s * 1e6))
+        except RuntimeError as e:  # a length past the buffer: the mapping was written by something else
+            raise ChannelError(str(e)) from e
+        if payload is not None:
+            self.seq += 1
+        return payload
 
     def close(self) -> None:
         self.buffer = None

@@ -89,9 +89,10 @@ class MaskProcess:
         self.channel.send(encode(request))
 
     def reply(self) -> MaskReply:
-        deadline = time.monotonic() + REPLY_TIMEOUT_S
+        deadline = None
         while (payload := self.channel.receive(POLL_S)) is None:
             self._check_alive()
+            deadline = deadline or time.monotonic() + REPLY_TIMEOUT_S - POLL_S
             if time.monotonic() > deadline:
                 raise ChannelError(f"the mask process did not answer within {REPLY_TIMEOUT_S:.0f} s")
         if not isinstance(message := decode(payload), MaskReply):
