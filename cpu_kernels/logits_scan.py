@@ -19,23 +19,22 @@ def logits_scan(logits: torch.Tensor, bits: np.ndarray | None = None, rows: list
     """(greedy, status) per row of fp32 or bf16 logits [rows, vocab]. BROKEN: the row holds a NaN or +inf or
     nothing above -inf; MASKED_OUT: its mask leaves nothing above -inf; OK: greedy is the first index of the row's
     largest allowed value (-1 otherwise). With bits (an int32 bitmask [masked rows, words], bit t % 32 of word
-    t // 32 for token t) row rows[i] (rows None: row i) of fp32 logits keeps the tokens whose bit is set in bits[i]
-    and gets -inf in place elsewhere, also for tokens past the bitmask; BROKEN is judged before the mask. Called
-    once per decode step: the checks are kept cheap."""
+    t // 32 for token t) row rows[i] (rows None: row i) keeps the tokens whose bit is set in bits[i] and gets -inf
+    in place elsewhere, also for tokens past the bitmask; BROKEN is judged before the mask. Called once per decode
+    step: the checks are kept cheap."""
     if (logits.dim() != 2 or logits.dtype not in (torch.float32, torch.bfloat16) or not logits.is_cpu
             or logits.shape[1] == 0):
         raise ValueError(f"logits_scan reads fp32 or bf16 CPU logits [rows, vocab >= 1], got {tuple(logits.shape)} "
                          f"{logits.dtype} on {logits.device}")
-    bf16 = logits.dtype == torch.bfloat16
     if bits is not None:
-        if bf16 or logits.stride(1) != 1:
-            raise ValueError(f"masked logits must be fp32 rows, got {logits.dtype} with strides {logits.stride()}")
+        if logits.stride(1) != 1:
+            raise ValueError(f"masked logits must be contiguous rows, got strides {logits.stride()}")
         if bits.dtype != np.int32:
             raise ValueError(f"bits must be int32, got {bits.dtype}")
     elif logits.stride(1) != 1:
         logits = logits.contiguous()
-    return _C.logits_scan(resolve_isa(isa), logits.data_ptr(), bf16, logits.shape[0], logits.shape[1],
-                          logits.stride(0), rows, bits)
+    return _C.logits_scan(resolve_isa(isa), logits.data_ptr(), logits.dtype == torch.bfloat16, logits.shape[0],
+                          logits.shape[1], logits.stride(0), rows, bits)
 
 
 def logits_scan_reference(logits: torch.Tensor, bits: np.ndarray | None = None,

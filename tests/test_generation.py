@@ -260,6 +260,34 @@ def test_a_grammar_that_leaves_only_minus_inf_logits_fails_that_row(monkeypatch)
     assert samples[1].token == 1
 
 
+def test_grammar_masks_steer_greedy_rows_of_bf16_logits_unwidened(monkeypatch):
+    """A greedy batch under a grammar keeps the model's bf16 logits (no [rows, vocab] fp32 copy): the mask is
+    applied to them in place and picks the same tokens as on fp32; logprobs stay the model's, before the mask."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(3, 70, generator=g)
+    bits = np.zeros((2, 3), dtype=np.int32)
+    bits[0, 1] = 1 << 9  # row 0: token 41 only
+    bits[1, 2] = 0b11 << 3  # row 2: tokens 67 and 68
+
+    def draw(x: torch.Tensor):
+        seqs = [Sequence(str(i), [1], SamplingParams(temperature=0, logprobs=0)) for i in range(3)]
+        seqs[0].matcher = seqs[2].matcher = object()  # only Sampler.grammar_masks (replaced below) reads them
+        sampler = Sampler()
+        monkeypatch.setattr(sampler, "grammar_masks", lambda seqs, rows: bits if rows == [0, 2] else None)
+        widen = torch.Tensor.float
+        monkeypatch.setattr(torch.Tensor, "float",  # one row for its logprobs may be; the batch may not
+                            lambda t: pytest.fail("the batch's logits were widened") if len(t) > 1 else widen(t))
+        try:
+            return sampler(x, seqs)
+        finally:
+            monkeypatch.undo()
+
+    bf16, fp32 = draw(logits.bfloat16()), draw(logits.bfloat16().float())
+    assert [s.token for s in bf16] == [s.token for s in fp32] == [41, int(logits[1].bfloat16().argmax()),
+                                                                  67 + int(logits[2, 68] > logits[2, 67])]
+    assert bf16[0].logprob.logprob == pytest.approx(fp32[0].logprob.logprob, abs=1e-2)
+
+
 def test_a_request_with_nan_logits_fails_and_its_batch_neighbour_finishes(llm, monkeypatch):
     real = llm.engine.runner.execute
     poisoned = []

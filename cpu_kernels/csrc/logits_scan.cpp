@@ -10,16 +10,18 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
-#include <type_traits>
 
 namespace hybridd {
 
 namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr uint16_t kNegInfBf16 = 0xff80;
 
 inline float value(float v) { return v; }
 inline float value(uint16_t v) { return bf16_to_f32(v); }
+inline void forbid(float& v) { v = kNegInf; }
+inline void forbid(uint16_t& v) { v = kNegInfBf16; }
 
 struct RowScan {
   int64_t greedy;
@@ -49,7 +51,7 @@ RowScan scan_row_generic(T* x, int64_t n, const uint32_t* mask, int64_t words) {
       bad |= std::isnan(v) || v == -kNegInf;
       live |= v > kNegInf;
       if (!((allowed >> (i - base)) & 1u)) {
-        if constexpr (std::is_same_v<T, float>) x[i] = kNegInf;  // masked rows are fp32 (the caller checks)
+        forbid(x[i]);
         v = kNegInf;
       }
       if (v > best) best = v, at = i;
@@ -92,7 +94,9 @@ AVX512F_TARGET inline void forbid(float* x, __mmask16 lanes) {
   _mm512_mask_storeu_ps(x, lanes, _mm512_set1_ps(kNegInf));
 }
 
-AVX512F_TARGET inline void forbid(uint16_t*, __mmask16) {}
+AVX512F_TARGET inline void forbid(uint16_t* x, __mmask16 lanes) {
+  _mm256_mask_storeu_epi16(x, lanes, _mm256_set1_epi16(static_cast<short>(kNegInfBf16)));
+}
 
 // A 16-token chunk starts at a multiple of 16, so its bits lie in one word.
 template <typename T>

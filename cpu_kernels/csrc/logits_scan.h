@@ -18,7 +18,7 @@ enum ScanStatus : uint8_t {
 
 // For each of `rows` rows of `vocab` logits (fp32, or bf16 when bf16), `stride` values apart: status[r] and
 // greedy[r] (-1 unless kScanOk). mask_of_row null: no row is masked. Otherwise row r with mask_of_row[r] = i >= 0
-// (fp32 only) first keeps token t when bit t % 32 of bits[i * words + t / 32] is set and gets -inf in place
+// first keeps token t when bit t % 32 of bits[i * words + t / 32] is set and gets -inf in place
 // otherwise (also for t >= 32 * words); its status is kScanBroken by the values before the mask.
 void logits_scan(Isa isa, void* logits, bool bf16, int64_t rows, int64_t vocab, int64_t stride,
                  const int64_t* mask_of_row, const uint32_t* bits, int64_t words, int64_t* greedy, uint8_t* status);

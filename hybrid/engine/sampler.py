@@ -89,7 +89,7 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[Sample]:
         """logits [len(seqs), vocab] in fp32 or the model's dtype, on any device: widened to fp32 only for a batch
-        with a row that draws at random, under a grammar or with its logits adjusted (greedy rows and logprobs read
+        with a row that draws at random or with its logits adjusted (greedy rows, grammar masks and logprobs read
         them as they are, exactly)."""
         if logits.device.type != "cpu":
             # A device's logits come over once ([batch, vocab]: ~2 MB for 8 rows of 129K in bf16): the scan
@@ -98,7 +98,7 @@ class Sampler:
         adjusted = [row for row, seq in enumerate(seqs) if adjusts(seq)]
         constrained = [row for row, seq in enumerate(seqs) if seq.matcher is not None]
         widen = (logits.dtype not in (torch.float32, torch.bfloat16)  # fp16 (torch backend or a device): no scan
-                 or bool(adjusted) or bool(constrained) or any(not seq.params.greedy for seq in seqs))
+                 or bool(adjusted) or any(not seq.params.greedy for seq in seqs))
         raw = logits.float() if widen else logits
         logits = raw.clone() if adjusted else raw  # raw stays the model's own: logprobs are read from it
         broken = None
