@@ -10,13 +10,20 @@ import time
 
 import httpx
 import jsonschema
+import numpy as np
 import pytest
-import torch
 from daemon_harness import MODEL
 
 from hybrid.llm import LLM
 from hybrid.sampling_params import SamplingParams
-from hybrid.structured_output.backend import closing_ranks
+from hybrid.structured_output.backend import (
+    EOS_RANK,
+    GrammarBackend,
+    closing_ranks,
+    first_token,
+    pack_bits,
+    unpack_bits,
+)
 from hybrid.structured_output.grammars import json_object_grammar, json_schema_grammar
 from hybrid.structured_output.tool_formats import (
     DeepSeekV3Format,
@@ -170,29 +177,47 @@ def test_mask_bits_match_the_library(llm):
     from hybrid.structured_output.llguidance_backend import LLGuidanceBackend
 
     tok = llm.tokenizer
-    backend = LLGuidanceBackend(tok, llm.engine.model_config.vocab_size, [tok.eos_token_id])
+    vocab = llm.engine.model_config.vocab_size
+    backend = LLGuidanceBackend(tok, vocab, [tok.eos_token_id])
     m = backend.matcher(json_schema_grammar(SCHEMAS["enum-array"]))
-    allowed = backend.allowed([m])[0]
+    allowed = unpack_bits(backend.bitmask([m]), vocab)[0]
     texts = tok.hf.batch_decode([[i] for i in range(len(tok.hf))])
-    assert allowed.any() and all(texts[i].startswith("{") for i in allowed.nonzero().flatten().tolist())
+    assert allowed.any() and all(texts[i].startswith("{") for i in np.flatnonzero(allowed))
+    assert first_token(backend.bitmask([m])[0]) == np.flatnonzero(allowed)[0]
     assert m.accept(tok.encode("{")[-1])
-    assert not backend.allowed([m])[0][tok.eos_token_id]
+    assert not unpack_bits(backend.bitmask([m]), vocab)[0][tok.eos_token_id]
+
+
+class Ranked(GrammarBackend):
+    """A backend of fixed closing ranks, for its closing()."""
+
+    check = matcher = None
+
+    def __init__(self, ranks: np.ndarray):
+        self.closing_rank, self.vocab_size = ranks, len(ranks)
 
 
 def test_closing_ranks():
     ranks = closing_ranks(['"', "ab", ",", "}]", "</tool_call>", "<tool_call>", "x", '"}', "].", " ]"],
                           {"</tool_call>", "<tool_call>"}, [6], 10)
     assert ranks.tolist() == [3, 0, 1, 2, 2, 0, 4, 3, 0, 2]
-    from hybrid.structured_output.backend import GrammarBackend
+    allowed = np.array([[False, True, True, False, False, True, False, False, True, False],
+                        [True, True, False, False, False, False, True, True, False, False],
+                        [False] * 10])
+    assert unpack_bits(Ranked(ranks).closing(pack_bits(allowed)), 10).tolist() == [
+        [False, False, True] + [False] * 7, [False] * 6 + [True] + [False] * 3, [False] * 10]
 
-    class Ranked(GrammarBackend):
-        closing_rank = ranks
-        check = matcher = None
 
-    allowed = torch.tensor([[False, True, True, False, False, True, False, False, True, False],
-                            [True, True, False, False, False, False, True, True, False, False]])
-    assert Ranked().closing(allowed).tolist() == [[False, False, True] + [False] * 7,
-                                                  [False] * 6 + [True] + [False] * 3]
+@pytest.mark.parametrize("vocab", [1, 31, 32, 33, 2048, 5000])
+def test_closing_keeps_the_allowed_tokens_of_the_highest_rank_present(vocab):
+    rng = np.random.default_rng(vocab)
+    backend = Ranked(rng.integers(0, EOS_RANK + 1, vocab).astype(np.int8))
+    allowed = rng.random((40, vocab)) < rng.choice([0.0005, 0.01, 0.5], size=(40, 1))
+    got = unpack_bits(backend.closing(pack_bits(allowed)), vocab).astype(bool)
+    for row, flags in zip(allowed, got):
+        top = backend.closing_rank[row].max(initial=-1)
+        assert np.array_equal(flags, row & (backend.closing_rank == top))
+        assert first_token(pack_bits(flags[None])[0]) == (np.flatnonzero(flags)[0] if flags.any() else None)
 
 
 @pytest.mark.parametrize("fmt_cls,text", [

@@ -13,13 +13,10 @@ closing once its remaining max_tokens come down to that distance (masks.py), so 
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
 
 import numpy as np
-
-if TYPE_CHECKING:
-    import torch
 
 
 class GrammarError(ValueError):
@@ -71,11 +68,9 @@ def closing_rank(text: str, added_tokens: set[str]) -> int:
 
 
 def closing_ranks(token_texts: list[str], added_tokens: set[str], eos_token_ids: list[int],
-                  vocab_size: int) -> torch.Tensor:
-    """closing_rank() per token id, EOS above all."""
-    import torch  # here, not above: the api process checks grammars' errors through this module without torch
-
-    ranks = torch.zeros(vocab_size, dtype=torch.int8)
+                  vocab_size: int) -> np.ndarray:
+    """closing_rank() per token id (int8 [vocab_size]), EOS above all."""
+    ranks = np.zeros(vocab_size, dtype=np.int8)
     for i, text in enumerate(token_texts[:vocab_size]):
         ranks[i] = closing_rank(text, added_tokens)
     ranks[[t for t in eos_token_ids if t < vocab_size]] = EOS_RANK
@@ -92,6 +87,15 @@ def unpack_bits(bits: np.ndarray, vocab_size: int) -> np.ndarray:
     return np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, :vocab_size]  # byte order = token order
 
 
+def first_token(row: np.ndarray) -> int | None:
+    """The lowest token whose bit is set in one bitmask row, None when none is."""
+    words = np.flatnonzero(row)
+    if not len(words):
+        return None
+    word = int(row[words[0]]) & 0xFFFFFFFF
+    return int(words[0]) * 32 + (word & -word).bit_length() - 1
+
+
 def pack_bits(flags: np.ndarray) -> np.ndarray:
     """unpack_bits() undone: [rows, vocab] flags as an int32 bitmask."""
     packed = np.packbits(flags.astype(np.uint8), axis=1, bitorder="little")
@@ -105,7 +109,7 @@ class GrammarBackend(ABC):
     closing_ranks() of its tokenizer."""
 
     vocab_size: int
-    closing_rank: torch.Tensor
+    closing_rank: np.ndarray
 
     @abstractmethod
     def check(self, grammar: str) -> None:
@@ -122,28 +126,25 @@ class GrammarBackend(ABC):
             m.fill_bitmask(bits, row)
         return bits
 
-    def allowed(self, matchers: list[GrammarMatcher]) -> torch.Tensor:
-        """A [len(matchers), vocab_size] bool tensor, True where a matcher allows the token next."""
-        import torch
+    @functools.cached_property
+    def rank_bits(self) -> np.ndarray:
+        """[EOS_RANK + 1, words] int32: row r the bitmask of the tokens of closing rank r."""
+        return pack_bits(self.closing_rank[None, :] == np.arange(EOS_RANK + 1)[:, None])
 
-        return torch.from_numpy(unpack_bits(self.bitmask(matchers), self.vocab_size)).bool()
-
-    def closing(self, allowed: torch.Tensor) -> torch.Tensor:
-        """Of each row's allowed tokens, those of the highest closing rank present."""
-        import torch
-
-        ranks = self.closing_rank.to(torch.int16).expand_as(allowed).masked_fill(~allowed, -1)
-        return ranks == ranks.max(dim=-1, keepdim=True).values
+    def closing(self, bits: np.ndarray) -> np.ndarray:
+        """Of each bitmask row's allowed tokens, those of the highest closing rank present (none where none is)."""
+        hits = bits[:, None, :] & self.rank_bits[None]  # [rows, ranks, words]
+        top = EOS_RANK - hits.any(axis=2)[:, ::-1].argmax(axis=1)
+        return hits[np.arange(len(bits)), top]
 
     def closing_distance(self, matcher: GrammarMatcher, limit: int) -> int:
         """Tokens needed to finish the grammar from matcher's state by always taking the allowed token of the
         highest closing rank (EOS counts as one); limit + 1 when it takes more than limit."""
         m, steps = matcher.copy(), 0
         while steps <= limit and not m.is_finished:
-            allowed = self.allowed([m])
-            if not allowed.any():
+            token = first_token(self.closing(self.bitmask([m]))[0])
+            if token is None:
                 break
-            token = int(self.closing(allowed)[0].nonzero()[0])
             steps += 1
             if self.closing_rank[token] == EOS_RANK or not m.accept(token):
                 break

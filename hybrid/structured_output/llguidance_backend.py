@@ -12,7 +12,6 @@ import functools
 import llguidance
 import llguidance.hf
 import numpy as np
-import torch
 from llguidance import LLMatcher
 
 from hybrid.structured_output.backend import GrammarBackend, GrammarError, GrammarMatcher, closing_ranks
@@ -52,7 +51,7 @@ class LLGuidanceBackend(GrammarBackend):
         self._pristine = functools.lru_cache(CACHED_GRAMMARS)(self._compile)
 
     @functools.cached_property
-    def closing_rank(self) -> torch.Tensor:
+    def closing_rank(self) -> np.ndarray:
         texts = self.hf_tokenizer.batch_decode([[i] for i in range(min(len(self.hf_tokenizer), self.vocab_size))])
         return closing_ranks(texts, self.added_tokens, self.eos_token_ids, self.vocab_size)
 

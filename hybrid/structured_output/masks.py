@@ -6,9 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
-from hybrid.structured_output.backend import GrammarBackend, GrammarMatcher, pack_bits, unpack_bits
+from hybrid.structured_output.backend import GrammarBackend, GrammarMatcher
 
 # A request checks whether it must start closing its grammar over its last CLOSING_HORIZON tokens, and starts
 # CLOSING_MARGIN tokens early: the model's pick among the closing tokens may take a few more than counted.
@@ -36,6 +35,5 @@ def next_token_masks(backend: GrammarBackend, matchers: list[GrammarMatcher], le
     bits = backend.bitmask(matchers)
     rows = [i for i, c in enumerate(closing) if c]
     if rows:
-        allowed = torch.from_numpy(unpack_bits(bits[rows], backend.vocab_size)).bool()
-        bits[rows] = pack_bits(backend.closing(allowed).numpy())
+        bits[rows] = backend.closing(bits[rows])
     return NextTokenMasks(bits, closing)
