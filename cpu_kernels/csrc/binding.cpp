@@ -365,12 +365,6 @@ PYBIND11_MODULE(_C, m) {
            py::arg("watch") = false);
   m.def("shm_publish_pid", &hybridd::shm_publish_pid);
   m.def("shm_pid_namespace", &hybridd::shm_pid_namespace);
-  m.def(
-      "shm_broadcast_send",
-      [](const ShmGroup& g, int64_t seq, uintptr_t bytes, int64_t length, int64_t timeout_us) {
-        return hybridd::shm_broadcast_send(g, seq, as<const void>(bytes), length, timeout_us);
-      },
-      py::call_guard<py::gil_scoped_release>());
   m.def("shm_broadcast_send_bytes", [](const ShmGroup& g, int64_t seq, const py::bytes& payload, int64_t timeout_us) {
     char* data = nullptr;
     Py_ssize_t length = 0;
@@ -378,7 +372,6 @@ PYBIND11_MODULE(_C, m) {
     py::gil_scoped_release release;
     return hybridd::shm_broadcast_send(g, seq, data, length, timeout_us);
   });
-  m.def("shm_broadcast_wait", &hybridd::shm_broadcast_wait, py::call_guard<py::gil_scoped_release>());
   // The root's message `seq` (as sent by shm_broadcast_send_bytes), None when it has not come within timeout_us.
   m.def("shm_broadcast_receive_bytes", [](const ShmGroup& g, int64_t seq, int root, int64_t timeout_us) -> py::object {
     bool arrived;

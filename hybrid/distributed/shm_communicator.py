@@ -86,19 +86,16 @@ class ShmCommunicator(Communicator):
                 raise ValueError(f"a {len(payload)}-byte message does not fit the {self.capacity}-byte "
                                  "shared-memory buffer")
             seq = self.collectives.next_seq()
-            data = torch.frombuffer(bytearray(payload or b"\0"), dtype=torch.uint8)
-            if not self._C.shm_broadcast_send(self.group, seq, data.data_ptr(), len(payload), int(TIMEOUT_S * 1e6)):
+            if not self._C.shm_broadcast_send_bytes(self.group, seq, payload, int(TIMEOUT_S * 1e6)):
                 raise CommunicationError(f"tensor-parallel rank {self.rank}: a peer did not finish operation "
                                          f"{seq - 2} within {TIMEOUT_S:.0f} s")
             return payload
         seq = self.collectives.next_seq()
         # The root may be idle for hours (no requests): wait in slices and give up only if it is gone.
-        while not self._C.shm_broadcast_wait(self.group, seq, root, int(POLL_S * 1e6)):
+        while (message := self._C.shm_broadcast_receive_bytes(self.group, seq, root, int(POLL_S * 1e6))) is None:
             if not self.alive():
                 raise CommunicationError(f"tensor-parallel rank {self.rank}: the driving rank is gone")
-        offset = self._C.shm_buffer(self.group, seq, root)
-        length = int(self.buffer[offset:offset + 8].view(torch.int64))
-        return bytes(self.map[offset + 8:offset + 8 + length])
+        return message
 
     def close(self) -> None:
         self.collectives.close()  # a decode program recorded over it may outlive this communicator
