@@ -27,8 +27,8 @@ def logits_scan(logits: torch.Tensor, bits: np.ndarray | None = None, rows: list
         raise ValueError(f"logits_scan reads fp32 or bf16 CPU logits [rows, vocab >= 1], got {tuple(logits.shape)} "
                          f"{logits.dtype} on {logits.device}")
     if bits is not None:
-        if logits.stride(1) != 1:
-            raise ValueError(f"masked logits must be contiguous rows, got strides {logits.stride()}")
+        if logits.stride(1) != 1 or logits.stride(0) < logits.shape[1]:  # rows that overlap would mask each other
+            raise ValueError(f"masked logits must be contiguous, separate rows, got strides {logits.stride()}")
         if bits.dtype != np.int32:
             raise ValueError(f"bits must be int32, got {bits.dtype}")
     elif logits.stride(1) != 1:

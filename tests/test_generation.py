@@ -245,19 +245,41 @@ def test_the_sampler_takes_logits_in_the_models_dtype(dtype):
     assert samples[3].logprob.logprob == pytest.approx(want[3].logprob.logprob, abs=1e-2)
 
 
+class Unfailed:
+    """A matcher whose grammar has not failed, for tests that replace the sampler's masks."""
+
+    failure = None
+
+
 def test_a_grammar_that_leaves_only_minus_inf_logits_fails_that_row(monkeypatch):
     """The grammar allows tokens, but every one of them has a -inf logit: no token (never id -1), and the error
     says the grammar allowed nothing; an unconstrained neighbour draws as usual."""
     inf = float("inf")
     logits = torch.tensor([[0.0, -inf, 1.0, -inf], [0.0, 2.0, 1.0, -inf]])
     seqs = [Sequence(str(i), [1], SamplingParams(temperature=0)) for i in range(2)]
-    seqs[0].matcher = object()  # only Sampler.grammar_masks (replaced below) reads it
+    seqs[0].matcher = Unfailed()  # only Sampler.grammar_masks (replaced below) makes its mask
     sampler = Sampler()
     allow_1_and_3 = np.array([[0b1010]], dtype=np.int32)
     monkeypatch.setattr(sampler, "grammar_masks", lambda seqs, rows: allow_1_and_3)
     samples = sampler(logits, seqs)
     assert samples[0].token is None and samples[0].error == NOTHING_ALLOWED
     assert samples[1].token == 1
+
+
+def test_an_empty_mask_from_a_failed_grammar_names_the_failure(monkeypatch):
+    """A backend that meets a limit part-way shows it as a mask allowing nothing: the request's error is the
+    grammar's own failure (400), not the generic nothing-allowed one."""
+    class Failed:
+        failure = "lexer error: too many states"
+
+    seqs = [Sequence(str(i), [1], SamplingParams(temperature=t)) for i, t in enumerate([0, 1])]
+    seqs[0].matcher, seqs[1].matcher = Failed(), Unfailed()
+    sampler = Sampler()
+    monkeypatch.setattr(sampler, "grammar_masks", lambda seqs, rows: np.zeros((2, 1), dtype=np.int32))
+    samples = sampler(torch.zeros(2, 8), seqs)
+    assert samples[0].token is None and samples[0].error_status == 400
+    assert samples[0].error == "the request's grammar cannot be followed further: lexer error: too many states"
+    assert samples[1].token is None and samples[1].error == NOTHING_ALLOWED and samples[1].error_status == 400
 
 
 def test_grammar_masks_steer_greedy_rows_of_bf16_logits_unwidened(monkeypatch):
@@ -271,7 +293,7 @@ def test_grammar_masks_steer_greedy_rows_of_bf16_logits_unwidened(monkeypatch):
 
     def draw(x: torch.Tensor):
         seqs = [Sequence(str(i), [1], SamplingParams(temperature=0, logprobs=0)) for i in range(3)]
-        seqs[0].matcher = seqs[2].matcher = object()  # only Sampler.grammar_masks (replaced below) reads them
+        seqs[0].matcher = seqs[2].matcher = Unfailed()  # only Sampler.grammar_masks (replaced below) masks
         sampler = Sampler()
         monkeypatch.setattr(sampler, "grammar_masks", lambda seqs, rows: bits if rows == [0, 2] else None)
         widen = torch.Tensor.float
@@ -285,7 +307,10 @@ def test_grammar_masks_steer_greedy_rows_of_bf16_logits_unwidened(monkeypatch):
     bf16, fp32 = draw(logits.bfloat16()), draw(logits.bfloat16().float())
     assert [s.token for s in bf16] == [s.token for s in fp32] == [41, int(logits[1].bfloat16().argmax()),
                                                                   67 + int(logits[2, 68] > logits[2, 67])]
-    assert bf16[0].logprob.logprob == pytest.approx(fp32[0].logprob.logprob, abs=1e-2)
+    model_own = float(torch.log_softmax(logits[0].bfloat16().float(), -1)[41])
+    assert model_own < -1e-3  # under the mask, token 41 would be certain
+    assert bf16[0].logprob.logprob == pytest.approx(model_own, abs=1e-2)
+    assert fp32[0].logprob.logprob == pytest.approx(model_own, abs=1e-5)
 
 
 def test_a_request_with_nan_logits_fails_and_its_batch_neighbour_finishes(llm, monkeypatch):

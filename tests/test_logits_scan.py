@@ -135,6 +135,15 @@ def test_masks_over_special_values(vocab):
     assert BROKEN in status[:-3] and (OK in status[:-3] or vocab == 1)  # one token: the special value is all
 
 
+def test_masks_on_strided_rows():
+    rng = np.random.default_rng(5)
+    wide = torch.from_numpy(rng.standard_normal((5, 300), dtype=np.float32))
+    check_masked(wide[:, 7:200], random_bits(rng, 3, 7), [4, 1, 2])  # rows 300 floats apart
+    got = wide.clone()
+    logits_scan(got[:, 7:200], np.zeros((5, 7), dtype=np.int32))
+    assert torch.equal(got[:, :7], wide[:, :7]) and torch.equal(got[:, 200:], wide[:, 200:])  # outside: untouched
+
+
 def test_unmasked_rows_beside_masked_ones_scan_as_alone():
     rng = np.random.default_rng(7)
     logits = torch.from_numpy(rng.standard_normal((6, 77), dtype=np.float32))
@@ -150,8 +159,10 @@ def test_unmasked_rows_beside_masked_ones_scan_as_alone():
 
 def test_masked_scans_check_their_arguments():
     bits = np.full((1, 1), -1, dtype=np.int32)
-    with pytest.raises(ValueError, match="contiguous rows"):
+    with pytest.raises(ValueError, match="contiguous, separate rows"):
         logits_scan(torch.zeros(8, 2).t(), bits, [0])
+    with pytest.raises(ValueError, match="contiguous, separate rows"):
+        logits_scan(torch.zeros(1, 8).expand(2, 8), bits, [0])
     with pytest.raises(ValueError, match="int32"):
         logits_scan(torch.zeros(2, 8), bits.astype(np.int64), [0])
     with pytest.raises(ValueError, match="one row per"):

@@ -69,7 +69,7 @@ struct LaneMax {
   __mmask16 live;  // lanes that saw a value above -inf (before the mask)
 };
 
-// v: the values as given; allowed: the lanes the mask keeps (the others become -inf, in x when it is fp32).
+// v: the values as given; allowed: the lanes the mask keeps (the caller writes -inf into the others).
 AVX512F_TARGET inline void take(LaneMax& m, __m512 v, __mmask16 allowed) {
   const __m512 neg_inf = _mm512_set1_ps(kNegInf);
   m.bad |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(v, _mm512_set1_ps(-kNegInf), _CMP_EQ_OQ);

@@ -92,9 +92,12 @@ class ShmCommunicator(Communicator):
             return payload
         seq = self.collectives.next_seq()
         # The root may be idle for hours (no requests): wait in slices and give up only if it is gone.
-        while (message := self._C.shm_broadcast_receive_bytes(self.group, seq, root, int(POLL_S * 1e6))) is None:
-            if not self.alive():
-                raise CommunicationError(f"tensor-parallel rank {self.rank}: the driving rank is gone")
+        try:
+            while (message := self._C.shm_broadcast_receive_bytes(self.group, seq, root, int(POLL_S * 1e6))) is None:
+                if not self.alive():
+                    raise CommunicationError(f"tensor-parallel rank {self.rank}: the driving rank is gone")
+        except RuntimeError as e:  # a length past the buffer: the mapping was written by something else
+            raise CommunicationError(f"tensor-parallel rank {self.rank}: {e}") from e
         return message
 
     def close(self) -> None:

@@ -119,7 +119,7 @@ class LLMEngine:
             from hybrid.structured_output.llguidance_backend import LLGuidanceBackend
 
             backend = LLGuidanceBackend(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_ids))
-            backend.closing_rank  # ranked here, off the step loop, rather than in a request's first closing step
+            backend.rank_bits  # ranked here, off the step loop, rather than in a request's first closing step
             self.sampler.grammars = backend
         return self.sampler.grammars.matcher(grammar)
 

@@ -26,6 +26,7 @@ from hybrid.structured_output.backend import GrammarBackend
 NOT_NUMBERS = "the model produced logits that are not numbers (NaN or infinite) for this request"
 LOGPROB_FLOOR = -9999.0
 NOTHING_ALLOWED = "the request's grammar, min_tokens, allowed_token_ids or bad_words allow no next token"
+GRAMMAR_FAILED = "the request's grammar cannot be followed further: {}"
 
 
 @dataclass
@@ -78,6 +79,16 @@ def token_logprobs(rows: torch.Tensor, token_ids: list[int], k: int) -> list[Tok
     return [TokenLogprob(t, lp, tp, r) for t, lp, tp, r in zip(token_ids, chosen.squeeze(1).tolist(), tops, ranks)]
 
 
+def no_token(seq: Sequence, broken: bool) -> Sample:
+    """The sample of a row nothing can be drawn from: the model's fault when its logits are broken, else the
+    request's (its grammar's own failure named where the backend met one: an empty mask is how it shows)."""
+    if broken:
+        return Sample(None, error=NOT_NUMBERS)
+    if seq.matcher is not None and (failure := seq.matcher.failure) is not None:
+        return Sample(None, error=GRAMMAR_FAILED.format(failure), error_status=400)
+    return Sample(None, error=NOTHING_ALLOWED, error_status=400)
+
+
 class Sampler:
     """`grammars` is set by the engine once a request has brought a grammar; with `mask_process` the masks are
     computed in a mask process of that model while the model runs."""
@@ -113,13 +124,12 @@ class Sampler:
         greedy, status = logits_scan(logits, bits, rows)
         if broken is None:
             broken = [s == BROKEN for s in status]
-        unsatisfiable = {row for row in (constrained + adjusted if adjusted else constrained) if status[row] != OK}
+        unsatisfiable = {row for row in constrained + adjusted if status[row] != OK}
         out = []
         for row, seq in enumerate(seqs):
             p = seq.params
             if broken[row] or row in unsatisfiable:
-                out.append(Sample(None, error=NOT_NUMBERS) if broken[row] else
-                           Sample(None, error=NOTHING_ALLOWED, error_status=400))
+                out.append(no_token(seq, broken[row]))
                 continue
             if p.greedy:
                 token = greedy[row]
@@ -143,8 +153,7 @@ class Sampler:
         for seq, sample in zip(seqs, samples):
             if seq.matcher is not None and sample.token is not None and not seq.matcher.accept(sample.token):
                 if (failure := seq.matcher.failure) is not None:  # the grammar's fault, not the mask's
-                    sample.token, sample.error, sample.error_status = None, (
-                        f"the request's grammar cannot be followed further: {failure}"), 400
+                    sample.token, sample.error, sample.error_status = None, GRAMMAR_FAILED.format(failure), 400
                 else:
                     sample.token, sample.error = None, f"token {sample.token} does not follow the request's grammar"
 

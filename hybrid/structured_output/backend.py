@@ -83,7 +83,7 @@ def bitmask_words(vocab_size: int) -> int:
 
 
 def unpack_bits(bits: np.ndarray, vocab_size: int) -> np.ndarray:
-    """A bitmask's rows as [rows, vocab_size] uint8 flags."""
+    """A bitmask's rows as [rows, vocab_size] uint8 flags (how the tests read masks)."""
     return np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, :vocab_size]  # byte order = token order
 
 

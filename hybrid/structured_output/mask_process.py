@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     from hybrid.tokenizer import Tokenizer
 
     backend = LLGuidanceBackend(Tokenizer(a.model), a.vocab, a.eos)
-    backend.closing_rank
+    backend.rank_bits  # the closing ranks' bitmasks, made before the first request rather than in its step
     serve(ShmChannel(a.channel, 1, a.capacity), backend)
     return 0
 
