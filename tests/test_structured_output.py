@@ -451,6 +451,38 @@ def test_the_api_compiles_each_grammar_once_and_keeps_a_bounded_cache_of_verdict
     assert compiled == ["a", "bad", "c", "a"]
 
 
+def test_a_tokenizer_the_grammar_library_cannot_read_fails_grammars_not_the_engine(tmp_path, caplog):
+    """A tokenizer.json without a decoder loads and serves free requests, but llguidance cannot read its tokens:
+    each constrained request fails with a 400 naming the tokenizer (the backend is not rebuilt per request), the
+    api's check refuses the grammar the same way, and free requests go on."""
+    import shutil
+
+    from hybrid.llm import DEFAULT_MODEL_DIR
+    from hybrid.structured_output.backend import GrammarError
+    from hybrid.structured_output.grammar_checker import GrammarChecker
+    from hybrid.structured_output.llguidance_backend import LLGuidanceBackend
+    from hybrid.tokenizer import Tokenizer
+
+    model = tmp_path / "model"
+    shutil.copytree(DEFAULT_MODEL_DIR, model)
+    spec = json.loads((model / "tokenizer.json").read_text())
+    spec["decoder"] = None
+    (model / "tokenizer.json").write_text(json.dumps(spec))
+    llm = LLM(str(model), max_num_seqs=2)
+    try:
+        for _ in range(2):
+            out = llm.generate("x", SamplingParams(max_tokens=4, grammar=json_object_grammar()))[0]
+            assert out.finish_reason == "error" and out.error_status == 400
+            assert out.error.startswith("this model's tokenizer cannot be used for structured output: llguidance")
+        assert caplog.text.count("structured output is unavailable on this model") == 1
+        assert llm.generate("x", SamplingParams(max_tokens=3))[0].finish_reason == "length"
+    finally:
+        llm.close()
+    checker = GrammarChecker(lambda: LLGuidanceBackend(Tokenizer(model), 2048, [0]))
+    with pytest.raises(GrammarError, match="cannot be used for structured output"):
+        checker.check(json_object_grammar())
+
+
 # ------------------------------------------- vLLM's and llama-server's constraint fields, through the daemon
 
 ITEM_SCHEMA = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 9},

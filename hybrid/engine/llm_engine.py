@@ -31,7 +31,7 @@ from hybrid.mem_cache.block_hash_cache import BlockHashCache
 from hybrid.mem_cache.block_manager import BlockManager
 from hybrid.request_checks import RequestLimits, check_prompt, check_token_ids
 from hybrid.sampling_params import SamplingParams
-from hybrid.structured_output.backend import GrammarError, GrammarMatcher
+from hybrid.structured_output.backend import GrammarError, GrammarMatcher, GrammarsUnavailable
 from hybrid.tokenizer import MissingTokenizer, Tokenizer, TokenizerError
 
 log = logging.getLogger(__name__)
@@ -75,6 +75,7 @@ class LLMEngine:
         # Requests whose grammar is being compiled, off the step loop; they are scheduled once it is ready.
         self.compiling: dict[str, tuple[Sequence, Future[GrammarMatcher]]] = {}
         self._compiler = ThreadPoolExecutor(1, thread_name_prefix="grammar", initializer=unpin_child)
+        self._grammars_unavailable: GrammarsUnavailable | None = None  # why this model's tokenizer takes none
         # Prefill role: sequences with their first token, holding their KV until handed off.
         self.prefilled: dict[str, Sequence] = {}
 
@@ -118,7 +119,14 @@ class LLMEngine:
         if self.sampler.grammars is None:
             from hybrid.structured_output.llguidance_backend import LLGuidanceBackend
 
-            backend = LLGuidanceBackend(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_ids))
+            if self._grammars_unavailable is not None:  # the tokenizer does not change: neither will the answer
+                raise self._grammars_unavailable
+            try:
+                backend = LLGuidanceBackend(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_ids))
+            except GrammarsUnavailable as e:
+                log.warning("structured output is unavailable on this model: %s", e)
+                self._grammars_unavailable = e
+                raise
             backend.rank_bits  # ranked here, off the step loop, rather than in a request's first closing step
             self.sampler.grammars = backend
         return self.sampler.grammars.matcher(grammar)
@@ -134,6 +142,9 @@ class LLMEngine:
             del self.compiling[rid]
             try:
                 seq.matcher = future.result()
+            except GrammarsUnavailable as e:
+                failed.append(self._fail(seq, str(e), status=400))
+                continue
             except GrammarError as e:
                 failed.append(self._fail(seq, f"the grammar does not compile: {e}", status=400))
                 continue

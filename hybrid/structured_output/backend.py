@@ -23,6 +23,10 @@ class GrammarError(ValueError):
     """A grammar (or the JSON schema in it) that cannot be compiled; the message names the problem."""
 
 
+class GrammarsUnavailable(GrammarError):
+    """The grammar library cannot use the model's tokenizer: no grammar can be enforced on this model."""
+
+
 class GrammarMatcher(ABC):
     """One request's position in its grammar."""
 

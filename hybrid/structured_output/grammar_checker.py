@@ -23,10 +23,10 @@ class GrammarChecker:
 
     def _compile(self, grammar: str) -> str | None:
         """What is wrong with the grammar, or None."""
-        with self._lock:
-            if self._backend is None:
-                self._backend = self._make_backend()
         try:
+            with self._lock:
+                if self._backend is None:
+                    self._backend = self._make_backend()
             self._backend.check(grammar)
         except GrammarError as e:
             return str(e)

@@ -14,7 +14,13 @@ import llguidance.hf
 import numpy as np
 from llguidance import LLMatcher
 
-from hybrid.structured_output.backend import GrammarBackend, GrammarError, GrammarMatcher, closing_ranks
+from hybrid.structured_output.backend import (
+    GrammarBackend,
+    GrammarError,
+    GrammarMatcher,
+    GrammarsUnavailable,
+    closing_ranks,
+)
 from hybrid.tokenizer import Tokenizer
 
 CACHED_GRAMMARS = 64
@@ -46,8 +52,12 @@ class LLGuidanceBackend(GrammarBackend):
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: list[int]):
         self.vocab_size = vocab_size
         self.hf_tokenizer, self.added_tokens, self.eos_token_ids = tokenizer.hf, tokenizer.added_tokens, eos_token_ids
-        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer.hf, n_vocab=vocab_size,
-                                                      eos_token=list(eos_token_ids) or None)
+        try:
+            self.tokenizer = llguidance.hf.from_tokenizer(tokenizer.hf, n_vocab=vocab_size,
+                                                          eos_token=list(eos_token_ids) or None)
+        except Exception as e:  # llguidance reads the tokenizer's decoder and every token's bytes; some it cannot
+            raise GrammarsUnavailable("this model's tokenizer cannot be used for structured output: llguidance "
+                                      f"cannot read it ({' '.join(str(e).split())[:300]})") from None
         self._pristine = functools.lru_cache(CACHED_GRAMMARS)(self._compile)
 
     @functools.cached_property
