@@ -15,6 +15,9 @@ from hybrid.invalid_request import lone_surrogate_at
 TYPED_ROLES = ("user", "system", "tool")
 # A content placeholder the template passes through untouched: private-use code points no tokenizer merges with.
 _SLOT = "\ue000{}\ue001"
+# The template's own text in one rendering (the typed texts are slotted out): past this it repeats without bound,
+# and encoding it would take the process's memory.
+MAX_TEMPLATE_TEXT = 1 << 24
 _SLOT_RE = re.compile("(\ue000\\d+\ue001)")
 
 
@@ -167,6 +170,11 @@ class Tokenizer:
                                                continue_final_message=continue_final_message, **template_kwargs)
         except jinja2.TemplateError as e:  # raise_exception() in the template, or what it reads is not there
             raise TokenizerError(f"the chat template failed on this conversation: {e}") from None
+        except Exception as e:  # what the template's own expressions raise: 1/0, a range past the sandbox's, ...
+            raise TokenizerError(f"the chat template failed on this conversation: {type(e).__name__}: {e}") from None
+        if len(text) > MAX_TEMPLATE_TEXT:
+            raise TokenizerError(f"the chat template rendered {len(text):,} characters of its own for this "
+                                 f"conversation (more than {MAX_TEMPLATE_TEXT:,}): it repeats text without bound")
         ids: list[int] = []
         for piece in _SLOT_RE.split(text):
             if piece in typed:

@@ -249,7 +249,11 @@ def test_a_broken_chat_template_is_named_when_a_chat_is_rendered(tmp_path):
     messages = [{"role": "user", "content": "x"}]
     for template, match in (("{% for m in messages %}{{ m.content }", "tokenizer_config.json.*line 1"),
                             (5, "tokenizer_config.json.*not text"),
-                            ("{{ raise_exception('no system turn') }}", "no system turn")):
+                            ("{{ raise_exception('no system turn') }}", "no system turn"),
+                            ("{{ 1/0 }}", "failed on this conversation: ZeroDivisionError"),
+                            ("{% for i in range(10**9) %}x{% endfor %}", "OverflowError: Range too big"),
+                            ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "RecursionError"),
+                            ("{{ 'x' * 10**8 }}", "rendered 100,000,000 characters of its own")):
         cfg = json.loads((model / "tokenizer_config.json").read_text())
         cfg["chat_template"] = template
         (model / "tokenizer_config.json").write_text(json.dumps(cfg))
