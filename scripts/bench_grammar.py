@@ -5,11 +5,10 @@ short strings, so the grammar stays open while steps are timed), alternating fre
 and sampled, once the engine's mask process is up (--grammar-masks inline: masks on the engine thread). The
 grammar's cost per step is the engine thread's time on grammars, timed directly (taking the masks, the scan that
 applies them, advancing the matchers, sending the next masks' work to the mask process), set against the free
-decode step;
-the constrained-minus-free step time is shown too: it also holds what the mask process's work on the other core
-costs the model's forward pass, and is noisier (bandwidth drifts between runs). Steps are split into the steady
-phase and the last CLOSING_HORIZON tokens of each request, where the masks' maker also counts the tokens needed
-to close the grammar. `--constraint regex` times a regex constraint instead of the schema. Target (issue 34):
+decode step; the constrained-minus-free step time is shown too: it also holds what the mask process's work on the
+other core costs the model's forward pass, and is noisier (bandwidth drifts between runs). Steps are split into the
+steady phase and the last CLOSING_HORIZON tokens of each request, where the masks' maker also counts the tokens
+needed to close the grammar. `--constraint regex` times a regex constraint instead of the schema. Target (issue 34):
 the steady mask cost under 5 % of a decode step on the default model.
 
 `--compare-libraries` instead times llguidance against xgrammar (pip install xgrammar) on the model's tokenizer:

@@ -454,7 +454,7 @@ def test_the_api_compiles_each_grammar_once_and_keeps_a_bounded_cache_of_verdict
 def test_a_tokenizer_the_grammar_library_cannot_read_fails_grammars_not_the_engine(tmp_path, caplog):
     """A tokenizer.json without a decoder loads and serves free requests, but llguidance cannot read its tokens:
     each constrained request fails with a 400 naming the tokenizer (the backend is not rebuilt per request), the
-    api's check refuses the grammar the same way, and free requests go on."""
+    api's check refuses every grammar the same way (trying the tokenizer once), and free requests go on."""
     import shutil
 
     from hybrid.llm import DEFAULT_MODEL_DIR
@@ -478,9 +478,12 @@ def test_a_tokenizer_the_grammar_library_cannot_read_fails_grammars_not_the_engi
         assert llm.generate("x", SamplingParams(max_tokens=3))[0].finish_reason == "length"
     finally:
         llm.close()
-    checker = GrammarChecker(lambda: LLGuidanceBackend(Tokenizer(model), 2048, [0]))
-    with pytest.raises(GrammarError, match="cannot be used for structured output"):
-        checker.check(json_object_grammar())
+    made = []
+    checker = GrammarChecker(lambda: made.append(1) or LLGuidanceBackend(Tokenizer(model), 2048, [0]))
+    for grammar in (json_object_grammar(), 'start: "a"'):  # two grammars: the tokenizer is tried once
+        with pytest.raises(GrammarError, match="cannot be used for structured output"):
+            checker.check(grammar)
+    assert made == [1]
 
 
 # ------------------------------------------- vLLM's and llama-server's constraint fields, through the daemon

@@ -31,7 +31,13 @@ from hybrid.mem_cache.block_hash_cache import BlockHashCache
 from hybrid.mem_cache.block_manager import BlockManager
 from hybrid.request_checks import RequestLimits, check_prompt, check_token_ids
 from hybrid.sampling_params import SamplingParams
-from hybrid.structured_output.backend import GrammarError, GrammarMatcher, GrammarsUnavailable
+from hybrid.structured_output.backend import (
+    GrammarBackend,
+    GrammarError,
+    GrammarMatcher,
+    GrammarsUnavailable,
+    LazyBackend,
+)
 from hybrid.tokenizer import MissingTokenizer, Tokenizer, TokenizerError
 
 log = logging.getLogger(__name__)
@@ -75,7 +81,7 @@ class LLMEngine:
         # Requests whose grammar is being compiled, off the step loop; they are scheduled once it is ready.
         self.compiling: dict[str, tuple[Sequence, Future[GrammarMatcher]]] = {}
         self._compiler = ThreadPoolExecutor(1, thread_name_prefix="grammar", initializer=unpin_child)
-        self._grammars_unavailable: GrammarsUnavailable | None = None  # why this model's tokenizer takes none
+        self._grammar_backend = LazyBackend(self._make_grammar_backend)
         # Prefill role: sequences with their first token, holding their KV until handed off.
         self.prefilled: dict[str, Sequence] = {}
 
@@ -116,20 +122,15 @@ class LLMEngine:
 
     def _matcher(self, grammar: str) -> GrammarMatcher:
         """Runs on the compiler thread, the only one that creates the backend."""
-        if self.sampler.grammars is None:
-            from hybrid.structured_output.llguidance_backend import LLGuidanceBackend
-
-            if self._grammars_unavailable is not None:  # the tokenizer does not change: neither will the answer
-                raise self._grammars_unavailable
-            try:
-                backend = LLGuidanceBackend(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_ids))
-            except GrammarsUnavailable as e:
-                log.warning("structured output is unavailable on this model: %s", e)
-                self._grammars_unavailable = e
-                raise
-            backend.rank_bits  # ranked here, off the step loop, rather than in a request's first closing step
-            self.sampler.grammars = backend
+        self.sampler.grammars = self._grammar_backend.get()
         return self.sampler.grammars.matcher(grammar)
+
+    def _make_grammar_backend(self) -> GrammarBackend:
+        from hybrid.structured_output.llguidance_backend import LLGuidanceBackend
+
+        backend = LLGuidanceBackend(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_ids))
+        backend.rank_bits  # ranked here, off the step loop, rather than in a request's first closing step
+        return backend
 
     def _schedule_compiled(self) -> list[RequestOutput]:
         """Hands requests whose grammar is ready to the scheduler; fails those whose grammar did not compile."""

@@ -14,9 +14,14 @@ closing once its remaining max_tokens come down to that distance (masks.py), so 
 from __future__ import annotations
 
 import functools
+import logging
+import threading
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 
 class GrammarError(ValueError):
@@ -153,3 +158,28 @@ class GrammarBackend(ABC):
             if self.closing_rank[token] == EOS_RANK or not m.accept(token):
                 break
         return steps
+
+
+class LazyBackend:
+    """A process's grammar backend, made at its first use (building it reads the whole vocabulary). A tokenizer
+    the library cannot use is remembered and logged once: it does not change, and neither would the answer."""
+
+    def __init__(self, make: Callable[[], GrammarBackend]):
+        self._make = make
+        self._lock = threading.Lock()
+        self._backend: GrammarBackend | None = None
+        self._unavailable: GrammarsUnavailable | None = None
+
+    def get(self) -> GrammarBackend:
+        """The backend; raises GrammarsUnavailable."""
+        with self._lock:
+            if self._unavailable is not None:
+                raise self._unavailable
+            if self._backend is None:
+                try:
+                    self._backend = self._make()
+                except GrammarsUnavailable as e:
+                    log.warning("structured output is unavailable on this model: %s", e)
+                    self._unavailable = e
+                    raise
+            return self._backend

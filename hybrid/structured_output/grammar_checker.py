@@ -9,25 +9,21 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 
-from hybrid.structured_output.backend import GrammarBackend, GrammarError
+from hybrid.structured_output.backend import GrammarBackend, GrammarError, LazyBackend
 
 CACHED_VERDICTS = 256
 
 
 class GrammarChecker:
     def __init__(self, make_backend: Callable[[], GrammarBackend]):
-        self._make_backend = make_backend
-        self._backend: GrammarBackend | None = None
+        self._backend = LazyBackend(make_backend)
         self._lock = threading.Lock()
         self._verdicts: OrderedDict[bytes, str | None] = OrderedDict()
 
     def _compile(self, grammar: str) -> str | None:
         """What is wrong with the grammar, or None."""
         try:
-            with self._lock:
-                if self._backend is None:
-                    self._backend = self._make_backend()
-            self._backend.check(grammar)
+            self._backend.get().check(grammar)
         except GrammarError as e:
             return str(e)
         return None
