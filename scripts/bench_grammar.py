@@ -174,6 +174,9 @@ def main() -> None:
                     help=f"json: the schema above; regex: {REGEX!r}")
     ap.add_argument("--compare-libraries", action="store_true")
     a = ap.parse_args()
+    if a.tokens <= CLOSING_HORIZON and not a.compare_libraries:
+        ap.error(f"--tokens must exceed {CLOSING_HORIZON}: steps within the last {CLOSING_HORIZON} tokens are the "
+                 "closing phase, so fewer leave no steady steps to time")
     if a.compare_libraries:
         from hybrid.llm import DEFAULT_MODEL_DIR
 
