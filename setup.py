@@ -27,6 +27,7 @@ setup(
                 "cpu_kernels/csrc/thread_pool.cpp",
                 "cpu_kernels/csrc/tile_dot_avx2.cpp",
                 "cpu_kernels/csrc/tile_dot_avx512f.cpp",
+                "cpu_kernels/csrc/tile_dot_vnni.cpp",
                 "cpu_kernels/csrc/tile_layout.cpp",
             ],
             include_dirs=["cpu_kernels/csrc"],

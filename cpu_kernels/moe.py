@@ -24,15 +24,15 @@ from cpu_kernels.pack import (
 )
 from cpu_kernels.thread_pool import POOL_SPIN_US, pool_layout, start_torch_threads
 
-ISA_GENERIC, ISA_AVX512_BF16, ISA_AVX2, ISA_AMX, ISA_AVX512 = 0, 1, 2, 3, 4
-ISA_NAMES = {"generic": ISA_GENERIC, "avx2": ISA_AVX2, "avx512": ISA_AVX512, "avx512_bf16": ISA_AVX512_BF16,
-             "amx": ISA_AMX}
+ISA_GENERIC, ISA_AVX512_BF16, ISA_AVX2, ISA_AMX, ISA_AVX512, ISA_AVX512_VNNI = 0, 1, 2, 3, 4, 5
+ISA_NAMES = {"generic": ISA_GENERIC, "avx2": ISA_AVX2, "avx512": ISA_AVX512, "avx512_vnni": ISA_AVX512_VNNI,
+             "avx512_bf16": ISA_AVX512_BF16, "amx": ISA_AMX}
 
 
 @lru_cache(maxsize=1)
 def kernel_isa() -> int:
     """The instruction set the kernels use: the best this CPU has, or
-    HYBRIDD_KERNEL_ISA=generic|avx2|avx512|avx512_bf16|amx where the CPU has it (read once). amx is the
+    HYBRIDD_KERNEL_ISA=generic|avx2|avx512|avx512_vnni|avx512_bf16|amx where the CPU has it (read once). amx is the
     avx512_bf16 path with AMX tiles for many-token blocks."""
     asked = os.environ.get("HYBRIDD_KERNEL_ISA", "").lower()
     if asked:

@@ -17,10 +17,11 @@ from daemon_harness import Daemon, free_port, openai_client  # noqa: E402
 from make_tiny_model import make_model  # noqa: E402
 
 from cpu_kernels import _C  # noqa: E402
-from cpu_kernels.moe import ISA_AMX, ISA_AVX2, ISA_AVX512, ISA_AVX512_BF16, ISA_GENERIC  # noqa: E402
+from cpu_kernels.moe import ISA_AMX, ISA_AVX2, ISA_AVX512, ISA_AVX512_BF16, ISA_AVX512_VNNI, ISA_GENERIC  # noqa: E402
 
-# Every kernel path this CPU can run: generic, hand-written AVX2, AVX-512 F, AVX-512 BF16 and AMX.
-ISAS = [isa for isa in (ISA_GENERIC, ISA_AVX2, ISA_AVX512, ISA_AVX512_BF16, ISA_AMX) if _C.isa_supported(isa)]
+# Every kernel path this CPU can run: generic, hand-written AVX2, AVX-512 F, AVX-512 VNNI, AVX-512 BF16 and AMX.
+ISAS = [isa for isa in (ISA_GENERIC, ISA_AVX2, ISA_AVX512, ISA_AVX512_VNNI, ISA_AVX512_BF16, ISA_AMX)
+        if _C.isa_supported(isa)]
 
 TINY_PRESETS = ["tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-deepseek-v3-noqlora", "tiny-deepseek-v3-fp8",
                 "tiny-qwen3-moe-fp8"]

@@ -384,14 +384,16 @@ def test_inconsistent_packed_layers_are_refused():
 
 @pytest.mark.parametrize("flags,path", [
     ({"avx2", "fma", "avx512f", "avx512cd", "avx512bw", "avx512vl", "avx512dq"}, "avx512"),  # Skylake-SP
+    ({"avx2", "fma", "avx512f", "avx512cd", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"},
+     "avx512_vnni"),  # Cascade Lake
     ({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vbmi", "avx512_vnni", "gfni"},
-     "avx512"),  # Ice Lake: no BF16
+     "avx512_vnni"),  # Ice Lake: no BF16
     ({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vbmi", "avx512_vnni", "gfni",
       "avx512_bf16"}, "avx512_bf16"),  # Zen 4
     ({"avx2", "fma", "avx512f", "avx512cd"}, "avx2"),  # Knights Landing: no BW
     ({"avx2", "fma"}, "avx2"),
     ({"sse4_2"}, "generic"),
-], ids=["skylake-sp", "ice-lake", "zen4", "knl", "zen3", "old"])
+], ids=["skylake-sp", "cascade-lake", "ice-lake", "zen4", "knl", "zen3", "old"])
 def test_best_path_for_known_cpus(flags, path):
     assert best_path(frozenset(flags)) == path
 

@@ -23,12 +23,14 @@ namespace hybridd {
 
 enum class Format : int { kBF16 = 0, kFP8 = 1, kINT8 = 2, kINT4 = 3 };
 // kAmx: the AVX-512 BF16 kernels, with AMX tile kernels for blocks of many tokens per expert. kAvx512: AVX-512
-// F/BW/VL/DQ only (tile_dot_avx512f.h).
-enum class Isa : int { kGeneric = 0, kAvx512Bf16 = 1, kAvx2 = 2, kAmx = 3, kAvx512 = 4 };
+// F/BW/VL/DQ only (tile_dot_avx512f.h); kAvx512Vnni: that, with the int formats by VNNI (tile_dot_vnni.h).
+enum class Isa : int { kGeneric = 0, kAvx512Bf16 = 1, kAvx2 = 2, kAmx = 3, kAvx512 = 4, kAvx512Vnni = 5 };
 // The amx path runs the AVX-512 BF16 kernels wherever it does not run AMX ones.
 inline bool avx512_bf16(Isa isa) { return isa == Isa::kAvx512Bf16 || isa == Isa::kAmx; }
+// Paths whose CPUs run AVX512VNNI_TARGET code (simd_math.h).
+inline bool vnni(Isa isa) { return isa == Isa::kAvx512Vnni || avx512_bf16(isa); }
 // Paths whose CPUs run AVX512F_TARGET code (simd_math.h).
-inline bool avx512(Isa isa) { return isa == Isa::kAvx512 || avx512_bf16(isa); }
+inline bool avx512(Isa isa) { return isa == Isa::kAvx512 || vnni(isa); }
 // Paths whose CPUs run AVX2_TARGET code: all but the generic one (isa_supported asks AVX-512 CPUs for AVX2 + FMA).
 inline bool runs_avx2(Isa isa) { return isa != Isa::kGeneric; }
 

@@ -9,8 +9,11 @@
 namespace hybridd {
 
 // AVX-512 Foundation with the byte/word, vector-length and dword/qword extensions: Skylake-SP and every later
-// AVX-512 CPU. Code under this target runs on all of the avx512, avx512_bf16 and amx paths.
+// AVX-512 CPU. Code under this target runs on all of the avx512, avx512_vnni, avx512_bf16 and amx paths.
 #define AVX512F_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
+// The same with the int8 dot product (vpdpbusd): Cascade Lake, Ice Lake and every later AVX-512 CPU; code under it
+// runs on the avx512_vnni, avx512_bf16 and amx paths.
+#define AVX512VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
 // The same with the bf16 dot product (vdpbf16ps): Cooper Lake, Sapphire Rapids and later, Zen 4 and later; code
 // under it runs on the avx512_bf16 and amx paths only.
 #define AVX512BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
@@ -55,7 +58,7 @@ inline float stored_as(float v) {
 AVX512BF16_TARGET inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh>(v); }
 
 // The 32 bits at p (a pair of bf16 values, four int8 values) in every lane.
-AVX512BF16_TARGET inline __m512i bcast32(const void* p) {
+AVX512F_TARGET inline __m512i bcast32(const void* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
   return _mm512_set1_epi32(v);
