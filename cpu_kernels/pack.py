@@ -79,6 +79,15 @@ def tile_bytes(fmt: Format, kp: int, group: int = INT4_GROUP) -> int:
     return kp * ROWS * (2 if fmt == Format.BF16 else 1)
 
 
+def packed_bytes(fmt: Format | str, n: int, k: int, block_k: int = 128, group: int = INT4_GROUP) -> int:
+    """Bytes pack_matrix gives W [n, k] in `fmt` (data, scales, compensation, flags), without packing it."""
+    fmt = Format.parse(fmt)
+    kp = padded_k(fmt, k, block_k=block_k, group=group)
+    tiles = math.ceil(n / ROWS)
+    extra = {Format.FP8: kp // block_k * 4 + fp8_flag_bytes(kp), Format.INT8: 2 * ROWS * 4}.get(fmt, 0)
+    return tiles * (tile_bytes(fmt, kp, group) + extra)
+
+
 def fp8_flag_bytes(kp: int) -> int:
     """Bytes of one fp8 tile's line pair flags: one bit per 8 columns."""
     return -(-kp // 64)

@@ -127,6 +127,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--backend", default="cpu", choices=["cpu", "torch"], help="C++ kernels or torch reference")
     ap.add_argument("--expert-format", default="auto", help="auto (checkpoint's), bf16, fp8, int8, int4")
+    ap.add_argument("--dense-format", default="auto", help="auto (checkpoint's), bf16, fp8, int8")
     ap.add_argument("--attention", default="auto", choices=["auto", "cpu", "torch"],
                     help="decode attention: C++ kernel (cpu, the cpu backend's default) or torch")
     ap.add_argument("--experts", default="inline", choices=["inline", "process"],
@@ -157,7 +158,8 @@ def main() -> None:
     t0 = time.perf_counter()
     llm = LLM(model_dir, dtype=a.dtype, max_num_batched_tokens=max(512, a.prompt_len),
               max_model_len=a.prompt_len + a.decode_tokens + 8, max_num_seqs=a.batch, backend=a.backend,
-              expert_format=a.expert_format, num_threads=a.threads, attention=a.attention,
+              expert_format=a.expert_format, dense_format=a.dense_format, num_threads=a.threads,
+              attention=a.attention,
               enforce_eager=a.enforce_eager, experts=a.experts)
     load_s = time.perf_counter() - t0
     vocab = llm.engine.model_config.vocab_size
@@ -178,7 +180,8 @@ def main() -> None:
     probe.close()
     # Prefill's bound: the planner's time for the prompt from its probes of the same kernels alone (dense and
     # attention FLOP/s, experts' prefill rate, per-step overhead), in the engine's chunks.
-    plan = measure(model_dir, expert_format=a.expert_format, chunk_tokens=max(512, a.prompt_len)) \
+    plan = measure(model_dir, expert_format=a.expert_format, chunk_tokens=max(512, a.prompt_len),
+                   dense_format=a.dense_format) \
         if a.backend == "cpu" else None
     planned_tok_s = a.prompt_len / plan.ttft(a.prompt_len)["cpu"] if plan else None
     decode = [r * 1e9 / total for r in runs.rates]

@@ -28,6 +28,7 @@ from cpu_kernels.pack import (
     fp8_pair_flags,
     fp8_pair_flags_reference,
     pack_matrix,
+    packed_bytes,
     padded_k,
     quantize_fp8_blocks,
     tile_lines,
@@ -287,6 +288,16 @@ def test_stacked_matrix_gives_each_part_the_same_bits(fmt):
             for isa in ISAS:
                 ours = linear(stacked, x, isa=isa).split([256, 128, 128], dim=-1)
                 assert all(torch.equal(a, linear(p, x, isa=isa)) for a, p in zip(ours, alone)), (t, dtype, isa)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_packed_bytes_without_packing(fmt):
+    """What the planner counts for a matrix it does not load: the bytes pack_matrix gives it, padding included."""
+    for n, k in [(1, 1), (16, 128), (17, 130), (45, 300), (100, 1000), (64, 64)]:
+        for block_k in (128, 256):
+            p = pack_matrix(torch.randn(n, k), fmt, block=(128, block_k))
+            got = sum(t.numel() * t.element_size() for t in (p.data, p.scales, p.comp, p.flags) if t is not None)
+            assert packed_bytes(fmt, n, k, block_k=block_k) == got, (n, k, block_k)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

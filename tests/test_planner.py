@@ -15,6 +15,7 @@ from test_models_vs_transformers import reference
 
 from hybrid import LLM
 from hybrid.experts.slp_policy import SlpRates
+from hybrid.layers.linear import Linear, SharedInputLinears, shared_input_groups
 from hybrid.mem_cache.kv_pool import KVPool
 from hybrid.planner.costs import ModelCosts
 from hybrid.planner.disagg_choice import DEVICE_SHARE, choose_disagg, engine_device_bytes
@@ -47,6 +48,33 @@ def test_costs_count_what_transformers_builds(any_model):
         llm.close()
 
 
+@pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-deepseek-v3-fp8"])
+def test_dense_bytes_are_what_the_engine_holds_in_its_dense_format(model_dirs, preset):
+    """A decode step's dense bytes follow --dense-format (int8 about half of bf16): the planner's TPOT and
+    slo-report's prediction for a daemon started with it. MLA decode reads kv_b's bf16 per-head copies, not the
+    torch weight its prefill uses."""
+    held = {}
+    for fmt in ("auto", "bf16", "int8", "fp8"):
+        costs = ModelCosts.from_dir(model_dirs[preset], dense_format=fmt)
+        llm = LLM(model_dirs[preset], dtype="bfloat16", experts="inline", dense_format=fmt)
+        try:
+            model = llm.engine.runner.model
+            embed = model.model.embed_tokens.weight
+            engine = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                         if p is not embed and ".kv_b_proj." not in n)  # MLA's prefill-only weight
+            engine += sum(m.packed.nbytes() for m in list(model.modules()) + shared_input_groups(model)
+                          if isinstance(m, (Linear, SharedInputLinears)) and m.packed is not None)
+            engine += sum(h.data.numel() for m in model.modules() for h in getattr(m, "absorbed", None) or ())
+        finally:
+            llm.close()
+        assert costs.dense_bytes(None) == pytest.approx(engine, rel=0.02), fmt
+        held[fmt] = costs.dense_bytes(None)
+    assert held["int8"] < 0.6 * held["bf16"]
+    assert costs.dense_kernel_format == "fp8"
+    with pytest.raises(ValueError, match="dense_format"):
+        ModelCosts.from_dir(model_dirs[preset], dense_format="int4")
+
+
 def test_a_shapes_only_checkpoint_costs_what_the_real_one_does(model_dirs, tmp_path):
     """make_tiny_model --shapes-only (headers over sparse zeros) plans a full-size model without its weights."""
     from make_tiny_model import make_model
@@ -56,8 +84,8 @@ def test_a_shapes_only_checkpoint_costs_what_the_real_one_does(model_dirs, tmp_p
     files = [f.stat() for f in shapes.glob("*.safetensors")]
     assert sum(f.st_blocks * 512 for f in files) < sum(f.st_size for f in files) // 10  # holes, no data
     costs = ModelCosts.from_dir(shapes)
-    assert (costs.dense_params, costs.dense_stored_bytes, costs.lm_head_params, costs.expert_bytes) == \
-        (real.dense_params, real.dense_stored_bytes, real.lm_head_params, real.expert_bytes)
+    assert (costs.dense_params, costs.dense_held_bytes, costs.lm_head_params, costs.expert_bytes) == \
+        (real.dense_params, real.dense_held_bytes, real.lm_head_params, real.expert_bytes)
 
 
 def rates(devices: int = 0) -> tuple[CpuRates, DeviceRates | None]:
@@ -103,20 +131,21 @@ def test_tpot_grows_with_concurrency_and_context_and_stays_above_the_bound(model
     cpu_only = plan(model_dirs)
     c = cpu_only.costs
     want = c.moe_layers * (30e-6 + c.config.num_experts_per_tok * c.expert_bytes / 40e9) \
-        + (c.dense_stored_bytes + 100 * c.kv_bytes_per_token(2)) / 40e9 + c.config.num_hidden_layers * 100e-6
+        + (c.dense_held_bytes + 100 * c.kv_bytes_per_token(2)) / 40e9 + c.config.num_hidden_layers * 100e-6
     assert cpu_only.tpot(1, 100) == pytest.approx(want)
 
 
 @pytest.mark.parametrize("gpus", [None, "0", "0,1"])
 def test_doctor_predicts_from_probes(model_dirs, gpus):
     model = model_dirs["tiny-qwen3-moe"]
-    cmd = [sys.executable, "-m", "hybrid.cli", "doctor", "--model", str(model), "--json"]
+    cmd = [sys.executable, "-m", "hybrid.cli", "doctor", "--model", str(model), "--json", "--dense-format", "int8"]
     if gpus:
         cmd += ["--gpus", gpus, "--attn-device", "cpu"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     p = json.loads(r.stdout)
     assert p["model"] == "tiny-qwen3-moe" and set(p["ttft_s"]) == {"1024", "8192", "32768"}
+    assert p["dense_format"] == "int8"
     # the fixed cost of an expert call is the intercept of a fit over noisy timings: 0 where noise hides it
     assert p["cpu"].pop("expert_call_s") >= 0 and all(v > 0 for v in p["cpu"].values())
     for row in p["ttft_s"].values():

@@ -249,6 +249,8 @@ def register(sub) -> None:
     dr.add_argument("--gpus", type=parse_gpus, help="predict for these GPUs (streamed prefill; SmallEP with 2+)")
     dr.add_argument("--attn-device", help="with --gpus: cpu to let the CPU play the GPUs (tests; not a GPU's figures)")
     dr.add_argument("--expert-format", default="auto", choices=["auto", "bf16", "fp8", "int8", "int4"])
+    dr.add_argument("--dense-format", default="auto", choices=["auto", "bf16", "fp8", "int8"],
+                    help="predict for the engine's --dense-format")
     dr.add_argument("--max-num-batched-tokens", type=int, default=512, help="prefill tokens per step (CPU path)")
     dr.add_argument("--slp-max-tokens", type=int, help="most tokens of a streamed pass (default: what the device "
                     "holds)")
@@ -274,7 +276,7 @@ def cmd_doctor(a: argparse.Namespace) -> int:
 
         try:
             plan = summary(measure(model, a.gpus, a.attn_device, a.expert_format, a.max_num_batched_tokens,
-                                   a.slp_max_tokens))
+                                   a.slp_max_tokens, a.dense_format))
         except (ConfigError, ValueError, RuntimeError) as e:
             diagnosis.add("prediction", f"could not probe: {e}", False)
     healthy = all(f.ok for f in diagnosis.findings)

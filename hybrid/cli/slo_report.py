@@ -123,7 +123,8 @@ class SloReport:
         gpus = self.info.get("gpus")
         attn = devices[0] if gpus else None
         self.plan = measure(model_dir, gpus, attn, self.info.get("expert_format", "auto"),
-                            self.info.get("max_num_batched_tokens", 512), self.info.get("slp_max_tokens"))
+                            self.info.get("max_num_batched_tokens", 512), self.info.get("slp_max_tokens"),
+                            self.info.get("dense_format", "auto"))
         return None
 
     def _summary(self) -> dict:

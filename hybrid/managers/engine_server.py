@@ -136,6 +136,7 @@ class EngineServer:
             backend=e.config.backend,
             kernel_path=self.kernel_path(), experts=e.config.experts, expert_pid=self.expert_pid(),
             parallel=self.parallel(), gpus=e.config.gpus, expert_format=e.config.expert_format,
+            dense_format=e.config.dense_format,
             max_num_batched_tokens=e.config.max_num_batched_tokens, slp_max_tokens=e.config.slp_max_tokens,
         )
 

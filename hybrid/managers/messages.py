@@ -65,6 +65,7 @@ class EngineInfo(msgspec.Struct):
     parallel: dict | None = None  # tp, pp and all_reduce (shm / gloo) of a parallel run
     gpus: list[int] | None = None
     expert_format: str = "auto"
+    dense_format: str = "auto"
     max_num_batched_tokens: int = 512
     slp_max_tokens: int | None = None
 

@@ -1,6 +1,7 @@
 """What a model costs per token, from its config and its checkpoint's tensor headers (no weight is loaded): bytes
-read per decode step, FLOPs per prefill token, attention FLOPs of a prefill and KV bytes, and one packed expert of
-its shape and format, which sizes every expert read and copy exactly and feeds the probes."""
+read per decode step (the dense matrices as the CPU engine holds them in its dense format), FLOPs per prefill
+token, attention FLOPs of a prefill and KV bytes, and one packed expert of its shape and format, which sizes every
+expert read and copy exactly and feeds the probes."""
 
 from __future__ import annotations
 
@@ -25,18 +26,36 @@ class ModelCosts:
     expert_format: str
     sample: object  # cpu_kernels PackedExperts: one expert of the model's shape and format
     dense_params: int
-    dense_stored_bytes: int  # those matrices as the checkpoint stores them (fp8 with scales, or bf16)
+    # What a CPU decode step reads of them, packed for the kernels: in the checkpoint's format (fp8 with scales,
+    # or bf16) for dense_format auto, else in dense_format; routers as stored and MLA's kv_b in bf16 either way.
+    dense_held_bytes: int
     lm_head_params: int
+    dense_format: str = "auto"
+
+    @property
+    def dense_kernel_format(self) -> str:
+        """The format the dense kernel runs most of the matrices in (what the probes time)."""
+        if self.dense_format != "auto":
+            return self.dense_format
+        return "fp8" if self.config.fp8_block else "bf16"
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path, expert_format: str = "auto") -> "ModelCosts":
+    def from_dir(cls, model_dir: str | Path, expert_format: str = "auto", dense_format: str = "auto") -> "ModelCosts":
         from cpu_kernels.moe import pack_experts
+        from cpu_kernels.pack import packed_bytes
         from hybrid.experts.kernel_experts import default_expert_format
+
+        if dense_format not in ("auto", "bf16", "fp8", "int8"):
+            raise ValueError(f"dense_format must be auto, bf16, fp8 or int8, got {dense_format!r}")
 
         config = ModelConfig.from_dir(model_dir)
         fmt = default_expert_format(config) if expert_format == "auto" else expert_format
         reader = CheckpointReader(config.model_dir, config.fp8_block)
-        params = stored = lm_head = 0
+        params = held = lm_head = 0
+        c = config
+        block_k = c.fp8_block[1] if c.fp8_block else 128
+        absorbed = c.num_attention_heads * (packed_bytes("bf16", c.kv_lora_rank, c.qk_nope_head_dim)
+                                            + packed_bytes("bf16", c.v_head_dim, c.kv_lora_rank)) if c.is_mla else 0
         for name in reader.names():
             layer = LAYER.match(name)
             if ".mlp.experts." in name or "embed_tokens" in name or (layer and int(layer[1]) >=
@@ -46,20 +65,28 @@ class ModelCosts:
             n = 1
             for d in shape:
                 n *= d
-            stored += n * STORED_BYTES.get(dtype, 2)
-            if len(shape) == 2 and not name.endswith("_scale_inv"):
+            matrix = len(shape) == 2 and not name.endswith("_scale_inv")
+            if ".kv_b_proj." in name:  # MLA decode reads its bf16 per-head copies (pack_mla_absorption)
+                held += absorbed if matrix else 0
+            elif matrix:  # packed as stored (routers always), else in dense_format; scale_inv goes into it
+                as_stored = dense_format == "auto" or ".mlp.gate.weight" in name
+                fmt_m = ("fp8" if dtype.startswith("F8") else "bf16") if as_stored else dense_format
+                held += packed_bytes(fmt_m, *shape, block_k=block_k)
+            elif len(shape) != 2:
+                held += n * STORED_BYTES.get(dtype, 2)
+            if matrix:
                 params += n
                 if name.startswith("lm_head"):
                     lm_head = n
         if config.tie_word_embeddings:
             lm_head = config.vocab_size * config.hidden_size
             params += lm_head
-            stored += lm_head * 2
+            held += packed_bytes("bf16" if dense_format == "auto" else dense_format, c.vocab_size, c.hidden_size)
         g = torch.Generator().manual_seed(0)
         h, i = config.hidden_size, config.moe_intermediate_size
         w = lambda n, k: [torch.randn(n, k, generator=g) * 0.05]  # noqa: E731
         sample = pack_experts(w(i, h), w(i, h), w(h, i), fmt)
-        return cls(config.model_dir.name, config, fmt, sample, params, stored, lm_head)
+        return cls(config.model_dir.name, config, fmt, sample, params, held, lm_head, dense_format)
 
     @property
     def moe_layers(self) -> int:
@@ -98,9 +125,9 @@ class ModelCosts:
         return 2 * (self.dense_params - self.lm_head_params)
 
     def dense_bytes(self, compute_bytes: int | None) -> int:
-        """Bytes of the dense matrices a decode step reads: as stored, or at `compute_bytes` each (a GPU holds
-        them in the compute dtype)."""
-        return self.dense_stored_bytes if compute_bytes is None else self.dense_params * compute_bytes
+        """Bytes of the dense matrices a decode step reads: as the CPU engine holds them, or at `compute_bytes`
+        each (a GPU holds them in the compute dtype)."""
+        return self.dense_held_bytes if compute_bytes is None else self.dense_params * compute_bytes
 
     def attention_dims(self, latent: bool) -> tuple[int, int, int, int]:
         """(query heads, KV heads, key dim, value dim) as the attention kernel sees them; MLA in latent space (the

@@ -116,13 +116,13 @@ class Plan:
 
 
 def measure(model_dir, gpus: list[int] | None = None, attn_device: str | None = None, expert_format: str = "auto",
-            chunk_tokens: int = 512, pass_tokens: int | None = None) -> Plan:
+            chunk_tokens: int = 512, pass_tokens: int | None = None, dense_format: str = "auto") -> Plan:
     """Probes this machine over the model's shapes (nothing of the model is loaded) and returns its Plan."""
     import torch
 
     from hybrid.planner.probes import probe_cpu, probe_devices
 
-    costs = ModelCosts.from_dir(model_dir, expert_format)
+    costs = ModelCosts.from_dir(model_dir, expert_format, dense_format)
     config = costs.config
     dtype = torch.bfloat16
     device = None
@@ -138,8 +138,7 @@ def measure(model_dir, gpus: list[int] | None = None, attn_device: str | None = 
         piece = piece_experts(devices[0], costs.device_expert_bytes, share) * costs.device_expert_bytes
         pass_tokens = pass_tokens or max_pass_tokens(devices[0], config, dtype, piece)
         device = probe_devices(costs, devices, dtype, pass_tokens)
-    dense_format = "fp8" if config.fp8_block else "bf16"
-    cpu = probe_cpu(costs, chunk_tokens, dense_format)
+    cpu = probe_cpu(costs, chunk_tokens, costs.dense_kernel_format)
     return Plan(costs, cpu, device, chunk_tokens, pass_tokens or chunk_tokens, dtype.itemsize)
 
 
@@ -149,8 +148,9 @@ def summary(plan: Plan) -> dict:
 
     c = plan.costs
     return {
-        "model": c.name, "expert_format": c.expert_format, "moe_layers": c.moe_layers, "layers":
-            c.config.num_hidden_layers, "max_position_embeddings": c.config.max_position_embeddings,
+        "model": c.name, "expert_format": c.expert_format, "dense_format": c.dense_format,
+        "moe_layers": c.moe_layers, "layers": c.config.num_hidden_layers,
+        "max_position_embeddings": c.config.max_position_embeddings,
         "expert_bytes": c.expert_bytes, "layer_stream_bytes": c.layer_bytes,
         "chunk_tokens": plan.chunk_tokens, "pass_tokens": plan.pass_tokens,
         "cpu": asdict(plan.cpu), "device": None if plan.device is None else asdict(plan.device),
