@@ -8,6 +8,7 @@
 #include "tile_dot_avx2.h"
 #include "tile_dot_avx512f.h"
 #include "tile_dot_vnni.h"
+#include "token_blocks.h"
 
 #include <immintrin.h>
 
@@ -22,7 +23,6 @@ namespace hybridd {
 
 namespace {
 
-constexpr int kMaxTokenBlock = 8;
 // Whether a block of n rows goes to the AMX kernels: on the amx path, from these heights (measured end to end
 // on Emerald Rapids, where one vdpbf16ps issues about every second cycle). bf16 / fp8 (tile_span) win from 4
 // rows: fp8 12-25 % faster than AVX-512 at 2-8 rows per expert on average, even at 1-2 (DeepSeek T=8); int8
@@ -199,21 +199,9 @@ AVX512_TARGET void tile_dot_block(Format f, const Tile& t, int block_k, const Ac
 
 AVX512_TARGET void tile_dot_avx512(Format f, const Tile& t, int block_k, const Act& a, const int* rows, int n,
                                    float* out) {
-  int i = 0;
-  for (; i + 8 <= n; i += 8) tile_dot_block<8>(f, t, block_k, a, rows + i, out + i * kRows);
-  const int rest = n - i;
-  rows += i;
-  out += i * kRows;
-  switch (rest) {
-    case 7: tile_dot_block<7>(f, t, block_k, a, rows, out); break;
-    case 6: tile_dot_block<6>(f, t, block_k, a, rows, out); break;
-    case 5: tile_dot_block<5>(f, t, block_k, a, rows, out); break;
-    case 4: tile_dot_block<4>(f, t, block_k, a, rows, out); break;
-    case 3: tile_dot_block<3>(f, t, block_k, a, rows, out); break;
-    case 2: tile_dot_block<2>(f, t, block_k, a, rows, out); break;
-    case 1: tile_dot_block<1>(f, t, block_k, a, rows, out); break;
-    default: break;
-  }
+  for_token_blocks(n, [&](auto tb, int b) AVX512_TARGET {
+    tile_dot_block<decltype(tb)::value>(f, t, block_k, a, rows + b, out + b * kRows);
+  });
 }
 
 // One fp8 tile (or column range of one) converted to bf16 lines once, so many token blocks reuse it.
@@ -365,15 +353,15 @@ void tile_dot_multi(Isa isa, Format f, const Tile* tiles, int nt, int block_k, i
     tile_dotn_amx(f, tiles, nt, block_k, group, a, rows, n, outs, scratch);
     return;
   }
-  if (avx512_bf16(isa) && (f == Format::kBF16 || f == Format::kFP8) && n > kMaxTokenBlock) {
+  if (avx512_bf16(isa) && (f == Format::kBF16 || f == Format::kFP8) && n > kTokenBlock) {
     if (nt == 4) tile_dotn_avx512<4>(f, tiles, block_k, a, rows, n, outs, scratch);
     else if (nt == 2) tile_dotn_avx512<2>(f, tiles, block_k, a, rows, n, outs, scratch);
     else tile_dotn_avx512<1>(f, tiles, block_k, a, rows, n, outs, scratch);
     return;
   }
   for (int j = 0; j < nt; ++j)
-    for (int b = 0; b < n; b += kMaxTokenBlock)
-      tile_dot(isa, f, tiles[j], block_k, group, a, rows + b, std::min(kMaxTokenBlock, n - b), outs[j] + b * kRows);
+    for (int b = 0; b < n; b += kTokenBlock)
+      tile_dot(isa, f, tiles[j], block_k, group, a, rows + b, std::min(kTokenBlock, n - b), outs[j] + b * kRows);
 }
 
 void check_flags(Format f, const PackedMatrices& m) {

@@ -5,17 +5,15 @@
 
 #include "fp8_lines.h"
 #include "simd_math.h"
+#include "token_blocks.h"
 #include "wide_rows.h"
 
 #include <immintrin.h>
 
-#include <algorithm>
 
 namespace hybridd {
 
 namespace {
-
-constexpr int kTokenBlock = 8;
 
 // An fp8 line's 16-bit word w of 128-bit lane L holds the codes of row 4L + w % 4 at k = 4c + 2 * (w / 4) + e,
 // e = 0 in its low byte and 1 in its high byte (moe.h). Converted in place, without moving codes across words:
@@ -225,22 +223,11 @@ AVX512F_TARGET void tile_dot_block(Format f, const Tile& t, int block_k, int gro
 void tile_dot_avx512f(Format f, const Tile& t, int block_k, int group, const Act& a, const int* rows, int n,
                       float* out) {
   thread_local WideRows wide;
-  for (int b = 0; b < n; b += kTokenBlock) {
-    const int m = std::min(kTokenBlock, n - b);
-    widen_rows(f, Isa::kAvx512, a, rows + b, m, wide, widen_fp8_row);
-    float* o = out + b * kRows;
-    const int* r = rows + b;
-    switch (m) {
-      case 8: tile_dot_block<8>(f, t, block_k, group, a, r, wide, o); break;
-      case 7: tile_dot_block<7>(f, t, block_k, group, a, r, wide, o); break;
-      case 6: tile_dot_block<6>(f, t, block_k, group, a, r, wide, o); break;
-      case 5: tile_dot_block<5>(f, t, block_k, group, a, r, wide, o); break;
-      case 4: tile_dot_block<4>(f, t, block_k, group, a, r, wide, o); break;
-      case 3: tile_dot_block<3>(f, t, block_k, group, a, r, wide, o); break;
-      case 2: tile_dot_block<2>(f, t, block_k, group, a, r, wide, o); break;
-      default: tile_dot_block<1>(f, t, block_k, group, a, r, wide, o); break;
-    }
-  }
+  for_token_blocks(n, [&](auto tb, int b) AVX512F_TARGET {
+    constexpr int TB = decltype(tb)::value;
+    widen_rows(f, Isa::kAvx512, a, rows + b, TB, wide, widen_fp8_row);
+    tile_dot_block<TB>(f, t, block_k, group, a, rows + b, wide, out + b * kRows);
+  });
 }
 
 }  // namespace hybridd

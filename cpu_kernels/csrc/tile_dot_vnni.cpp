@@ -6,16 +6,13 @@
 
 #include "fp8_lines.h"
 #include "simd_math.h"
+#include "token_blocks.h"
 
 #include <immintrin.h>
-
-#include <algorithm>
 
 namespace hybridd {
 
 namespace {
-
-constexpr int kTokenBlock = 8;
 
 template <int TB>
 AVX512VNNI_TARGET void dot_int8(const Tile& t, const Act& a, const int* rows, float* out) {
@@ -111,21 +108,9 @@ AVX512VNNI_TARGET void tile_dot_block(Format f, const Tile& t, int group, const 
 }  // namespace
 
 void tile_dot_vnni(Format f, const Tile& t, int group, const Act& a, const int* rows, int n, float* out) {
-  for (int b = 0; b < n; b += kTokenBlock) {
-    const int m = std::min(kTokenBlock, n - b);
-    float* o = out + b * kRows;
-    const int* r = rows + b;
-    switch (m) {
-      case 8: tile_dot_block<8>(f, t, group, a, r, o); break;
-      case 7: tile_dot_block<7>(f, t, group, a, r, o); break;
-      case 6: tile_dot_block<6>(f, t, group, a, r, o); break;
-      case 5: tile_dot_block<5>(f, t, group, a, r, o); break;
-      case 4: tile_dot_block<4>(f, t, group, a, r, o); break;
-      case 3: tile_dot_block<3>(f, t, group, a, r, o); break;
-      case 2: tile_dot_block<2>(f, t, group, a, r, o); break;
-      default: tile_dot_block<1>(f, t, group, a, r, o); break;
-    }
-  }
+  for_token_blocks(n, [&](auto tb, int b) AVX512VNNI_TARGET {
+    tile_dot_block<decltype(tb)::value>(f, t, group, a, rows + b, out + b * kRows);
+  });
 }
 
 }  // namespace hybridd
