@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 
@@ -48,15 +49,21 @@ def test_costs_count_what_transformers_builds(any_model):
         llm.close()
 
 
-@pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-deepseek-v3-fp8"])
-def test_dense_bytes_are_what_the_engine_holds_in_its_dense_format(model_dirs, preset):
+@pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-deepseek-v3-fp8", "tied"])
+def test_dense_bytes_are_what_the_engine_holds_in_its_dense_format(model_dirs, preset, tmp_path):
     """A decode step's dense bytes follow --dense-format (int8 about half of bf16): the planner's TPOT and
     slo-report's prediction for a daemon started with it. MLA decode reads kv_b's bf16 per-head copies, not the
     torch weight its prefill uses."""
+    model_dir = model_dirs.get(preset)
+    if preset == "tied":  # tied embeddings with an lm_head.weight in the checkpoint all the same: counted once
+        model_dir = tmp_path / "tied"
+        shutil.copytree(model_dirs["tiny-qwen3-moe"], model_dir)
+        config = json.loads((model_dir / "config.json").read_text())
+        (model_dir / "config.json").write_text(json.dumps(config | {"tie_word_embeddings": True}))
     held = {}
     for fmt in ("auto", "bf16", "int8", "fp8"):
-        costs = ModelCosts.from_dir(model_dirs[preset], dense_format=fmt)
-        llm = LLM(model_dirs[preset], dtype="bfloat16", experts="inline", dense_format=fmt)
+        costs = ModelCosts.from_dir(model_dir, dense_format=fmt)
+        llm = LLM(model_dir, dtype="bfloat16", experts="inline", dense_format=fmt)
         try:
             model = llm.engine.runner.model
             embed = model.model.embed_tokens.weight
@@ -72,7 +79,7 @@ def test_dense_bytes_are_what_the_engine_holds_in_its_dense_format(model_dirs, p
     assert held["int8"] < 0.6 * held["bf16"]
     assert costs.dense_kernel_format == "fp8"
     with pytest.raises(ValueError, match="dense_format"):
-        ModelCosts.from_dir(model_dirs[preset], dense_format="int4")
+        ModelCosts.from_dir(model_dir, dense_format="int4")
 
 
 def test_a_shapes_only_checkpoint_costs_what_the_real_one_does(model_dirs, tmp_path):

@@ -121,7 +121,8 @@ void tile_dot_generic(Format f, const Tile& t, int block_k, int group, const Act
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// AVX-512 BF16 + VBMI + VNNI kernels (Zen 4, Sapphire Rapids and later). TB tokens share each weight load.
+// The bf16 / fp8 kernels of the avx512_bf16 and amx paths (AVX-512 BF16 + VBMI + GFNI: Zen 4, Sapphire Rapids
+// and later); their int formats run tile_dot_vnni.cpp. TB tokens share each weight load.
 
 template <int TB>
 AVX512_TARGET void dot_bf16(const Tile& t, const uint16_t* const* x, float* out) {

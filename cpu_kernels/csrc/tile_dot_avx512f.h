@@ -1,6 +1,6 @@
-// Tile dot products of the avx512 path: CPUs with AVX-512 F/BW/VL/DQ but without the BF16, VBMI, VNNI or
-// GFNI extensions the avx512_bf16 path needs (Skylake-SP), and the bf16 / fp8 ones of the avx512_vnni path
-// (Cascade Lake, Ice Lake), whose int formats run tile_dot_vnni.
+// Tile dot products of the avx512 path: CPUs with AVX-512 F/BW/VL/DQ but without VNNI (Skylake-SP), and the
+// bf16 / fp8 ones of the avx512_vnni path (VNNI without BF16: Cascade Lake, Ice Lake), whose int formats run
+// tile_dot_vnni.
 #pragma once
 
 #include "moe.h"

@@ -28,6 +28,7 @@ class ModelCosts:
     dense_params: int
     # What a CPU decode step reads of them, packed for the kernels: in the checkpoint's format (fp8 with scales,
     # or bf16) for dense_format auto, else in dense_format; routers as stored and MLA's kv_b in bf16 either way.
+    # A whole model's: a tensor-parallel rank holds its shard (and packs fp8 shards that cut blocks as bf16).
     dense_held_bytes: int
     lm_head_params: int
     dense_format: str = "auto"
@@ -69,16 +70,19 @@ class ModelCosts:
             if ".kv_b_proj." in name:  # MLA decode reads its bf16 per-head copies (pack_mla_absorption)
                 held += absorbed if matrix else 0
             elif matrix:  # packed as stored (routers always), else in dense_format; scale_inv goes into it
+                # the checkpoint name of every Router (deepseek_v3, qwen3_moe), which dense_pack keeps as stored
                 as_stored = dense_format == "auto" or ".mlp.gate.weight" in name
-                fmt_m = ("fp8" if dtype.startswith("F8") else "bf16") if as_stored else dense_format
-                held += packed_bytes(fmt_m, *shape, block_k=block_k)
+                fp8 = dtype.startswith("F8")
+                fmt_m = ("fp8" if fp8 else "bf16") if as_stored else dense_format
+                # stored fp8 keeps its block; pack_matrix quantizes others in 128 x 128 blocks
+                held += packed_bytes(fmt_m, *shape, block_k=block_k if fp8 else 128)
             elif len(shape) != 2:
                 held += n * STORED_BYTES.get(dtype, 2)
             if matrix:
                 params += n
                 if name.startswith("lm_head"):
                     lm_head = n
-        if config.tie_word_embeddings:
+        if config.tie_word_embeddings and "lm_head.weight" not in reader:  # else counted above
             lm_head = config.vocab_size * config.hidden_size
             params += lm_head
             held += packed_bytes("bf16" if dense_format == "auto" else dense_format, c.vocab_size, c.hidden_size)
