@@ -47,7 +47,7 @@ from hybrid.config import ModelConfig  # noqa: E402
 from hybrid.experts.kernel_experts import KernelExperts  # noqa: E402
 from hybrid.experts.pack import EXPERTS_FILE, engine_pack  # noqa: E402
 from hybrid.experts.process.process_experts import ProcessExperts  # noqa: E402
-from hybrid.layers.linear import Linear, SharedInputLinears, shared_input_groups  # noqa: E402
+from hybrid.model_loader.dense_pack import decode_dense_bytes  # noqa: E402
 from hybrid.planner.plan import measure  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,9 +59,7 @@ def bytes_per_decode_token(llm: LLM, context: int) -> dict[str, int]:
     cfg: ModelConfig = llm.engine.model_config
     runner = llm.engine.runner
     embed = runner.model.model.embed_tokens.weight
-    dense = sum(p.numel() * p.element_size() for p in runner.model.parameters() if p is not embed)
-    dense += sum(m.packed.nbytes() for m in list(runner.model.modules()) + shared_input_groups(runner.model)
-                 if isinstance(m, (Linear, SharedInputLinears)) and m.packed is not None)
+    dense = decode_dense_bytes(runner.model)
     if isinstance(runner.experts, KernelExperts):
         expert = next(iter(runner.experts.layers.values())).expert_bytes()
     elif isinstance(runner.experts, ProcessExperts):  # the pack the expert process maps

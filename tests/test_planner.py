@@ -16,8 +16,8 @@ from test_models_vs_transformers import reference
 
 from hybrid import LLM
 from hybrid.experts.slp_policy import SlpRates
-from hybrid.layers.linear import Linear, SharedInputLinears, shared_input_groups
 from hybrid.mem_cache.kv_pool import KVPool
+from hybrid.model_loader.dense_pack import decode_dense_bytes
 from hybrid.planner.costs import ModelCosts
 from hybrid.planner.disagg_choice import DEVICE_SHARE, choose_disagg, engine_device_bytes
 from hybrid.planner.plan import Plan
@@ -65,13 +65,7 @@ def test_dense_bytes_are_what_the_engine_holds_in_its_dense_format(model_dirs, p
         costs = ModelCosts.from_dir(model_dir, dense_format=fmt)
         llm = LLM(model_dir, dtype="bfloat16", experts="inline", dense_format=fmt)
         try:
-            model = llm.engine.runner.model
-            embed = model.model.embed_tokens.weight
-            engine = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
-                         if p is not embed and ".kv_b_proj." not in n)  # MLA's prefill-only weight
-            engine += sum(m.packed.nbytes() for m in list(model.modules()) + shared_input_groups(model)
-                          if isinstance(m, (Linear, SharedInputLinears)) and m.packed is not None)
-            engine += sum(h.data.numel() for m in model.modules() for h in getattr(m, "absorbed", None) or ())
+            engine = decode_dense_bytes(llm.engine.runner.model)
         finally:
             llm.close()
         assert costs.dense_bytes(None) == pytest.approx(engine, rel=0.02), fmt

@@ -10,7 +10,6 @@
 
 #include <immintrin.h>
 
-
 namespace hybridd {
 
 namespace {

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import psutil
 
+from hybrid.config.engine_config import DENSE_FORMATS, EXPERT_FORMATS
+
 BITS_PER_WEIGHT = {"bf16": 16.0, "fp8": 8.0 + 32 / (128 * 128), "int8": 8.0, "int4": 4.0 + 32 / 32}
 KEY_FLAGS = ("avx2", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni", "avx512vbmi", "amx_bf16", "amx_int8")
 
@@ -248,8 +250,8 @@ def register(sub) -> None:
     dr.add_argument("--kv-cache-gb", type=float, default=1.0)
     dr.add_argument("--gpus", type=parse_gpus, help="predict for these GPUs (streamed prefill; SmallEP with 2+)")
     dr.add_argument("--attn-device", help="with --gpus: cpu to let the CPU play the GPUs (tests; not a GPU's figures)")
-    dr.add_argument("--expert-format", default="auto", choices=["auto", "bf16", "fp8", "int8", "int4"])
-    dr.add_argument("--dense-format", default="auto", choices=["auto", "bf16", "fp8", "int8"],
+    dr.add_argument("--expert-format", default="auto", choices=EXPERT_FORMATS)
+    dr.add_argument("--dense-format", default="auto", choices=DENSE_FORMATS,
                     help="predict for the engine's --dense-format")
     dr.add_argument("--max-num-batched-tokens", type=int, default=512, help="prefill tokens per step (CPU path)")
     dr.add_argument("--slp-max-tokens", type=int, help="most tokens of a streamed pass (default: what the device "

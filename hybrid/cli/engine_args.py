@@ -8,6 +8,7 @@ import os
 import sys
 
 from hybrid.config import ConfigError
+from hybrid.config.engine_config import DENSE_FORMATS, EXPERT_FORMATS
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -24,9 +25,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=["cpu", "torch"],
                    help="cpu (default): C++ AVX-512 kernels for experts and dense layers; torch: the pure-torch "
                    "reference; with --gpus the device runs torch and Triton")
-    p.add_argument("--expert-format", default="auto", choices=["auto", "bf16", "fp8", "int8", "int4"],
+    p.add_argument("--expert-format", default="auto", choices=EXPERT_FORMATS,
                    help="routed-expert weights in RAM (auto: the checkpoint's, fp8 stays fp8)")
-    p.add_argument("--dense-format", default="auto", choices=["auto", "bf16", "fp8", "int8"],
+    p.add_argument("--dense-format", default="auto", choices=DENSE_FORMATS,
                    help="dense linear weights with the cpu backend (auto: the checkpoint's)")
     p.add_argument("--expert-pack", help="map the experts from this `hybridd pack` directory instead of packing")
     p.add_argument("--experts", choices=["inline", "process"],

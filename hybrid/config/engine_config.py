@@ -15,6 +15,9 @@ if TYPE_CHECKING:
 # An engine does both phases of a request, or, disaggregated, only prefills (then hands each sequence off after
 # its first token) or takes over prefilled sequences and decodes them.
 ROLES = ("both", "prefill", "decode")
+# The weight formats the cpu backend packs routed experts and dense linears in (auto: the checkpoint's).
+EXPERT_FORMATS = ("auto", "bf16", "fp8", "int8", "int4")
+DENSE_FORMATS = ("auto", "bf16", "fp8", "int8")
 
 
 @dataclass
@@ -86,9 +89,9 @@ class EngineConfig:
             raise ConfigError(f"kv_cache_bytes (--kv-cache-gb) must be positive, got {self.kv_cache_bytes}")
         if self.backend not in ("cpu", "torch"):
             raise ConfigError(f"backend must be cpu (C++ kernels) or torch (reference), got {self.backend!r}")
-        if self.expert_format not in ("auto", "bf16", "fp8", "int8", "int4"):
+        if self.expert_format not in EXPERT_FORMATS:
             raise ConfigError(f"expert_format must be auto, bf16, fp8, int8 or int4, got {self.expert_format!r}")
-        if self.dense_format not in ("auto", "bf16", "fp8", "int8"):
+        if self.dense_format not in DENSE_FORMATS:
             raise ConfigError(f"dense_format must be auto, bf16, fp8 or int8, got {self.dense_format!r}")
         if self.backend == "cpu" and self.device != "cpu":
             raise ConfigError(f"the cpu kernels run on the CPU; device={self.device!r} needs backend=torch")

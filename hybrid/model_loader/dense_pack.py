@@ -8,7 +8,7 @@ import torch
 
 from hybrid.checkpoint.reader import CheckpointReader
 from hybrid.checkpoint.shard import Shard
-from hybrid.layers.linear import Linear, shared_input_groups
+from hybrid.layers.linear import Linear, SharedInputLinears, shared_input_groups
 from hybrid.layers.router import Router
 
 # kv_b_proj stays a torch weight: MLA's expanded prefill reads it as one matrix, its absorbed decode as per-head
@@ -87,3 +87,17 @@ def pack_dense_linears(model: torch.nn.Module, reader: CheckpointReader, fmt: st
             wname = "model.embed_tokens.weight"
         module.use_kernel(_pack_stacked(reader, [(wname, tuple(module.weight.shape), module.shard)],
                                         "auto" if isinstance(module, Router) else fmt))
+
+
+def decode_dense_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the loaded model's dense weights a decode step reads, the embedding table aside: the packed
+    matrices, MLA's absorbed per-head copies where it has them (its kv_b weight serves prefill only then) and the
+    torch parameters left."""
+    embed = model.model.embed_tokens.weight
+    absorbed = [m for m in model.modules() if getattr(m, "absorbed", None) is not None]
+    prefill_only = {id(m.kv_b_proj.weight) for m in absorbed}
+    total = sum(p.numel() * p.element_size() for p in model.parameters()
+                if p is not embed and id(p) not in prefill_only)
+    total += sum(m.packed.nbytes() for m in list(model.modules()) + shared_input_groups(model)
+                 if isinstance(m, (Linear, SharedInputLinears)) and m.packed is not None)
+    return total + sum(h.data.numel() * h.data.element_size() for m in absorbed for h in m.absorbed)

@@ -12,6 +12,7 @@ import torch
 
 from hybrid.checkpoint.reader import LAYER, CheckpointReader
 from hybrid.config import ModelConfig
+from hybrid.config.engine_config import DENSE_FORMATS
 
 STORED_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "I32": 4, "I64": 8}
 
@@ -46,17 +47,19 @@ class ModelCosts:
         from cpu_kernels.pack import packed_bytes
         from hybrid.experts.kernel_experts import default_expert_format
 
-        if dense_format not in ("auto", "bf16", "fp8", "int8"):
+        if dense_format not in DENSE_FORMATS:
             raise ValueError(f"dense_format must be auto, bf16, fp8 or int8, got {dense_format!r}")
 
         config = ModelConfig.from_dir(model_dir)
         fmt = default_expert_format(config) if expert_format == "auto" else expert_format
         reader = CheckpointReader(config.model_dir, config.fp8_block)
         params = held = lm_head = 0
-        c = config
-        block_k = c.fp8_block[1] if c.fp8_block else 128
-        absorbed = c.num_attention_heads * (packed_bytes("bf16", c.kv_lora_rank, c.qk_nope_head_dim)
-                                            + packed_bytes("bf16", c.v_head_dim, c.kv_lora_rank)) if c.is_mla else 0
+        block_k = config.fp8_block[1] if config.fp8_block else 128
+        absorbed = 0
+        if config.is_mla:
+            absorbed = config.num_attention_heads * (
+                packed_bytes("bf16", config.kv_lora_rank, config.qk_nope_head_dim)
+                + packed_bytes("bf16", config.v_head_dim, config.kv_lora_rank))
         for name in reader.names():
             layer = LAYER.match(name)
             if ".mlp.experts." in name or "embed_tokens" in name or (layer and int(layer[1]) >=
@@ -72,7 +75,7 @@ class ModelCosts:
             elif matrix:  # packed as stored (routers always), else in dense_format; scale_inv goes into it
                 # the checkpoint name of every Router (deepseek_v3, qwen3_moe), which dense_pack keeps as stored
                 as_stored = dense_format == "auto" or ".mlp.gate.weight" in name
-                fp8 = dtype.startswith("F8")
+                fp8 = reader.is_fp8(name)
                 fmt_m = ("fp8" if fp8 else "bf16") if as_stored else dense_format
                 # stored fp8 keeps its block; pack_matrix quantizes others in 128 x 128 blocks
                 held += packed_bytes(fmt_m, *shape, block_k=block_k if fp8 else 128)
@@ -85,7 +88,8 @@ class ModelCosts:
         if config.tie_word_embeddings and "lm_head.weight" not in reader:  # else counted above
             lm_head = config.vocab_size * config.hidden_size
             params += lm_head
-            held += packed_bytes("bf16" if dense_format == "auto" else dense_format, c.vocab_size, c.hidden_size)
+            held += packed_bytes("bf16" if dense_format == "auto" else dense_format, config.vocab_size,
+                                 config.hidden_size)
         g = torch.Generator().manual_seed(0)
         h, i = config.hidden_size, config.moe_intermediate_size
         w = lambda n, k: [torch.randn(n, k, generator=g) * 0.05]  # noqa: E731
