@@ -146,7 +146,7 @@ AVX512_TARGET void dot_bf16(const Tile& t, const uint16_t* const* x, float* out)
     __m512 acc[TB];
     for (int i = 0; i < TB; ++i) acc[i] = _mm512_setzero_ps();
     for (int p = 0; p < pairs; ++p) {
-      if constexpr (TB <= 4) stream_prefetch(w + p * 32);
+      stream_prefetch(w + p * 32);
       const __m512bh wv = as_bh(_mm512_loadu_si512(w + p * 32));
       for (int i = 0; i < TB; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], wv, as_bh(bcast32(x[i] + 2 * p)));
     }
@@ -168,10 +168,8 @@ AVX512_TARGET void dot_fp8(const Tile& t, int block_k, const uint16_t* const* x,
       for (int j = 0; j < kChains; ++j) part[i][j] = _mm512_setzero_ps();
     for_line_pairs(t, kb * lines_per_block, (kb + 1) * lines_per_block, [&](int c, bool tables) AVX512_TARGET {
       const uint8_t* line = t.data + int64_t(c) * 64;
-      if constexpr (TB <= 4) {
-        stream_prefetch(line);
-        stream_prefetch(line + 64);
-      }
+      stream_prefetch(line);
+      stream_prefetch(line + 64);
       __m512bh w[4];
       fp8_pair(conv, line, tables, w);
       const int k = 4 * c;

@@ -74,7 +74,7 @@ AVX512F_TARGET void dot_bf16(const Tile& t, const float* const* x, float* out) {
   for (int p = 0; p < t.kp / 2; p += kUnroll)
     for (int u = 0; u < kUnroll; ++u) {
       const uint16_t* line = w + (p + u) * 32;
-      if constexpr (TB <= 4) stream_prefetch(line);
+      stream_prefetch(line);
       const __m512i v = _mm512_loadu_si512(line);
       const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
       const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(v, high));
@@ -104,7 +104,7 @@ AVX512F_TARGET void dot_fp8(const Tile& t, int block_k, const float* const* x, f
       for (int c = 0; c < kChains; ++c) part[i][c] = _mm512_setzero_ps();
     for (int c = kb * lines_per_block; c < (kb + 1) * lines_per_block; ++c) {
       const uint8_t* line = t.data + int64_t(c) * 64;
-      if constexpr (TB <= 4) stream_prefetch(line);
+      stream_prefetch(line);
       __m512 w[4];
       fp8_line_f32(line, f32, pair_flagged(t, c / 2), w);
       for (int i = 0; i < TB; ++i)
@@ -141,7 +141,7 @@ AVX512F_TARGET void dot_int8(const Tile& t, const Act& a, const int* rows, const
   for (int i = 0; i < TB; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_si512();
   for (int c = 0; c < t.kp / 4; ++c) {
     const uint8_t* line = t.data + int64_t(c) * 64;
-    if constexpr (TB <= 4) stream_prefetch(line);
+    stream_prefetch(line);
     const __m512i w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(line)));
     const __m512i w1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(line + 32)));
     for (int i = 0; i < TB; ++i) {
@@ -177,7 +177,7 @@ AVX512F_TARGET void dot_int4(const Tile& t, int group, const Act& a, const int* 
     for (int i = 0; i < TB; ++i) sum[i] = _mm512_setzero_si512();
     for (int c = 0; c < chunks; ++c) {
       const uint8_t* line = lines + c * 64;
-      if constexpr (TB <= 4) stream_prefetch(line);
+      stream_prefetch(line);
       __m512i lo, hi;
       nibbles(line, lo, hi);
       const int k = g * group + 8 * c;
@@ -188,7 +188,7 @@ AVX512F_TARGET void dot_int4(const Tile& t, int group, const Act& a, const int* 
         sum[i] = _mm512_add_epi32(sum[i], _mm512_madd_epi16(pairs, ones));
       }
     }
-    if constexpr (TB <= 4) stream_prefetch(lines + chunks * 64);
+    stream_prefetch(lines + chunks * 64);
     const __m512 gs = _mm512_loadu_ps(reinterpret_cast<const float*>(lines + chunks * 64));
     for (int i = 0; i < TB; ++i) {
       const __m512i corr = _mm512_set1_epi32(8 * a.gsum[int64_t(rows[i]) * a.ngroups + g]);

@@ -23,7 +23,7 @@ AVX512VNNI_TARGET void dot_int8(const Tile& t, const Act& a, const int* rows, fl
     x[i] = reinterpret_cast<const uint8_t*>(a.q) + int64_t(rows[i]) * a.kp;
   }
   for (int q = 0; q < t.kp / 4; ++q) {
-    if constexpr (TB <= 4) stream_prefetch(t.data + q * 64);
+    stream_prefetch(t.data + q * 64);
     const __m512i w = _mm512_loadu_si512(t.data + q * 64);
     for (int i = 0; i < TB; ++i) acc[i] = _mm512_dpbusd_epi32(acc[i], bcast32(x[i] + 4 * q), w);
   }
@@ -42,7 +42,7 @@ AVX512VNNI_TARGET inline void int4_group(const uint8_t* lines, int chunks, int k
                                          __m512i* lo_acc, __m512i* hi_acc) {
   for (int c = 0; c < chunks; ++c) {
     const uint8_t* line = lines + c * 64;
-    if constexpr (TB <= 4) stream_prefetch(line);
+    stream_prefetch(line);
     __m512i lo, hi;
     nibbles(line, lo, hi);
     for (int i = 0; i < TB; ++i) {
