@@ -252,10 +252,11 @@ def test_fp8_nan_codes_give_nan_on_every_path():
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("n,k,t", [(33, 70, 1), (256, 512, 5), (100, 130, 40), (17, 300, 9), (33, 64, 33),
-                                   (64, 128, 47), (48, 2048, 40)])
+                                   (64, 128, 47), (48, 2048, 40), (40, 4096, 21)])
 def test_linear_matches_reference(fmt, n, k, t):
     # From 8 rows (int4: 12) the amx path runs AMX tiles, most cases with a partial row block; bf16 inputs
-    # with k a multiple of the padding are read in place there.
+    # with k a multiple of the padding are read in place there. The avx512 and avx2 paths widen long rows a
+    # block at a time (k = 4096: fp8 8 + 8 + 5 and 10 + 10 + 1 rows, bf16 16 + 5 and 20 + 1).
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(n)) / k ** 0.5
     p = PackedLinear.pack(w, fmt)
     x = torch.randn(t, k)

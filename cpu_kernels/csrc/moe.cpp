@@ -342,7 +342,6 @@ void tile_dot(Isa isa, Format f, const Tile& t, int block_k, int group, const Ac
   const bool int_format = f == Format::kINT8 || f == Format::kINT4;
   if (int_format && vnni(isa)) tile_dot_vnni(f, t, group, a, rows, n, out);
   else if (avx512_bf16(isa)) tile_dot_avx512(f, t, block_k, a, rows, n, out);
-  else if (avx512(isa)) tile_dot_avx512f(f, t, block_k, group, a, rows, n, out);
   else tile_dot_generic(f, t, block_k, group, a, rows, n, out);
 }
 
@@ -638,6 +637,23 @@ SortedRows sorted_rows(const std::vector<int>& count, const std::vector<int>& ac
   return s;
 }
 
+// The kernels that read activation rows widened beforehand (wide_rows.h).
+struct WidePath {
+  int (*row_block)(Format f, int64_t kp, int n);
+  void (*widen)(Format f, const Act& a, const int* rows, int n, WideRows& wide);
+  void (*dot)(Format f, const Tile& t, int block_k, int group, const Act& a, const int* rows, int n,
+              const WideRows& wide, float* out);
+};
+
+const WidePath* wide_path(Isa isa, Format f) {
+  static constexpr WidePath kAvx2Path{avx2_row_block, widen_rows_avx2, tile_dot_avx2};
+  static constexpr WidePath kAvx512Path{avx512f_row_block, widen_rows_avx512f, tile_dot_avx512f};
+  if (isa == Isa::kAvx2) return &kAvx2Path;
+  const bool int_format = f == Format::kINT8 || f == Format::kINT4;
+  if (isa == Isa::kAvx512 || (isa == Isa::kAvx512Vnni && !int_format)) return &kAvx512Path;
+  return nullptr;
+}
+
 // Runs tiles [t0, t1) of one matrix into out(tile) ([rows][16] fp32, whole 16-row blocks where tile_span_amx
 // runs): all at once on tile_span_amx where it applies, else four (then two, then one) at a time; store(y,
 // tile) takes each result, in tile order.
@@ -655,15 +671,15 @@ void tile_range(Isa isa, Format f, const PackedMatrices& m, int expert, int t0, 
     for (int ti = t0; ti < t1; ++ti) store(out(ti), ti);
     return;
   }
-  if (isa == Isa::kAvx2) {  // each block of rows widened once, then met by every tile of the range
+  if (const WidePath* wp = wide_path(isa, f)) {  // each block of rows widened once, then met by every tile
     thread_local WideRows wide;
-    const int block = avx2_row_block(f, m.kp, n);
+    const int block = wp->row_block(f, m.kp, n);
     for (int b = 0; b < n; b += block) {
       const int rb = std::min(block, n - b);
-      widen_rows_avx2(f, a, rows + b, rb, wide);
+      wp->widen(f, a, rows + b, rb, wide);
       for (int ti = t0; ti < t1; ++ti)
-        tile_dot_avx2(f, tile_of(m, expert, ti, f, block_k, group), block_k, group, a, rows + b, rb, wide,
-                      out(ti) + b * kRows);
+        wp->dot(f, tile_of(m, expert, ti, f, block_k, group), block_k, group, a, rows + b, rb, wide,
+                out(ti) + b * kRows);
     }
     for (int ti = t0; ti < t1; ++ti) store(out(ti), ti);
     return;

@@ -350,10 +350,7 @@ void in_blocks(int n, Kernel&& kernel) {
 }  // namespace
 
 int avx2_row_block(Format f, int64_t kp, int n) {
-  constexpr int64_t kWideBytes = 320 << 10;  // widened rows of one block: within the L2 of every AVX2 CPU
-  const int64_t row_bytes = widened_row_bytes(f, kp);
-  if (row_bytes == 0) return n;  // nothing widened: no reason to go over the tiles more than once
-  return static_cast<int>(std::clamp<int64_t>(kWideBytes / row_bytes, 6, 48));
+  return wide_row_block(f, kp, n, 320 << 10, 6);  // within the L2 of every AVX2 CPU
 }
 
 void widen_rows_avx2(Format f, const Act& a, const int* rows, int n, WideRows& wide) {

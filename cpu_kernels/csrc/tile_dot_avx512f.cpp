@@ -1,6 +1,7 @@
 // The avx512 path's tile dot products: weights widened in registers to fp32 (bf16, fp8) or int16 (int8, int4)
-// and multiplied with AVX-512 Foundation/BW instructions only. The activation rows of a call are widened
-// once into a per-thread buffer, so a weight line costs its conversion once and its multiply-adds per token.
+// and multiplied with AVX-512 Foundation/BW instructions only. The activation rows are widened once per block
+// of rows and tile range, so a weight line costs its conversion once per token block and its multiply-adds per
+// token.
 #include "tile_dot_avx512f.h"
 
 #include "fp8_lines.h"
@@ -201,17 +202,16 @@ AVX512F_TARGET void dot_int4(const Tile& t, int group, const Act& a, const int* 
 
 template <int TB>
 AVX512F_TARGET void tile_dot_block(Format f, const Tile& t, int block_k, int group, const Act& a, const int* rows,
-                                   const WideRows& wide, float* out) {
+                                   const WideRows& wide, int first, float* out) {
   if (f == Format::kINT4) {
     dot_int4<TB>(t, group, a, rows, out);
   } else if (f == Format::kINT8) {
     const int16_t* x[TB];
-    for (int i = 0; i < TB; ++i) x[i] = wide.i16.data() + int64_t(i) * a.kp;
+    for (int i = 0; i < TB; ++i) x[i] = wide.i16.data() + int64_t(first + i) * a.kp;
     dot_int8<TB>(t, a, rows, x, out);
   } else {
-    const int64_t stride = f == Format::kFP8 ? 2 * a.kp : a.kp;
     const float* x[TB];
-    for (int i = 0; i < TB; ++i) x[i] = wide.f32.data() + i * stride;
+    for (int i = 0; i < TB; ++i) x[i] = wide.f32.data() + (first + i) * wide.f32_row;
     if (f == Format::kBF16) dot_bf16<TB>(t, x, out);
     else dot_fp8<TB>(t, block_k, x, out);
   }
@@ -219,13 +219,20 @@ AVX512F_TARGET void tile_dot_block(Format f, const Tile& t, int block_k, int gro
 
 }  // namespace
 
+int avx512f_row_block(Format f, int64_t kp, int n) {
+  // Whole token blocks: a block of 9 rows would run its ninth alone over every tile.
+  const int block = wide_row_block(f, kp, n, 256 << 10, kTokenBlock);
+  return block >= n ? n : block / kTokenBlock * kTokenBlock;
+}
+
+void widen_rows_avx512f(Format f, const Act& a, const int* rows, int n, WideRows& wide) {
+  widen_rows(f, Isa::kAvx512, a, rows, n, wide, widen_fp8_row);
+}
+
 void tile_dot_avx512f(Format f, const Tile& t, int block_k, int group, const Act& a, const int* rows, int n,
-                      float* out) {
-  thread_local WideRows wide;
+                      const WideRows& wide, float* out) {
   for_token_blocks(n, [&](auto tb, int b) AVX512F_TARGET {
-    constexpr int TB = decltype(tb)::value;
-    widen_rows(f, Isa::kAvx512, a, rows + b, TB, wide, widen_fp8_row);
-    tile_dot_block<TB>(f, t, block_k, group, a, rows + b, wide, out + b * kRows);
+    tile_dot_block<decltype(tb)::value>(f, t, block_k, group, a, rows + b, wide, b, out + b * kRows);
   });
 }
 

@@ -4,11 +4,20 @@
 #pragma once
 
 #include "moe.h"
+#include "wide_rows.h"
 
 namespace hybridd {
 
-// out[i * 16 + r] = row r of t . activation row rows[i], for i < n, every format.
+// How many of n activation rows of format f to widen at a time: their widened copies stay in L2 (1 MB on
+// Skylake-SP and Cascade Lake, 1.25 MB on Ice Lake) next to the tile every token block goes over again.
+int avx512f_row_block(Format f, int64_t kp, int n);
+
+// Rows rows[0..n) of a in the form tile_dot_avx512f reads them (fp8, bf16: fp32; int8: int16; int4: none).
+void widen_rows_avx512f(Format f, const Act& a, const int* rows, int n, WideRows& wide);
+
+// out[i * 16 + r] = row r of t . activation row rows[i], for i < n, every format; wide holds those rows from
+// widen_rows_avx512f.
 void tile_dot_avx512f(Format f, const Tile& t, int block_k, int group, const Act& a, const int* rows, int n,
-                      float* out);
+                      const WideRows& wide, float* out);
 
 }  // namespace hybridd

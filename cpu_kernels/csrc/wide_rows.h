@@ -1,5 +1,5 @@
-// The activation rows the avx512 path (per tile dot product call) and the avx2 path (per tile range) widen once
-// into a per-thread buffer: fp32 for bf16 and fp8 tiles (each path in its own order), int16 for int8.
+// The activation rows the avx512 and avx2 paths widen once per block of rows and tile range into a per-thread
+// buffer: fp32 for bf16 and fp8 tiles (each path in its own order), int16 for int8.
 #pragma once
 
 #include "moe.h"
@@ -8,6 +8,7 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <vector>
 
 namespace hybridd {
@@ -25,6 +26,14 @@ inline int64_t widened_row_bytes(Format f, int64_t kp) {
   if (f == Format::kBF16) return kp * int64_t(sizeof(float));
   if (f == Format::kINT8) return kp * int64_t(sizeof(int16_t));
   return 0;
+}
+
+// Rows of format f widened at a time so that their copies, about `budget` bytes, stay in L2 while every tile of
+// a range meets them: at least `least`, at most 48, all n where the format widens nothing.
+inline int wide_row_block(Format f, int64_t kp, int n, int64_t budget, int least) {
+  const int64_t row_bytes = widened_row_bytes(f, kp);
+  if (row_bytes == 0) return n;  // nothing widened: no reason to go over the tiles more than once
+  return static_cast<int>(std::clamp<int64_t>(budget / row_bytes, least, 48));
 }
 
 // wide.i16[i * kp + k] = u8 activation k of row rows[i] (a.kp % 16 == 0).
