@@ -643,11 +643,14 @@ struct WidePath {
   void (*widen)(Format f, const Act& a, const int* rows, int n, WideRows& wide);
   void (*dot)(Format f, const Tile& t, int block_k, int group, const Act& a, const int* rows, int n,
               const WideRows& wide, float* out);
+  // dot over two tiles at once, with the same bits; nullptr where the path has none
+  void (*dot2)(Format f, const Tile* t, int block_k, int group, const Act& a, const int* rows, int n,
+               const WideRows& wide, float* const* out);
 };
 
 const WidePath* wide_path(Isa isa, Format f) {
-  static constexpr WidePath kAvx2Path{avx2_row_block, widen_rows_avx2, tile_dot_avx2};
-  static constexpr WidePath kAvx512Path{avx512f_row_block, widen_rows_avx512f, tile_dot_avx512f};
+  static constexpr WidePath kAvx2Path{avx2_row_block, widen_rows_avx2, tile_dot_avx2, nullptr};
+  static constexpr WidePath kAvx512Path{avx512f_row_block, widen_rows_avx512f, tile_dot_avx512f, tile_dot2_avx512f};
   if (isa == Isa::kAvx2) return &kAvx2Path;
   const bool int_format = f == Format::kINT8 || f == Format::kINT4;
   if (isa == Isa::kAvx512 || (isa == Isa::kAvx512Vnni && !int_format)) return &kAvx512Path;
@@ -677,9 +680,19 @@ void tile_range(Isa isa, Format f, const PackedMatrices& m, int expert, int t0, 
     for (int b = 0; b < n; b += block) {
       const int rb = std::min(block, n - b);
       wp->widen(f, a, rows + b, rb, wide);
-      for (int ti = t0; ti < t1; ++ti)
-        wp->dot(f, tile_of(m, expert, ti, f, block_k, group), block_k, group, a, rows + b, rb, wide,
-                out(ti) + b * kRows);
+      for (int ti = t0; ti < t1;) {
+        if (wp->dot2 && ti + 1 < t1) {
+          const Tile pair[2] = {tile_of(m, expert, ti, f, block_k, group),
+                                tile_of(m, expert, ti + 1, f, block_k, group)};
+          float* outs[2] = {out(ti) + b * kRows, out(ti + 1) + b * kRows};
+          wp->dot2(f, pair, block_k, group, a, rows + b, rb, wide, outs);
+          ti += 2;
+        } else {
+          wp->dot(f, tile_of(m, expert, ti, f, block_k, group), block_k, group, a, rows + b, rb, wide,
+                  out(ti) + b * kRows);
+          ++ti;
+        }
+      }
     }
     for (int ti = t0; ti < t1; ++ti) store(out(ti), ti);
     return;

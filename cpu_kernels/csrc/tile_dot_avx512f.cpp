@@ -64,32 +64,45 @@ AVX512F_TARGET inline __m512 fp8_rows(__m512 even, __m512 odd) {
   return _mm512_unpacklo_ps(e, o);
 }
 
-template <int TB>
-AVX512F_TARGET void dot_bf16(const Tile& t, const float* const* x, float* out) {
-  const uint16_t* w = reinterpret_cast<const uint16_t*>(t.data);
+// NT tiles against TB rows, each broadcast register meeting all NT tiles. An FMA with an embedded {1to16}
+// broadcast issued once a cycle on Ice Lake against about 1.6 from a broadcast register shared by two (two with
+// no load), so one tile at a time ran at half the FMA rate. A row's sums come in the same order whatever NT:
+// chains by k pair and parity at one row, by parity at two to four, one chain from five (where the rows' chains
+// cover the FMA latency and two tiles' accumulators still fit the registers).
+template <int NT, int TB>
+AVX512F_TARGET void dot_bf16(const Tile* t, const float* const* x, float* const* out) {
   const __m512i high = _mm512_set1_epi32(int(0xffff0000u));
-  constexpr int kUnroll = TB == 1 ? 2 : 1;  // four FMA chains at one token
-  __m512 acc[TB][2 * kUnroll];
-  for (int i = 0; i < TB; ++i)
-    for (int c = 0; c < 2 * kUnroll; ++c) acc[i][c] = _mm512_setzero_ps();
-  for (int p = 0; p < t.kp / 2; p += kUnroll)
+  constexpr int kUnroll = TB == 1 ? 2 : 1;
+  constexpr int kChains = TB == 1 ? 4 : (TB <= 4 ? 2 : 1);
+  __m512 acc[NT][TB][kChains];
+  for (int j = 0; j < NT; ++j)
+    for (int i = 0; i < TB; ++i)
+      for (int c = 0; c < kChains; ++c) acc[j][i][c] = _mm512_setzero_ps();
+  for (int p = 0; p < t[0].kp / 2; p += kUnroll)
     for (int u = 0; u < kUnroll; ++u) {
-      const uint16_t* line = w + (p + u) * 32;
-      stream_prefetch(line);
-      const __m512i v = _mm512_loadu_si512(line);
-      const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-      const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(v, high));
-      const int k = 2 * (p + u);
+      __m512 even[NT], odd[NT];
+      for (int j = 0; j < NT; ++j) {
+        const uint16_t* line = reinterpret_cast<const uint16_t*>(t[j].data) + (p + u) * 32;
+        stream_prefetch(line);
+        const __m512i v = _mm512_loadu_si512(line);
+        even[j] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+        odd[j] = _mm512_castsi512_ps(_mm512_and_si512(v, high));
+      }
+      const int k = 2 * (p + u), ce = kChains == 4 ? 2 * u : 0, co = kChains == 1 ? 0 : ce + 1;
       for (int i = 0; i < TB; ++i) {
-        acc[i][2 * u] = _mm512_fmadd_ps(even, _mm512_set1_ps(x[i][k]), acc[i][2 * u]);
-        acc[i][2 * u + 1] = _mm512_fmadd_ps(odd, _mm512_set1_ps(x[i][k + 1]), acc[i][2 * u + 1]);
+        const __m512 xe = _mm512_set1_ps(x[i][k]), xo = _mm512_set1_ps(x[i][k + 1]);
+        for (int j = 0; j < NT; ++j) {
+          acc[j][i][ce] = _mm512_fmadd_ps(even[j], xe, acc[j][i][ce]);
+          acc[j][i][co] = _mm512_fmadd_ps(odd[j], xo, acc[j][i][co]);
+        }
       }
     }
-  for (int i = 0; i < TB; ++i) {
-    __m512 sum = acc[i][0];
-    for (int c = 1; c < 2 * kUnroll; ++c) sum = _mm512_add_ps(sum, acc[i][c]);
-    _mm512_storeu_ps(out + i * kRows, sum);
-  }
+  for (int j = 0; j < NT; ++j)
+    for (int i = 0; i < TB; ++i) {
+      __m512 sum = acc[j][i][0];
+      for (int c = 1; c < kChains; ++c) sum = _mm512_add_ps(sum, acc[j][i][c]);
+      _mm512_storeu_ps(out[j] + i * kRows, sum);
+    }
 }
 
 template <int TB>
@@ -212,7 +225,7 @@ AVX512F_TARGET void tile_dot_block(Format f, const Tile& t, int block_k, int gro
   } else {
     const float* x[TB];
     for (int i = 0; i < TB; ++i) x[i] = wide.f32.data() + (first + i) * wide.f32_row;
-    if (f == Format::kBF16) dot_bf16<TB>(t, x, out);
+    if (f == Format::kBF16) dot_bf16<1, TB>(&t, x, &out);
     else dot_fp8<TB>(t, block_k, x, out);
   }
 }
@@ -233,6 +246,21 @@ void tile_dot_avx512f(Format f, const Tile& t, int block_k, int group, const Act
                       const WideRows& wide, float* out) {
   for_token_blocks(n, [&](auto tb, int b) AVX512F_TARGET {
     tile_dot_block<decltype(tb)::value>(f, t, block_k, group, a, rows + b, wide, b, out + b * kRows);
+  });
+}
+
+void tile_dot2_avx512f(Format f, const Tile* t, int block_k, int group, const Act& a, const int* rows, int n,
+                       const WideRows& wide, float* const* out) {
+  if (f != Format::kBF16) {
+    for (int j = 0; j < 2; ++j) tile_dot_avx512f(f, t[j], block_k, group, a, rows, n, wide, out[j]);
+    return;
+  }
+  for_token_blocks(n, [&](auto tb, int b) AVX512F_TARGET {
+    constexpr int TB = decltype(tb)::value;
+    const float* x[TB];
+    for (int i = 0; i < TB; ++i) x[i] = wide.f32.data() + (b + i) * wide.f32_row;
+    float* o[2] = {out[0] + b * kRows, out[1] + b * kRows};
+    dot_bf16<2, TB>(t, x, o);
   });
 }
 

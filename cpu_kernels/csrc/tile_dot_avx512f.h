@@ -20,4 +20,9 @@ void widen_rows_avx512f(Format f, const Act& a, const int* rows, int n, WideRows
 void tile_dot_avx512f(Format f, const Tile& t, int block_k, int group, const Act& a, const int* rows, int n,
                       const WideRows& wide, float* out);
 
+// tile_dot_avx512f for two tiles of the same column count, into out[0] and out[1] with the same bits: bf16 tiles
+// share each activation broadcast.
+void tile_dot2_avx512f(Format f, const Tile* t, int block_k, int group, const Act& a, const int* rows, int n,
+                       const WideRows& wide, float* const* out);
+
 }  // namespace hybridd
