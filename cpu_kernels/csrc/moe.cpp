@@ -339,8 +339,7 @@ void tile_dot_multi(Isa isa, Format f, const Tile* tiles, int nt, int block_k, i
 
 void tile_dot(Isa isa, Format f, const Tile& t, int block_k, int group, const Act& a, const int* rows, int n,
               float* out) {
-  const bool int_format = f == Format::kINT8 || f == Format::kINT4;
-  if (int_format && vnni(isa)) tile_dot_vnni(f, t, group, a, rows, n, out);
+  if (int_format(f) && vnni(isa)) tile_dot_vnni(f, t, group, a, rows, n, out);
   else if (avx512_bf16(isa)) tile_dot_avx512(f, t, block_k, a, rows, n, out);
   else tile_dot_generic(f, t, block_k, group, a, rows, n, out);
 }
@@ -652,14 +651,14 @@ const WidePath* wide_path(Isa isa, Format f) {
   static constexpr WidePath kAvx2Path{avx2_row_block, widen_rows_avx2, tile_dot_avx2, nullptr};
   static constexpr WidePath kAvx512Path{avx512f_row_block, widen_rows_avx512f, tile_dot_avx512f, tile_dot2_avx512f};
   if (isa == Isa::kAvx2) return &kAvx2Path;
-  const bool int_format = f == Format::kINT8 || f == Format::kINT4;
-  if (isa == Isa::kAvx512 || (isa == Isa::kAvx512Vnni && !int_format)) return &kAvx512Path;
+  if (isa == Isa::kAvx512 || (isa == Isa::kAvx512Vnni && !int_format(f))) return &kAvx512Path;
   return nullptr;
 }
 
 // Runs tiles [t0, t1) of one matrix into out(tile) ([rows][16] fp32, whole 16-row blocks where tile_span_amx
-// runs): all at once on tile_span_amx where it applies, else four (then two, then one) at a time; store(y,
-// tile) takes each result, in tile order.
+// runs): all at once on tile_span_amx where it applies, on the avx2 and avx512 paths over each block of rows
+// widened once (wide_path), else four (then two, then one) at a time; store(y, tile) takes each result, in
+// tile order.
 template <typename Out, typename Store>
 void tile_range(Isa isa, Format f, const PackedMatrices& m, int expert, int t0, int t1, int block_k, int group,
                 const Act& a, const int* rows, int n, uint16_t* scratch, Out out, Store store) {
@@ -716,7 +715,7 @@ void MoeRunner::linear(Format f, const PackedMatrices& w, int n, int k, int bloc
   check_isa(isa);
   check_flags(f, w);
   std::lock_guard<std::mutex> lock(mutex_);
-  const bool int_fmt = f == Format::kINT8 || f == Format::kINT4;
+  const bool int_fmt = int_format(f);
   const int R = (f32_io && !int_fmt) ? 2 : 1;
   const int m = T * R;
   Act xa = prepare_input(f, group, x, f32_io, T, k, w.kp, R, isa);
@@ -759,7 +758,7 @@ void MoeRunner::head_linear(Format f, const PackedMatrices& w, int heads, int n,
   // avx512_bf16 path.
   if (isa == Isa::kAmx) isa = Isa::kAvx512Bf16;
   std::lock_guard<std::mutex> lock(mutex_);
-  const bool int_fmt = f == Format::kINT8 || f == Format::kINT4;
+  const bool int_fmt = int_format(f);
   const int R = (f32_io && !int_fmt) ? 2 : 1;
   const int m = T * R;
   const size_t io_bytes = f32_io ? 4 : 2;
@@ -802,7 +801,7 @@ void MoeRunner::forward(const ExpertLayer& L, const void* x, bool f32_io, int T,
   check_flags(L.format, L.w2);
   std::lock_guard<std::mutex> lock(mutex_);
   const Format f = L.format;
-  const bool int_fmt = f == Format::kINT8 || f == Format::kINT4;
+  const bool int_fmt = int_format(f);
   // fp32 activations keep fp32 accuracy through vdpbf16ps as a hi + lo pair of bf16 rows.
   const int R = (f32_io && !int_fmt) ? 2 : 1;
   const int E = L.num_experts, H = L.hidden, I = L.inter;

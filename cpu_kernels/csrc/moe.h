@@ -22,6 +22,8 @@
 namespace hybridd {
 
 enum class Format : int { kBF16 = 0, kFP8 = 1, kINT8 = 2, kINT4 = 3 };
+// The formats whose activations are quantized per token and multiplied in integers.
+inline bool int_format(Format f) { return f == Format::kINT8 || f == Format::kINT4; }
 // kAmx: the AVX-512 BF16 kernels, with AMX tile kernels for blocks of many tokens per expert. kAvx512: AVX-512
 // F/BW/VL/DQ only (tile_dot_avx512f.h); kAvx512Vnni: that, with the int formats by VNNI (tile_dot_vnni.h).
 enum class Isa : int { kGeneric = 0, kAvx512Bf16 = 1, kAvx2 = 2, kAmx = 3, kAvx512 = 4, kAvx512Vnni = 5 };
